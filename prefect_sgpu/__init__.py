@@ -1,0 +1,84 @@
+"""prefect-sgpu: multi-node GPU jobs for Prefect, on your own cloud or laptop.
+
+Importing the package does not import torch, ray or mlflow: they load when a job
+needs them.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from prefect_sgpu import runtime
+from prefect_sgpu.decorator import DistributedFunction, distributed, run_script
+from prefect_sgpu.errors import (
+    JobCancelled,
+    LaunchTimeout,
+    PayloadError,
+    ProvisioningError,
+    RankFailedError,
+    SGPUConfigError,
+    SGPUError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributedFunction",
+    "JobCancelled",
+    "LaunchTimeout",
+    "PayloadError",
+    "ProvisioningError",
+    "RankFailedError",
+    "SGPUConfigError",
+    "SGPUError",
+    "distributed",
+    "run_script",
+    "runtime",
+    "GPUTaskRunner",
+    "gpu_task",
+    "LocalCompute",
+    "EC2Compute",
+    "RayCompute",
+    "SGPUStore",
+    "ray_launch",
+]
+
+_LAZY = {
+    "GPUTaskRunner": "prefect_sgpu.task_runner",
+    "gpu_task": "prefect_sgpu.task_runner",
+    "GPUTask": "prefect_sgpu.task_runner",
+    "LocalCompute": "prefect_sgpu.blocks",
+    "EC2Compute": "prefect_sgpu.blocks",
+    "RayCompute": "prefect_sgpu.blocks",
+    "SGPUStore": "prefect_sgpu.blocks",
+    "SGPUWorker": "prefect_sgpu.worker",
+    "ray_launch": "prefect_sgpu.ray",
+}
+
+
+def _register_blocks() -> None:
+    """Expose the block classes on the package, so ``prefect block register -m prefect_sgpu``
+    (and Prefect's collection loader, through the entry point) finds them."""
+    from prefect_sgpu import blocks
+
+    for name in ("LocalCompute", "EC2Compute", "RayCompute", "SGPUStore"):
+        globals()[name] = getattr(blocks, name)
+    from prefect_sgpu.worker import SGPUWorker  # the "sgpu" work pool type
+
+    globals()["SGPUWorker"] = SGPUWorker
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefect_sgpu' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+# Prefect loading its collections (entry point), a CLI or a flow: expose the blocks now.
+# Ranks import only the payload code and never pay for importing Prefect.
+if "prefect" in sys.modules:
+    _register_blocks()

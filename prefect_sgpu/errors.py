@@ -1,0 +1,100 @@
+"""Exception types users can catch.
+
+Every error that can be predicted from the user's input is raised *before* anything
+is started or paid for, as an :class:`SGPUConfigError` that names the field, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SGPUError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class SGPUConfigError(SGPUError, ValueError):
+    """A setting is invalid. Raised before any process, VM or run is started."""
+
+    def __init__(self, field: str, value: Any, allowed: str, hint: str | None = None) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        self.hint = hint
+        message = f"{field}={value!r} is not allowed: {allowed}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.field, self.value, self.allowed, self.hint))
+
+
+class PayloadError(SGPUError, ValueError):
+    """The function or its arguments cannot be shipped to the ranks."""
+
+
+class ProvisioningError(SGPUError):
+    """Compute could not be acquired (capacity, quota, permissions)."""
+
+
+class LaunchTimeout(SGPUError, TimeoutError):
+    """The job did not finish within its ``timeout``; every rank was stopped."""
+
+    def __init__(self, run_id: str, timeout: float, phase: str = "run") -> None:
+        self.run_id = run_id
+        self.timeout = timeout
+        self.phase = phase
+        super().__init__(
+            f"job {run_id} exceeded timeout={timeout:g}s during {phase}; every rank was stopped"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.timeout, self.phase))
+
+
+class JobCancelled(SGPUError):
+    """The job was cancelled by the caller (future cancel, Prefect cancel)."""
+
+
+class RankFailedError(SGPUError):
+    """A rank failed and its own exception could not be re-raised as is.
+
+    Also attached as ``__cause__``-like context (``exc.sgpu_failure``) to the original
+    exception when that one can be unpickled, so callers always find rank, host,
+    exit code and the remote traceback.
+    """
+
+    def __init__(
+        self,
+        rank: int | None,
+        host: str | None,
+        exit_code: int | None,
+        remote_traceback: str | None,
+        message: str | None = None,
+        node: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.host = host
+        self.exit_code = exit_code
+        self.remote_traceback = remote_traceback
+        self.message = message
+        self.node = node
+        where = f"rank {rank}" if rank is not None else "a rank"
+        if node is not None:
+            where += f" (node {node})"
+        if host:
+            where += f" on {host}"
+        text = f"{where} failed with exit code {exit_code}"
+        if message:
+            text += f": {message}"
+        if remote_traceback:
+            text += "\n\nRemote traceback:\n" + remote_traceback.rstrip()
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.rank, self.host, self.exit_code, self.remote_traceback, self.message, self.node),
+        )

@@ -1,0 +1,1 @@
+"""Launchers: what runs on a node (the torch elastic agent) and in each rank."""

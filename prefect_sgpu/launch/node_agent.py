@@ -1,0 +1,143 @@
+"""The program every node runs: torch elastic's agent around the rank entry point.
+
+Locally it is started by :class:`~prefect_sgpu.compute.local.LocalCompute` (in its
+own PID and mount namespace when possible); on a VM the bootstrap starts it. It
+joins the c10d rendezvous hosted by node 0, lets torch elastic start and watch the
+ranks, writes ``nodes/node-<i>.json`` with each failed rank's exit code, and stops
+everything when the driver's heartbeat goes stale (the driver died).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class _Stop(Exception):
+    """Raised in the main thread by our SIGTERM handler before torch installs its own."""
+
+
+def _install_early_signal_handlers() -> None:
+    # As PID 1 of a namespace, signals without a handler are ignored: install one so
+    # a stop during rendezvous is honoured. torch elastic replaces it once ranks run.
+    def handler(signum: int, _frame: Any) -> None:
+        raise _Stop(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def _watch_heartbeat(path: Path, ttl: float) -> None:
+    """Stop this node when the driver has not written its heartbeat for ``ttl`` seconds."""
+    while True:
+        time.sleep(min(ttl / 4, 5.0))
+        try:
+            beat = float(path.read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            beat = 0.0
+        if beat and time.time() - beat > ttl:
+            print(f"[sgpu-agent] driver heartbeat is {time.time() - beat:.0f}s old (ttl {ttl:.0f}s): "
+                  "stopping this node", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="prefect-sgpu-node-agent")
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--job-dir", required=True)
+    p.add_argument("--node-index", type=int, required=True)
+    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--nproc-per-node", type=int, required=True)
+    p.add_argument("--rdzv-endpoint", required=True)
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--heartbeat-ttl", type=float, default=0.0)
+    p.add_argument("--join-timeout", type=float, default=600.0)
+    p.add_argument("--shm-size", default="")
+    p.add_argument("--local-addr", default=None,
+                   help="this node's address; also tells simulated nodes on one host apart")
+    return p.parse_args(argv)
+
+
+def _write_status(job_dir: Path, node_index: int, status: dict[str, Any]) -> None:
+    from prefect_sgpu.store import atomic_write
+
+    atomic_write(job_dir / "nodes" / f"node-{node_index}.json", json.dumps(status).encode())
+
+
+def run(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    job_dir = Path(args.job_dir)
+    if args.shm_size:  # our own mount namespace: a private /dev/shm, as on a separate host
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.shm_size}", "tmpfs", "/dev/shm"],
+                       check=True)
+    os.environ["SGPU_JOB_DIR"] = str(job_dir)
+    os.environ["SGPU_RUN_ID"] = args.run_id
+    if args.heartbeat_ttl > 0:
+        threading.Thread(
+            target=_watch_heartbeat, args=(job_dir / "heartbeat", args.heartbeat_ttl), daemon=True
+        ).start()
+
+    config = LaunchConfig(
+        min_nodes=args.nnodes,
+        max_nodes=args.nnodes,
+        nproc_per_node=args.nproc_per_node,
+        run_id=args.run_id,
+        role="sgpu",
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_backend="c10d",
+        rdzv_configs={"is_host": args.node_index == 0, "join_timeout": args.join_timeout},
+        max_restarts=args.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(job_dir / "agent" / f"node-{args.node_index}")),
+        shutdown_timeout=10,
+        local_addr=args.local_addr,
+    )
+    status: dict[str, Any] = {"node": args.node_index, "host": socket.gethostname(), "exit_code": 0,
+                              "failures": {}}
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "prefect_sgpu.launch.rank_main",
+                                               f"--run-id={args.run_id}")
+    except ChildFailedError as exc:
+        status["exit_code"] = 1
+        for rank, failure in exc.failures.items():
+            status["failures"][str(rank)] = {
+                "exit_code": failure.exitcode,
+                "signal": failure.signal_name() if failure.exitcode < 0 else None,
+                "local_rank": failure.local_rank,
+            }
+    except (_Stop, SignalException, KeyboardInterrupt) as exc:
+        status.update(exit_code=143, stopped=f"signal {exc}")
+    except Exception as exc:  # noqa: BLE001 - rendezvous or agent errors end the node
+        status.update(exit_code=2, error=f"{type(exc).__name__}: {exc}")
+        print(f"[sgpu-agent] node {args.node_index}: {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
+    _write_status(job_dir, args.node_index, status)
+    return int(status["exit_code"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    _install_early_signal_handlers()
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except _Stop:
+        return 143
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The process torch elastic starts for every rank.
+
+It sends its own stdout/stderr to ``logs/rank-N.log`` in the node's job folder
+(the driver tails those files), loads and verifies the payload, runs the user's
+function or script, and writes a signed result envelope. The payload key is taken
+out of the environment before user code runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _redirect_output(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+
+
+def _run_script(call: Any) -> int:
+    import runpy
+
+    path = Path(call.path)
+    if not path.is_file():  # not on this node's disk: run the copy shipped in the payload
+        path = Path(os.environ["SGPU_JOB_DIR"]) / "script" / Path(call.path).name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(call.source)
+    sys.argv = [str(path), *call.argv]
+    sys.path.insert(0, str(path.parent))
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code in (None, 0):
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _shutdown_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort after the user's code finished
+        pass
+
+
+def main() -> int:
+    from prefect_sgpu import payload
+    from prefect_sgpu.store import atomic_write, rank_key
+
+    job_dir = Path(os.environ["SGPU_JOB_DIR"])
+    key = os.environ.pop("SGPU_PAYLOAD_KEY")
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    node = int(os.environ.get("GROUP_RANK", 0))
+    _redirect_output(job_dir / rank_key("logs", rank))
+
+    base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname(),
+            "started": time.time()}
+    exit_code = 0
+    try:
+        call = payload.load((job_dir / "payload.bin").read_bytes(), key)
+        if isinstance(call, payload.ScriptCall):
+            exit_code = _run_script(call)
+            if exit_code:
+                raise SystemExit(exit_code)
+            value = None
+        else:
+            value = call.fn(*call.args, **call.kwargs)
+        base["finished"] = time.time()
+        envelope = payload.success_envelope(base, value)
+        if not envelope.ok:
+            print(envelope.exc_message, file=sys.stderr)
+            exit_code = 1
+    except BaseException as exc:  # noqa: BLE001 - every outcome gets an envelope
+        base["finished"] = time.time()
+        tb = traceback.format_exc()
+        if isinstance(exc, SystemExit) and isinstance(exc.code, int):
+            exit_code = exc.code or 1
+        else:
+            exit_code = 1
+            traceback.print_exc()
+        envelope = payload.failure_envelope(base, exc, tb, exit_code)
+    atomic_write(job_dir / rank_key("results", rank), payload.dump_envelope(envelope, key))
+    _shutdown_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return exit_code
+
+
+def _exit(code: int) -> None:
+    """Leave without the interpreter's teardown.
+
+    The outcome is already in the envelope. Python's own atexit handlers still run
+    (MLflow flushes queued metrics there), but C++ destructors of libraries' background
+    threads (gloo, NCCL watchdogs) sometimes abort a process that finished fine
+    ("terminate called without an active exception"), which would turn a good rank
+    into a failed one.
+    """
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main())

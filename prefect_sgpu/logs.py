@@ -1,0 +1,114 @@
+"""Live per-rank logs: tail each rank's log in the store, tag every line with its rank.
+
+Inside a Prefect flow or task run the lines go to that run's logger (so they are
+stored on the server as the run's logs); elsewhere they are printed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any, Callable
+
+from prefect_sgpu.store import Store, rank_of_key
+
+logger = logging.getLogger("prefect_sgpu")
+
+LineSink = Callable[[int, int, str], None]
+
+
+def prefect_run_logger() -> Any | None:
+    """The current Prefect run's logger, or None outside a flow/task run."""
+    try:
+        from prefect.context import FlowRunContext, TaskRunContext
+        from prefect.logging import get_run_logger
+    except ImportError:  # prefect not installed: plain printing
+        return None
+    if TaskRunContext.get() is None and FlowRunContext.get() is None:
+        return None
+    return get_run_logger()
+
+
+class RankLogSink:
+    """Where tagged rank lines and driver messages go."""
+
+    def __init__(self, name: str, run_logger: Any | None = None, echo: bool = True) -> None:
+        self.name = name
+        self.run_logger = run_logger if run_logger is not None else prefect_run_logger()
+        self.echo = echo
+
+    def line(self, rank: int, node: int, text: str) -> None:
+        tagged = f"[rank {rank} node {node}] {text}"
+        if self.run_logger is not None:
+            self.run_logger.info(tagged)
+        elif self.echo:
+            print(tagged, file=sys.stdout, flush=True)
+
+    def info(self, message: str) -> None:
+        (self.run_logger or logger).info(message)
+
+    def warning(self, message: str) -> None:
+        (self.run_logger or logger).warning(message)
+
+
+class LogTailer:
+    """Follow ``logs/rank-*.log`` of a job and hand complete lines to a sink."""
+
+    def __init__(self, store: Store, run_id: str, procs_per_node: int, sink: LineSink,
+                 interval: float = 0.2) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.procs_per_node = max(procs_per_node, 1)
+        self.sink = sink
+        self.interval = interval
+        self._offsets: dict[str, int] = {}
+        self._partial: dict[str, bytes] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "LogTailer":
+        self._thread = threading.Thread(target=self._loop, name=f"sgpu-logs-{self.run_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.interval * min(2 ** failures, 50)):
+            try:
+                self.poll()
+                failures = 0
+            except Exception:  # noqa: BLE001 - a store hiccup (S3 5xx) must not end live logs
+                failures += 1
+                logger.debug("reading rank logs failed (%d in a row); retrying", failures, exc_info=True)
+
+    def poll(self, final: bool = False) -> None:
+        with self._lock:
+            for key in self.store.list(self.run_id, "logs"):
+                data = self.store.read_from(self.run_id, key, self._offsets.get(key, 0))
+                if not data and not (final and self._partial.get(key)):
+                    continue
+                self._offsets[key] = self._offsets.get(key, 0) + len(data)
+                buf = self._partial.get(key, b"") + data
+                *lines, rest = buf.split(b"\n")
+                if final and rest:
+                    lines.append(rest)
+                    rest = b""
+                self._partial[key] = rest
+                rank = rank_of_key(key)
+                for raw in lines:
+                    try:
+                        self.sink(rank, rank // self.procs_per_node,
+                                  raw.decode("utf-8", "replace").rstrip("\r"))
+                    except Exception:  # noqa: BLE001 - a broken sink must not kill the job
+                        logger.debug("log sink failed", exc_info=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self.poll(final=True)
+        except Exception:  # noqa: BLE001 - the full logs stay in the store; cleanup goes on
+            logger.warning("could not read the last rank log lines of %s", self.run_id, exc_info=True)

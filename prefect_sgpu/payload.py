@@ -1,0 +1,275 @@
+"""What travels between the driver and the ranks: signed cloudpickle blobs.
+
+The driver pickles the function and its arguments once; every rank loads the same
+bytes from the store. Each rank writes one *envelope* back: its return value, or
+its exception with the remote traceback. Both directions are HMAC-signed with a
+per-job key, so a store another party can write to cannot inject code or results.
+The key is handed to nodes out of band (environment), never written to the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import inspect
+import os
+import pickle
+import secrets
+import threading
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from prefect_sgpu.errors import PayloadError
+
+MAGIC = b"SGPU1"
+_BY_VALUE_LOCK = threading.RLock()
+_DIGEST = 32
+DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+
+
+def new_key() -> str:
+    return secrets.token_hex(32)
+
+
+def max_payload_bytes() -> int:
+    mb = os.environ.get("PREFECT_SGPU_MAX_PAYLOAD_MB")
+    return int(float(mb) * 1024 * 1024) if mb else DEFAULT_MAX_PAYLOAD_BYTES
+
+
+def sign(body: bytes, key: str) -> bytes:
+    mac = hmac.new(bytes.fromhex(key), body, hashlib.sha256).digest()
+    return MAGIC + mac + body
+
+
+def verify(blob: bytes, key: str, what: str = "payload") -> bytes:
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + _DIGEST:
+        raise PayloadError(f"{what} is not a prefect-sgpu blob")
+    mac = blob[len(MAGIC) : len(MAGIC) + _DIGEST]
+    body = blob[len(MAGIC) + _DIGEST :]
+    expected = hmac.new(bytes.fromhex(key), body, hashlib.sha256).digest()
+    if not hmac.compare_digest(mac, expected):
+        raise PayloadError(f"{what} signature does not match: it was not written by this job")
+    return body
+
+
+def _dumps(obj: Any) -> bytes:
+    import cloudpickle
+
+    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _referenced_globals(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _referenced_globals(const)
+    return names
+
+
+def _culprit_in_function(fn: Callable[..., Any]) -> str | None:
+    """Name the captured variable or global that makes ``fn`` unpicklable."""
+    target = inspect.unwrap(fn)
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return None
+    qual = getattr(target, "__qualname__", repr(target))
+    for name, cell in zip(code.co_freevars, getattr(target, "__closure__", None) or ()):
+        try:
+            _dumps(cell.cell_contents)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure names the culprit
+            return f"variable {name!r} captured by {qual} ({type(cell.cell_contents).__name__}: {exc})"
+    fn_globals = getattr(target, "__globals__", {})
+    for name in sorted(_referenced_globals(code)):
+        if name not in fn_globals:
+            continue
+        value = fn_globals[name]
+        if isinstance(value, types.ModuleType):
+            continue
+        try:
+            _dumps(value)
+        except Exception as exc:  # noqa: BLE001
+            return f"global {name!r} used by {qual} ({type(value).__name__}: {exc})"
+    return None
+
+
+@dataclass
+class FunctionCall:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", getattr(self.fn, "__name__", "function"))
+
+
+@dataclass
+class ScriptCall:
+    path: str
+    source: bytes
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name
+
+
+def _user_module(fn: Any) -> types.ModuleType | None:
+    """The module of ``fn`` when it is the user's own code rather than an installed package.
+
+    Such modules may not exist on the nodes (a notebook folder, a test directory), so
+    their functions travel by value instead of as an import reference.
+    """
+    import sys
+    import sysconfig
+
+    name = getattr(inspect.unwrap(fn), "__module__", None)
+    module = sys.modules.get(name or "")
+    path = getattr(module, "__file__", None)
+    if module is None or name == "__main__" or not path or name.startswith("prefect_sgpu"):
+        return None
+    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    resolved = str(Path(path).resolve())
+    if any(resolved.startswith(str(Path(p).resolve())) for p in installed if p):
+        return None
+    return module
+
+
+def build(call: FunctionCall | ScriptCall, key: str, limit: int | None = None) -> bytes:
+    """Pickle and sign a call, or explain exactly what cannot be shipped."""
+    import cloudpickle
+
+    limit = max_payload_bytes() if limit is None else limit
+    module = _user_module(call.fn) if isinstance(call, FunctionCall) else None
+    with _BY_VALUE_LOCK:  # cloudpickle's by-value registry is process-wide
+        if module is not None:
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            body = _dumps(call)
+        except Exception as exc:  # noqa: BLE001
+            raise PayloadError(_explain_unpicklable(call, exc)) from exc
+        finally:
+            if module is not None:
+                cloudpickle.unregister_pickle_by_value(module)
+    if len(body) > limit:
+        raise PayloadError(_explain_too_large(call, len(body), limit))
+    return sign(body, key)
+
+
+def load(blob: bytes, key: str) -> FunctionCall | ScriptCall:
+    return pickle.loads(verify(blob, key))
+
+
+def _explain_unpicklable(call: FunctionCall | ScriptCall, exc: Exception) -> str:
+    if isinstance(call, FunctionCall):
+        parts: list[tuple[str, Any]] = [(f"argument {i}", a) for i, a in enumerate(call.args)]
+        parts += [(f"argument {k!r}", v) for k, v in call.kwargs.items()]
+        try:
+            bound = inspect.signature(call.fn).bind_partial(*call.args, **call.kwargs)
+            parts = [(f"argument {k!r}", v) for k, v in bound.arguments.items()]
+        except (TypeError, ValueError):
+            pass
+        for label, value in parts:
+            try:
+                _dumps(value)
+            except Exception as inner:  # noqa: BLE001
+                return (
+                    f"{label} of {call.name} cannot be pickled ({type(value).__name__}: {inner}); "
+                    "pass something picklable (a path, a config) and build the object inside the function"
+                )
+        culprit = _culprit_in_function(call.fn)
+        if culprit:
+            return (
+                f"function {call.name} cannot be pickled: {culprit}; "
+                "create that object inside the function instead of capturing it"
+            )
+    return f"{call.name} cannot be pickled with cloudpickle: {exc}"
+
+
+def _explain_too_large(call: FunctionCall | ScriptCall, size: int, limit: int) -> str:
+    mib = 1024 * 1024
+    text = (
+        f"payload of {call.name} is {size / mib:.1f} MiB, over the {limit / mib:.0f} MiB limit "
+        "(PREFECT_SGPU_MAX_PAYLOAD_MB): load data inside the function (from files, S3 or a "
+        "dataset) instead of passing it as an argument or capturing it"
+    )
+    if isinstance(call, FunctionCall):
+        sizes = [(f"argument {i}", a) for i, a in enumerate(call.args)]
+        sizes += [(f"argument {k!r}", v) for k, v in call.kwargs.items()]
+        measured = [(len(_dumps(v)), label) for label, v in sizes]
+        measured.append((len(_dumps(call.fn)), f"the function {call.name} and what it captures"))
+        biggest = max(measured)
+        text += f"; the largest part is {biggest[1]} ({biggest[0] / mib:.1f} MiB)"
+    return text
+
+
+# --- result envelopes ---------------------------------------------------------
+
+
+@dataclass
+class Envelope:
+    """One rank's outcome, written by the rank, read by the driver.
+
+    The value and the exception are pickled separately so that an exception class
+    the driver cannot import still leaves rank, host and traceback readable.
+    """
+
+    rank: int
+    node: int
+    local_rank: int
+    host: str
+    ok: bool
+    value_blob: bytes | None = None
+    exception_blob: bytes | None = None
+    exc_type: str | None = None
+    exc_message: str | None = None
+    traceback: str | None = None
+    exit_code: int = 0
+    started: float = 0.0
+    finished: float = 0.0
+
+    def value(self) -> Any:
+        return None if self.value_blob is None else pickle.loads(self.value_blob)
+
+    def exception(self) -> BaseException | None:
+        if self.exception_blob is None:
+            return None
+        try:
+            exc = pickle.loads(self.exception_blob)
+        except Exception:  # noqa: BLE001 - class not importable here
+            return None
+        return exc if isinstance(exc, BaseException) else None
+
+
+def success_envelope(base: dict[str, Any], value: Any) -> Envelope:
+    try:
+        blob = _dumps(value)
+    except Exception as exc:  # noqa: BLE001
+        return Envelope(
+            **base, ok=False, exit_code=1, exc_type="prefect_sgpu.errors.PayloadError",
+            exc_message=f"the return value of rank {base['rank']} ({type(value).__name__}) "
+            f"cannot be pickled: {exc}",
+        )
+    return Envelope(**base, ok=True, value_blob=blob)
+
+
+def failure_envelope(base: dict[str, Any], exc: BaseException, tb: str, exit_code: int) -> Envelope:
+    try:
+        blob: bytes | None = _dumps(exc)
+    except Exception:  # noqa: BLE001 - keep type, message and traceback
+        blob = None
+    cls = type(exc)
+    return Envelope(
+        **base, ok=False, exception_blob=blob, exc_type=f"{cls.__module__}.{cls.__qualname__}",
+        exc_message=str(exc), traceback=tb, exit_code=exit_code,
+    )
+
+
+def dump_envelope(env: Envelope, key: str) -> bytes:
+    return sign(pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL), key)
+
+
+def load_envelope(blob: bytes, key: str) -> Envelope:
+    return pickle.loads(verify(blob, key, what="result envelope"))

@@ -1,0 +1,144 @@
+"""``@ray_launch``: a Ray cluster over the job's nodes, the function once as its driver.
+
+The same resources, options and compute as ``@distributed`` (local simulated nodes,
+EC2 nodes, ...); only what each node runs differs. Node 0 hosts the Ray head on the
+job's rendezvous port, the others join it, and the function runs once on node 0 with
+``RAY_ADDRESS`` set, so Ray Train, Ray Data and actors inside it use every node.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
+
+from prefect_sgpu.decorator import DistributedFunction, DistributedFuture
+from prefect_sgpu.driver import Job, Launcher, heartbeat_ttl
+from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.logs import RankLogSink
+from prefect_sgpu.spec import DEFAULT_TIMEOUT_S, make_options, make_resources
+
+if TYPE_CHECKING:
+    from prefect_sgpu.compute import Node
+    from prefect_sgpu.spec import Plan
+    from prefect_sgpu.store import Store
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class RayLauncher(Launcher):
+    """Each node runs ``prefect_sgpu.ray.node``: head on node 0, joiners elsewhere; one result."""
+
+    name = "ray"
+
+    def __init__(self, metrics_to_mlflow: bool = False, metrics_interval: float = 5.0) -> None:
+        self.metrics_to_mlflow = metrics_to_mlflow
+        self.metrics_interval = metrics_interval
+
+    def node_argv(self, job: Job, plan: "Plan", node: "Node", endpoint: str) -> list[str]:
+        # logical resources match the plan: GPUs only where the plan has them, else that many CPUs
+        resources = ([f"--num-gpus={plan.procs_per_node}"] if plan.device == "cuda"
+                     else [f"--num-cpus={plan.procs_per_node}", "--num-gpus=0"])
+        argv = [
+            sys.executable, "-m", "prefect_sgpu.ray.node",
+            f"--run-id={job.run_id}", f"--job-dir={job.store.uri(job.run_id)}",
+            f"--node-index={node.index}", f"--nnodes={plan.nodes}", f"--gcs-endpoint={endpoint}",
+            f"--node-ip={node.address}", *resources, f"--heartbeat-ttl={heartbeat_ttl():g}",
+            f"--join-timeout={min(job.options.timeout, 600):g}",
+        ]
+        if self.metrics_to_mlflow and job.options.mlflow:
+            argv += ["--metrics-to-mlflow", f"--metrics-interval={self.metrics_interval:g}"]
+        return argv
+
+    def result_ranks(self, plan: "Plan") -> list[int]:
+        return [0]  # the driver on node 0
+
+
+class RayDriverFuture(DistributedFuture[R]):
+    """A running ``.submit()`` of a ``@ray_launch`` function: ``result()`` is the driver's value."""
+
+    def result(self, timeout: float | None = None) -> R:  # type: ignore[override]
+        return self._future.result(timeout).values[0]  # type: ignore[no-any-return]
+
+
+class RayLaunchFunction(DistributedFunction[P, R]):
+    """A function that runs once, as the driver of a Ray cluster built over the job's nodes."""
+
+    def __init__(self, fn: Callable[P, R], resources: Any, options: Any, compute: Any | None = None,
+                 store: "Store | None" = None, ray_metrics_to_mlflow: bool = False) -> None:
+        if options.max_restarts:
+            raise SGPUConfigError(
+                "max_restarts", options.max_restarts, "0 for @ray_launch",
+                "Ray retries its own tasks and actors; for training use Ray Train's FailureConfig",
+            )
+        super().__init__(fn, resources, options, compute=compute, store=store)
+        self.ray_metrics_to_mlflow = bool(ray_metrics_to_mlflow)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        name = getattr(self.func, "__name__", "function")
+        raise TypeError(
+            f"{name} is a @ray_launch function: call {name}.distributed(...) to run it as the driver of a "
+            f"Ray cluster over {self.resources.gpus} GPU(s), or {name}.func(...) to call it here"
+        )
+
+    def __repr__(self) -> str:
+        return f"<RayLaunchFunction {getattr(self.func, '__qualname__', self.func)} {self.resources!r}>"
+
+    def with_options(self, **changes: Any) -> "RayLaunchFunction[P, R]":
+        metrics = changes.pop("ray_metrics_to_mlflow", self.ray_metrics_to_mlflow)
+        base = super().with_options(**changes)
+        return RayLaunchFunction(base.func, base.resources, base.options, compute=base.compute,
+                                 store=base.store, ray_metrics_to_mlflow=metrics)
+
+    def job(self, *args: Any, cancel_event: threading.Event | None = None,
+            sink: RankLogSink | None = None, **kwargs: Any) -> Job:
+        job = super().job(*args, cancel_event=cancel_event, sink=sink, **kwargs)
+        if hasattr(job.compute, "execute"):
+            raise SGPUConfigError(
+                "compute", type(job.compute).__name__, "a compute that provides nodes (local or EC2)",
+                "@ray_launch builds its own Ray cluster; on an existing cluster call ray.init(address) "
+                "in the flow, or use @distributed with RayCompute for Ray Train jobs",
+            )
+        job.launcher = RayLauncher(metrics_to_mlflow=self.ray_metrics_to_mlflow)
+        return job
+
+    def distributed(self, *args: P.args, **kwargs: P.kwargs) -> R:  # type: ignore[override]
+        """Run as the Ray driver over every node; return the driver's value."""
+        return self.run(*args, **kwargs).values[0]  # type: ignore[no-any-return]
+
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> RayDriverFuture[R]:  # type: ignore[override]
+        future = super().submit(*args, **kwargs)
+        return RayDriverFuture(future._future, future._cancel)
+
+
+def ray_launch(
+    fn: Callable[P, R] | None = None,
+    *,
+    gpus: int = 1,
+    gpu_type: str | None = None,
+    remote: bool = False,
+    nodes: int | None = None,
+    timeout: Any = DEFAULT_TIMEOUT_S,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+    mlflow: bool = True,
+    compute: Any | None = None,
+    store: Any | None = None,
+    ray_metrics_to_mlflow: bool = False,
+) -> Any:
+    """Run ``fn`` once as the driver of a Ray cluster spanning ``gpus`` GPUs on ``nodes`` nodes.
+
+    Resources and options are those of ``@distributed`` and are validated here. Inside,
+    ``ray.init()`` (or Ray Train / Ray Data directly) connects to the job's cluster.
+    ``ray_metrics_to_mlflow=True`` samples the cluster's resources into the call's
+    MLflow run as ``system/ray/...`` metrics.
+    """
+    resources = make_resources(gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote)
+    options = make_options(timeout=timeout, max_restarts=max_restarts, env=env or {}, mlflow=mlflow)
+
+    def wrap(f: Callable[P, R]) -> RayLaunchFunction[P, R]:
+        return RayLaunchFunction(f, resources, options, compute=compute, store=store,
+                                 ray_metrics_to_mlflow=ray_metrics_to_mlflow)
+
+    return wrap(fn) if fn is not None else wrap

@@ -1,0 +1,183 @@
+"""One Ray node as a child process we own: ``ray start --block``, watched and stopped by pid.
+
+``ray stop`` kills every Ray process on the host, including other jobs' simulated
+nodes and clusters that are not ours. Running ``ray start --block`` as our own child
+instead lets us stop exactly this node: SIGTERM (Ray's handler tears down its
+raylet, GCS and workers; the drain wait is switched off), then SIGKILL for whatever
+of the process tree we saw is still alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Callable
+
+#: what ``ray start`` prints once the node has registered with the GCS
+READY_LINE = "Ray runtime started"
+
+#: environment of every Ray process we start: no usage stats, no docker CPU warning, immediate stop
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+}
+
+
+def ray_ip(address: str) -> str:
+    """The address a Ray node may bind on this host.
+
+    Ray replaces 127.0.0.1 and localhost with the host's routable address; any other
+    loopback address (all of 127.0.0.0/8 is local) is kept as given, so simulated
+    nodes stay on loopback.
+    """
+    host = address.strip()
+    return "127.0.1.1" if host in ("127.0.0.1", "localhost", "::1") else host
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RayNodeSpec:
+    """What ``ray start`` needs for one node: head (``gcs_port``) or worker (``head_address``)."""
+
+    node_ip: str
+    temp_dir: str
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    gcs_port: int | None = None
+    head_address: str | None = None
+    resources: str | None = None  # JSON, e.g. '{"accelerator_type:A10G": 1}'
+    object_store_memory: int | None = None
+    metrics_export_port: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    @property
+    def is_head(self) -> bool:
+        return self.head_address is None
+
+    def argv(self) -> list[str]:
+        """The ``ray start`` command line; every port a job-unique free one."""
+        ip = ray_ip(self.node_ip)
+        argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
+                f"--node-ip-address={ip}", f"--temp-dir={self.temp_dir}",
+                f"--dashboard-agent-listen-port={free_port(ip)}",
+                f"--metrics-export-port={self.metrics_export_port or free_port(ip)}"]
+        if self.is_head:
+            argv += ["--head", f"--port={self.gcs_port or free_port(ip)}", "--include-dashboard=false",
+                     f"--dashboard-port={free_port(ip)}", f"--ray-client-server-port={free_port(ip)}"]
+        else:
+            argv.append(f"--address={self.head_address}")
+        if self.num_cpus is not None:
+            argv.append(f"--num-cpus={self.num_cpus}")
+        if self.num_gpus is not None:
+            argv.append(f"--num-gpus={self.num_gpus}")
+        if self.resources:
+            argv.append(f"--resources={self.resources}")
+        if self.object_store_memory:
+            argv.append(f"--object-store-memory={self.object_store_memory}")
+        return argv + list(self.extra_args)
+
+
+class RayNodeProcess:
+    """Start one Ray node, wait until it has joined, stop it and everything it started."""
+
+    def __init__(self, spec: RayNodeSpec, env: dict[str, str] | None = None,
+                 output: IO[str] | None = None) -> None:
+        self.spec = spec
+        self.env = {**(env if env is not None else os.environ), **RAY_ENV}
+        self.output = output if output is not None else sys.stdout
+        self.proc: subprocess.Popen[str] | None = None
+        self._ready = threading.Event()
+        self._pump: threading.Thread | None = None
+        self._seen: dict[int, float] = {}  # pid -> create time of every process of the tree seen
+
+    def start(self, timeout: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Run ``ray start --block`` and return once the node is up; raise if it is not."""
+        os.makedirs(self.spec.temp_dir, exist_ok=True)
+        self.proc = subprocess.Popen(
+            self.spec.argv(), env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        self._pump = threading.Thread(target=self._forward, name="ray-start-output", daemon=True)
+        self._pump.start()
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            self._remember_tree()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with code {self.proc.returncode} before the node was up")
+            if time.monotonic() > deadline or should_stop():
+                raise TimeoutError(f"the Ray node did not start within {timeout:g}s")
+        self._remember_tree()
+
+    def _forward(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.output.write(line)
+                self.output.flush()
+            except (OSError, ValueError):
+                pass
+            if READY_LINE in line:
+                self._ready.set()
+
+    def _remember_tree(self) -> None:
+        import psutil
+
+        if self.proc is None:
+            return
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                self._seen.setdefault(p.pid, p.create_time())
+        except psutil.NoSuchProcess:
+            pass
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the node (Ray stops its own processes), then SIGKILL what is left of its tree."""
+        import psutil
+
+        if self.proc is None:
+            return
+        self._remember_tree()
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        survivors = []
+        for pid, created in self._seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    survivors.append(p)
+            except psutil.NoSuchProcess:
+                continue
+        for p in survivors:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(survivors, timeout=5)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._pump is not None:
+            self._pump.join(timeout=2)

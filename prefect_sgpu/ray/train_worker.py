@@ -1,0 +1,179 @@
+"""What each Ray Train worker runs for a job on an existing Ray cluster.
+
+The same contract as a torchrun rank (``launch/rank_main.py``): torch's environment
+variables (RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, ...) so ``prefect_sgpu.runtime``
+works, the job's environment and MLflow run, the verified payload, and one signed
+envelope with the value or the exception. Ray's object store replaces the job
+folder as the channel: output lines and the envelope go to the job's collector
+actor, which the driver reads (a ``ray://`` client cannot see the workers' disks).
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+FLUSH_INTERVAL_S = 0.2
+
+
+class Collector:
+    """A resource-free actor holding a job's output lines and result envelopes until read."""
+
+    def __init__(self) -> None:
+        self._lines: list[tuple[int, int, str]] = []
+        self._results: dict[int, bytes] = {}
+
+    def put_lines(self, lines: list[tuple[int, int, str]]) -> None:
+        self._lines.extend(lines)
+
+    def drain(self) -> list[tuple[int, int, str]]:
+        lines, self._lines = self._lines, []
+        return lines
+
+    def put_result(self, rank: int, blob: bytes) -> None:
+        self._results[rank] = blob
+
+    def results(self) -> dict[int, bytes]:
+        return dict(self._results)
+
+
+def _plain_print(*objects: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None,
+                 flush: bool = False) -> None:
+    """``print`` writing to stdout, as in a torchrun rank (Ray Train routes it to a logger)."""
+    stream = file if file is not None else sys.stdout
+    stream.write((" " if sep is None else sep).join(map(str, objects)) + ("\n" if end is None else end))
+    if flush:
+        stream.flush()
+
+
+class OutputToCollector:
+    """Send everything written to fds 1 and 2 (Python, C extensions, subprocesses) to the collector.
+
+    A copy still goes to the worker's own Ray log file.
+    """
+
+    def __init__(self, collector: Any, rank: int, node: int) -> None:
+        self.collector = collector
+        self.rank = rank
+        self.node = node
+        self._saved: tuple[int, int] | None = None
+        self._reader: threading.Thread | None = None
+        self._pending: list[tuple[int, int, str]] = []
+        self._lock = threading.Lock()
+        self._last_ref: Any = None
+
+    def __enter__(self) -> "OutputToCollector":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read_fd, write_fd = os.pipe()
+        self._saved = (os.dup(1), os.dup(2))
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        self._print = builtins.print
+        builtins.print = _plain_print
+        self._reader = threading.Thread(target=self._read, args=(read_fd,), name="sgpu-output", daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self, fd: int) -> None:
+        partial = b""
+        last_flush = time.monotonic()
+        with os.fdopen(fd, "rb", buffering=0) as pipe:
+            while True:
+                data = pipe.read(65536)
+                if not data:
+                    break
+                if self._saved is not None:
+                    try:
+                        os.write(self._saved[0], data)
+                    except OSError:
+                        pass
+                *lines, partial = (partial + data).split(b"\n")
+                with self._lock:
+                    self._pending += [(self.rank, self.node, raw.decode("utf-8", "replace").rstrip("\r"))
+                                      for raw in lines]
+                if time.monotonic() - last_flush > FLUSH_INTERVAL_S:
+                    self.flush()
+                    last_flush = time.monotonic()
+        if partial:
+            with self._lock:
+                self._pending.append((self.rank, self.node, partial.decode("utf-8", "replace")))
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if batch:  # calls from one caller to one actor run in order
+            self._last_ref = self.collector.put_lines.remote(batch)
+
+    def __exit__(self, *exc: Any) -> None:
+        import ray
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        builtins.print = self._print
+        assert self._saved is not None
+        os.dup2(self._saved[0], 1)  # closes the pipe's last write end: the reader sees EOF
+        os.dup2(self._saved[1], 2)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+        os.close(self._saved[0])
+        os.close(self._saved[1])
+        self._saved = None
+        self.flush()
+        if self._last_ref is not None:
+            ray.get(self._last_ref)
+
+
+def _set_rank_env(config: dict[str, Any]) -> tuple[int, int, int]:
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank, node, local = ctx.get_world_rank(), ctx.get_node_rank(), ctx.get_local_rank()
+    os.environ.update(config["env"])
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(ctx.get_world_size()), "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(ctx.get_local_world_size()), "GROUP_RANK": str(node), "NODE_RANK": str(node),
+    })
+    return rank, node, local
+
+
+def run_rank(config: dict[str, Any]) -> None:
+    """``train_loop_per_worker`` of the job's TorchTrainer."""
+    from prefect_sgpu import payload
+    from prefect_sgpu.launch.rank_main import _run_script
+
+    rank, node, local = _set_rank_env(config)
+    key = config["key"]
+    base = {"rank": rank, "node": node, "local_rank": local, "host": socket.gethostname(), "started": time.time()}
+    with OutputToCollector(config["collector"], rank, node):
+        try:
+            call = payload.load(config["payload"], key)
+            if isinstance(call, payload.ScriptCall):
+                code = _run_script(call)
+                if code:
+                    raise SystemExit(code)
+                value = None
+            else:
+                value = call.fn(*call.args, **call.kwargs)
+            base["finished"] = time.time()
+            envelope = payload.success_envelope(base, value)
+            if not envelope.ok:
+                print(envelope.exc_message, file=sys.stderr)
+        except BaseException as exc:  # noqa: BLE001 - every outcome gets an envelope
+            base["finished"] = time.time()
+            code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+            if not isinstance(exc, SystemExit):
+                traceback.print_exc()
+            envelope = payload.failure_envelope(base, exc, traceback.format_exc(), code or 1)
+    import ray
+
+    ray.get(config["collector"].put_result.remote(rank, payload.dump_envelope(envelope, key)))
+    if not envelope.ok:  # fail the Ray Train run, so the other workers are stopped
+        raise RuntimeError(f"rank {rank} failed: {envelope.exc_type}: {envelope.exc_message}")

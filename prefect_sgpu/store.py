@@ -1,0 +1,127 @@
+"""The one mailbox between the driver and the nodes.
+
+The driver writes the payload and a heartbeat; nodes write per-rank logs, result
+envelopes and their own exit status. Nothing needs an inbound port on the driver,
+so a driver behind NAT can run nodes anywhere that can reach the store.
+
+Key layout of one job (``<run_id>/...``)::
+
+    payload.bin               signed cloudpickle of the call
+    heartbeat                 driver's last heartbeat (unix time as text)
+    logs/rank-00003.log       stdout+stderr of rank 3 (kept after the job)
+    results/rank-00003.bin    signed result envelope of rank 3
+    nodes/node-1.json         exit status of node 1's elastic agent
+    checkpoints/...           user checkpoints (runtime.checkpoint_dir())
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+
+def default_home() -> Path:
+    """Where local job folders and the default MLflow store live."""
+    return Path(os.environ.get("PREFECT_SGPU_HOME", Path.home() / ".prefect-sgpu")).expanduser()
+
+
+def rank_key(kind: str, rank: int) -> str:
+    suffix = {"logs": "log", "results": "bin"}[kind]
+    return f"{kind}/rank-{rank:05d}.{suffix}"
+
+
+def rank_of_key(key: str) -> int:
+    return int(Path(key).stem.split("-")[1])
+
+
+class Store(ABC):
+    """Byte storage keyed by relative path, one namespace per job (``run_id``)."""
+
+    @abstractmethod
+    def uri(self, run_id: str, key: str = "") -> str: ...
+
+    @abstractmethod
+    def put(self, run_id: str, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get(self, run_id: str, key: str) -> bytes | None: ...
+
+    @abstractmethod
+    def read_from(self, run_id: str, key: str, offset: int) -> bytes: ...
+
+    @abstractmethod
+    def list(self, run_id: str, prefix: str) -> list[str]: ...
+
+    @abstractmethod
+    def delete(self, run_id: str, key: str) -> None: ...
+
+    def local_dir(self, run_id: str) -> Path | None:
+        """A folder nodes on this machine may write into directly, if any."""
+        return None
+
+
+class LocalStore(Store):
+    """A folder on this machine: the store of the local compute."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root).expanduser() if root else default_home() / "jobs"
+
+    def _path(self, run_id: str, key: str) -> Path:
+        return self.root / run_id / key
+
+    def uri(self, run_id: str, key: str = "") -> str:
+        return str(self._path(run_id, key))
+
+    def local_dir(self, run_id: str) -> Path:
+        path = self.root / run_id
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def put(self, run_id: str, key: str, data: bytes) -> None:
+        path = self._path(run_id, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, data)
+
+    def get(self, run_id: str, key: str) -> bytes | None:
+        try:
+            return self._path(run_id, key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def read_from(self, run_id: str, key: str, offset: int) -> bytes:
+        try:
+            with open(self._path(run_id, key), "rb") as fh:
+                fh.seek(offset)
+                return fh.read()
+        except FileNotFoundError:
+            return b""
+
+    def list(self, run_id: str, prefix: str) -> list[str]:
+        base = self._path(run_id, prefix)
+        if not base.is_dir():
+            return []
+        return sorted(f"{prefix.rstrip('/')}/{p.name}" for p in base.iterdir() if p.is_file()
+                      and not p.name.startswith("."))
+
+    def delete(self, run_id: str, key: str) -> None:
+        path = self._path(run_id, key)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temporary sibling, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,160 @@
+"""The job mailbox on S3: what lets a driver behind NAT run nodes on EC2.
+
+Same key layout as :class:`~prefect_sgpu.store.LocalStore` (``<prefix>/<run_id>/<key>``).
+Every call goes through one boto3 client whose retries are botocore's own
+(``standard`` or ``adaptive`` mode), so throttling and transient 5xx errors are
+retried with backoff rather than failing a job. Log tailing reads only the new
+bytes of a rank log with a ranged GET.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.store import Store
+
+RETRY_MODES = ("standard", "adaptive", "legacy")
+BODY_ATTEMPTS = 3
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> (bucket, "some/prefix"); raises SGPUConfigError otherwise."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise SGPUConfigError("store_uri", uri, "an s3://bucket[/prefix] URI")
+    return parsed.netloc, parsed.path.strip("/")
+
+
+def s3_client(
+    session: Any | None = None,
+    region: str | None = None,
+    endpoint_url: str | None = None,
+    retry_mode: str = "standard",
+    max_attempts: int = 8,
+    service: str = "s3",
+) -> Any:
+    """A boto3 client with botocore's retry mode (no hand-written retry loops)."""
+    import boto3
+    from botocore.config import Config
+
+    if retry_mode not in RETRY_MODES:
+        raise SGPUConfigError("retry_mode", retry_mode, "one of " + ", ".join(RETRY_MODES))
+    config = Config(
+        retries={"mode": retry_mode, "max_attempts": max_attempts},
+        connect_timeout=10,
+        read_timeout=60,
+    )
+    session = session or boto3.session.Session()
+    return session.client(service, region_name=region, endpoint_url=endpoint_url or None, config=config)
+
+
+def _error_code(exc: Exception) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+class S3Store(Store):
+    """``s3://bucket/prefix``: one folder per job, readable by the driver and every node."""
+
+    def __init__(
+        self,
+        uri: str,
+        session: Any | None = None,
+        region: str | None = None,
+        endpoint_url: str | None = None,
+        retry_mode: str = "standard",
+        client: Any | None = None,
+    ) -> None:
+        self.bucket, self.prefix = parse_s3_uri(uri)
+        self.region = region
+        self.endpoint_url = endpoint_url
+        self.client = client or s3_client(session, region, endpoint_url, retry_mode)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.root_uri!r})"
+
+    @property
+    def root_uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def _key(self, run_id: str, key: str = "") -> str:
+        parts = [p for p in (self.prefix, run_id, key.lstrip("/")) if p]
+        return "/".join(parts)
+
+    def uri(self, run_id: str, key: str = "") -> str:
+        return f"s3://{self.bucket}/{self._key(run_id, key)}"
+
+    def put(self, run_id: str, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(run_id, key), Body=data)
+
+    def _read(self, **request: Any) -> tuple[dict[str, Any], bytes]:
+        """GET and read the body; a body that fails its checksum is fetched again.
+
+        botocore retries the request but not a body that arrived damaged (or, with an
+        object overwritten mid-read, cut short); the next GET sees a whole object.
+        """
+        from botocore.exceptions import FlexibleChecksumError, IncompleteReadError, ResponseStreamingError
+
+        for attempt in range(BODY_ATTEMPTS):
+            response = self.client.get_object(Bucket=self.bucket, **request)
+            try:
+                return response, bytes(response["Body"].read())
+            except (FlexibleChecksumError, IncompleteReadError, ResponseStreamingError):
+                if attempt == BODY_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def get(self, run_id: str, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            _response, data = self._read(Key=self._key(run_id, key))
+        except ClientError as exc:
+            if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+        return data
+
+    def read_from(self, run_id: str, key: str, offset: int) -> bytes:
+        """Bytes from ``offset`` to the end (a ranged GET): what a log tailer has not seen yet."""
+        from botocore.exceptions import ClientError
+
+        try:
+            response, data = self._read(Key=self._key(run_id, key), Range=f"bytes={max(offset, 0)}-")
+        except ClientError as exc:
+            if _error_code(exc) in ("NoSuchKey", "404", "NotFound", "InvalidRange", "416"):
+                return b""
+            raise
+        # a store that ignores Range answers 200 with the whole object
+        if response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and offset:
+            data = data[offset:]
+        return data
+
+    def list(self, run_id: str, prefix: str) -> list[str]:
+        base = self._key(run_id, prefix.rstrip("/")) + "/"
+        root = self._key(run_id) + "/"
+        keys: list[str] = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=base):
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(root):]
+                name = rel.rsplit("/", 1)[-1]
+                if rel[len(prefix.rstrip("/")) + 1:].count("/") == 0 and not name.startswith("."):
+                    keys.append(rel)
+        return sorted(keys)
+
+    def delete(self, run_id: str, key: str) -> None:
+        """Delete one object, or every object under ``key/`` (a "folder")."""
+        full = self._key(run_id, key)
+        batch: list[dict[str, str]] = [{"Key": full}]
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=full.rstrip("/") + "/"):
+            batch += [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+        for start in range(0, len(batch), 1000):
+            self.client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": batch[start:start + 1000], "Quiet": True}
+            )

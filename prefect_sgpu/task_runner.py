@@ -1,0 +1,362 @@
+"""Prefect tasks that run as gang-launched multi-node jobs.
+
+Prefect's own task engine stays in charge: a GPU task is an ordinary Prefect task
+whose body, on the driver, launches the distributed job and waits for it. States,
+retries (a retry relaunches the whole gang), caching (a hit launches nothing),
+result persistence, ``wait_for`` and ``.map()`` are Prefect's; the ranks run only the
+user's function and never see the Prefect API or its key. The task runner decides
+*where* jobs run (its compute) and runs every other task in threads, as Prefect's
+thread-pool runner does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+import threading
+from typing import Any, Callable, Iterable, TypeVar
+
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.tasks import Task
+
+from prefect_sgpu.driver import Job, JobResult
+from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.logs import RankLogSink
+from prefect_sgpu import payload as payload_mod
+from prefect_sgpu.spec import DEFAULT_TIMEOUT_S, make_options, make_resources, plan_remote
+from prefect_sgpu.store import LocalStore, Store
+
+R = TypeVar("R")
+
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+COMPUTE_ENV = "PREFECT_SGPU_COMPUTE"
+STORE_ENV = "PREFECT_SGPU_STORE"
+_RESOURCE_KEYS = ("gpus", "gpu_type", "nodes", "remote")
+_OPTION_KEYS = ("timeout", "max_restarts", "env", "mlflow")
+_SPEC_KEYS = (*_RESOURCE_KEYS, *_OPTION_KEYS, "strategy", "return_all")
+
+
+def _validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check a (possibly partial) GPU spec now, so a bad one fails at decoration."""
+    unknown = set(spec) - set(_SPEC_KEYS)
+    if unknown:
+        name = sorted(unknown)[0]
+        raise SGPUConfigError(name, spec[name], "one of " + ", ".join(_SPEC_KEYS))
+    strategy = spec.get("strategy")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise SGPUConfigError("strategy", strategy, "one of " + ", ".join(STRATEGIES) + " or None")
+    resources = make_resources(**{k: spec[k] for k in _RESOURCE_KEYS if spec.get(k) is not None})
+    make_options(**{k: spec[k] for k in _OPTION_KEYS if spec.get(k) is not None})
+    if resources.remote:
+        plan_remote(resources)
+    return spec
+
+
+class GPUTask(Task):  # type: ignore[type-arg]
+    """A Prefect task that carries GPU resources (``task.sgpu``)."""
+
+    sgpu: dict[str, Any]
+
+    def with_options(self, **changes: Any) -> "GPUTask":  # type: ignore[override]
+        """Prefect's options plus GPU ones: ``gpus``, ``gpu_type``, ``nodes``, ``strategy``, ..."""
+        gpu_changes = {k: changes.pop(k) for k in list(changes) if k in _SPEC_KEYS}
+        new = super().with_options(**changes)
+        new.task_key = self.task_key  # the same user function, whatever Prefect hashed
+        return _as_gpu_task(new, {**self.sgpu, **gpu_changes})
+
+
+def _as_gpu_task(task: Task, spec: dict[str, Any]) -> GPUTask:
+    new = copy.copy(task)
+    new.__class__ = GPUTask
+    if not getattr(new.fn, "__sgpu_launcher__", False):
+        new.fn = _launcher(task.fn)
+    new.sgpu = _validate_spec(dict(spec))
+    return new  # type: ignore[return-value]
+
+
+def _launcher(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The body Prefect's engine runs on the driver: launch ``fn`` on every rank, wait."""
+
+    @functools.wraps(fn)
+    def launch_distributed(*args: Any, **kwargs: Any) -> Any:
+        from prefect.context import TaskRunContext
+
+        ctx = TaskRunContext.get()
+        spec = getattr(ctx.task, "sgpu", {}) if ctx else {}
+        return run_gpu_job(fn, args, kwargs, spec)
+
+    launch_distributed.__sgpu_launcher__ = True  # type: ignore[attr-defined]
+    return launch_distributed
+
+
+def gpu_task(
+    fn: Callable[..., R] | None = None,
+    *,
+    gpus: int = 1,
+    gpu_type: str | None = None,
+    nodes: int | None = None,
+    remote: bool = False,
+    strategy: str | None = None,
+    timeout: Any = DEFAULT_TIMEOUT_S,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+    mlflow: bool = True,
+    return_all: bool = False,
+    **task_kwargs: Any,
+) -> Any:
+    """A Prefect task whose function runs on every rank of a multi-node job.
+
+    Accepts every ``@task`` keyword (retries, cache_policy, persist_result, ...). The
+    task's value is rank 0's result, or every rank's with ``return_all=True``.
+    ``strategy`` is handed to the ranks as ``SGPU_STRATEGY`` for the training helpers.
+    """
+    from prefect import task as prefect_task
+
+    spec = {"gpus": gpus, "gpu_type": gpu_type, "nodes": nodes, "remote": remote, "strategy": strategy,
+            "timeout": timeout, "max_restarts": max_restarts, "env": env or {}, "mlflow": mlflow,
+            "return_all": return_all}
+    _validate_spec(spec)
+
+    def wrap(f: Callable[..., R]) -> GPUTask:
+        return _as_gpu_task(prefect_task(f, **task_kwargs), spec)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+# --- running one GPU task -------------------------------------------------------
+
+
+def _current_runner() -> "GPUTaskRunner | None":
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    runner = getattr(ctx, "task_runner", None) if ctx else None
+    return runner if isinstance(runner, GPUTaskRunner) else None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "task"
+
+
+def _checkpoint_dir(store: Store, spec_env: dict[str, str], call_digest: str) -> dict[str, str]:
+    """A checkpoint folder stable across retries of the same task in the same flow run.
+
+    Task retries keep the task run; a flow-run retry (the UI's Retry) keeps the flow run
+    id but makes new task runs, so the folder is keyed by flow run, task and inputs.
+    """
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if "SGPU_CHECKPOINT_DIR" in spec_env:
+        return {}
+    task_ctx = TaskRunContext.get()
+    flow_ctx = FlowRunContext.get()
+    if task_ctx is None or not isinstance(store, LocalStore):
+        return {}
+    flow_run_id = str(flow_ctx.flow_run.id) if flow_ctx and flow_ctx.flow_run else "no-flow-run"
+    task_run = task_ctx.task_run
+    folder = store.root.parent / "checkpoints" / flow_run_id / f"{_slug(task_run.task_key)}-{call_digest}"
+    return {"SGPU_CHECKPOINT_DIR": str(folder)}
+
+
+def _digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    from prefect.utilities.hashing import hash_objects
+
+    return (hash_objects(args, kwargs) or "unhashable")[:12]
+
+
+def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                spec: dict[str, Any]) -> Any:
+    """Launch ``fn`` on the task's resources (merged over the runner's defaults) and wait."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    runner = _current_runner()
+    merged = {**(runner.defaults if runner else {}), **{k: v for k, v in spec.items() if v is not None}}
+    resources = make_resources(**{k: merged[k] for k in _RESOURCE_KEYS if merged.get(k) is not None})
+    env = dict(merged.get("env") or {})
+    if merged.get("strategy"):
+        env["SGPU_STRATEGY"] = merged["strategy"]
+    compute, store = runner.compute_and_store() if runner else _default_compute_and_store(resources.remote)
+    env.update(_checkpoint_dir(store, env, _digest(args, kwargs)))
+    options = make_options(**{**{k: merged[k] for k in _OPTION_KEYS if merged.get(k) is not None}, "env": env})
+
+    task_ctx = TaskRunContext.get()
+    flow_ctx = FlowRunContext.get()
+    tags = {}
+    if task_ctx is not None:
+        tags["prefect.task_run_id"] = str(task_ctx.task_run.id)
+    if flow_ctx is not None and flow_ctx.flow_run is not None:
+        tags["prefect.flow_run_id"] = str(flow_ctx.flow_run.id)
+    cancel = threading.Event()
+    job = Job(payload_mod.FunctionCall(fn, args, kwargs), resources, options, compute, store,
+              sink=RankLogSink(getattr(fn, "__name__", "task")), cancel_event=cancel, tags=tags)
+    if runner is not None:
+        runner._track(cancel)
+    try:
+        result = job.run()
+    finally:
+        if runner is not None:
+            runner._untrack(cancel)
+    _report(job, result)
+    return result.values if merged.get("return_all") else result.values[0]
+
+
+def _default_compute_and_store(remote: bool) -> tuple[Any, Store]:
+    from prefect_sgpu.decorator import resolve_compute, resolve_store
+
+    ref = os.environ.get(COMPUTE_ENV)
+    compute = _load_block(ref).get_compute() if ref and not remote else resolve_compute(remote, None)
+    return compute, resolve_store(compute, _env_store())
+
+
+def _env_store() -> Any | None:
+    ref = os.environ.get(STORE_ENV)
+    return _load_block(ref) if ref else None
+
+
+def _load_block(ref: str) -> Any:
+    from prefect.blocks.core import Block
+
+    return Block.load(ref)
+
+
+def _report(job: Job, result: JobResult) -> None:
+    """A Prefect artifact for the task run: ranks, hosts, exit codes, durations, MLflow run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    rows = "\n".join(
+        f"| {r.rank} | {r.node} | {r.host} | {r.exit_code} | {r.duration_s:.1f} |" for r in result.ranks
+    )
+    mlflow_line = (
+        f"MLflow run `{result.mlflow_run_id}` ({result.mlflow_tracking_uri}): "
+        f"[open]({result.mlflow_tracking_uri}/#/experiments/{job.tracked.experiment_id}/runs/{result.mlflow_run_id})"
+        if result.mlflow_run_id and job.tracked else "MLflow: off"
+    )
+    cost = result.cost or {}
+    cost_line = (
+        f"Compute: {cost.get('instance_hours', 0):.4f} instance-hours, estimated "
+        f"${cost.get('usd', 0):.4f}\n\n" if cost else ""
+    )
+    create_markdown_artifact(
+        markdown=(
+            f"### {job.call.name}: {result.plan.world_size} rank(s) on {result.plan.nodes} node(s)\n\n"
+            f"Job `{result.run_id}` finished in {result.duration_s:.1f} s on {result.plan.device}.\n\n"
+            "| rank | node | host | exit code | duration (s) |\n| --- | --- | --- | --- | --- |\n"
+            f"{rows}\n\n{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
+        ),
+        description=f"prefect-sgpu job {result.run_id}",
+    )
+
+
+# --- the task runner -------------------------------------------------------------
+
+
+class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
+    """Runs GPU tasks as multi-node jobs on ``compute``; every other task in threads.
+
+    ``compute`` is a compute block (``LocalCompute``, ``EC2Compute``, ``RayCompute``), a
+    compute object, or None for the ``PREFECT_SGPU_COMPUTE`` block / local processes.
+    Runner-level ``gpus``/``gpu_type``/... are defaults for GPU tasks; with
+    ``distribute_all_tasks=True`` every submitted task becomes a GPU task.
+    Nothing is provisioned in ``__enter__``: compute is resolved on the first GPU task,
+    and everything still running is stopped in ``__exit__`` (which also runs when the
+    flow run is cancelled).
+    """
+
+    def __init__(
+        self,
+        compute: Any | None = None,
+        store: Any | None = None,
+        *,
+        gpus: int | None = None,
+        gpu_type: str | None = None,
+        nodes: int | None = None,
+        remote: bool | None = None,
+        strategy: str | None = None,
+        timeout: Any = None,
+        max_restarts: int | None = None,
+        env: dict[str, str] | None = None,
+        mlflow: bool | None = None,
+        return_all: bool | None = None,
+        distribute_all_tasks: bool = False,
+        max_workers: int | None = None,
+    ) -> None:
+        super().__init__(max_workers=max_workers)
+        self.compute = compute
+        self.store = store
+        defaults = {"gpus": gpus, "gpu_type": gpu_type, "nodes": nodes, "remote": remote,
+                    "strategy": strategy, "timeout": timeout, "max_restarts": max_restarts, "env": env,
+                    "mlflow": mlflow, "return_all": return_all}
+        self.defaults = _validate_spec({k: v for k, v in defaults.items() if v is not None})
+        if distribute_all_tasks and not gpus:
+            raise SGPUConfigError("gpus", gpus, "a number of GPUs when distribute_all_tasks=True")
+        self.distribute_all_tasks = distribute_all_tasks
+        self._resolved: tuple[Any, Store] | None = None
+        self._jobs: set[threading.Event] = set()
+        self._jobs_lock = threading.Lock()
+
+    def duplicate(self) -> "GPUTaskRunner":
+        return type(self)(
+            self.compute, self.store, distribute_all_tasks=self.distribute_all_tasks,
+            max_workers=self._max_workers, **self.defaults,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, GPUTaskRunner) and self.defaults == other.defaults
+                and self.compute == other.compute and self.distribute_all_tasks == other.distribute_all_tasks)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for key in ("_jobs_lock", "_resolved", "_jobs"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._jobs_lock = threading.Lock()
+        self._jobs = set()
+        self._resolved = None
+
+    def compute_and_store(self) -> tuple[Any, Store]:
+        """Resolve the compute (and its store) on first use, once per runner."""
+        with self._jobs_lock:
+            if self._resolved is None:
+                from prefect_sgpu.decorator import resolve_compute, resolve_store
+
+                compute = self.compute
+                if compute is None and os.environ.get(COMPUTE_ENV):
+                    compute = _load_block(os.environ[COMPUTE_ENV])
+                resolved = resolve_compute(bool(self.defaults.get("remote")), compute)
+                self._resolved = (resolved, resolve_store(resolved, self.store or _env_store()))
+            return self._resolved
+
+    def _track(self, event: threading.Event) -> None:
+        with self._jobs_lock:
+            self._jobs.add(event)
+
+    def _untrack(self, event: threading.Event) -> None:
+        with self._jobs_lock:
+            self._jobs.discard(event)
+
+    def submit(self, task: Task, parameters: dict[str, Any], wait_for: Iterable[Any] | None = None,
+               dependencies: dict[str, Any] | None = None) -> Any:
+        if self.distribute_all_tasks and not isinstance(task, GPUTask):
+            task = _as_gpu_task(task, {})
+        return super().submit(task, parameters, wait_for, dependencies)
+
+    def cancel_all(self) -> None:
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+        for event in jobs:  # every running job stops its ranks and ends its MLflow run KILLED
+            event.set()
+        super().cancel_all()
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        try:
+            super().__exit__(exc_type, exc_value, traceback)  # cancels jobs, waits for their threads
+        finally:
+            resolved, self._resolved = self._resolved, None
+            close = getattr(resolved[0], "close", None) if resolved else None
+            if callable(close):
+                close()

@@ -1,0 +1,505 @@
+"""An HTTP proxy in front of moto that injects real AWS error responses by rule.
+
+Code under test keeps its real boto3 clients; only their endpoint points here. Each
+request is recorded (action and parameters, as they crossed the wire) and then, by
+rule, either answered with an AWS error in the service's own wire format (EC2 XML
+``<Response><Errors>`` with the HTTP status AWS uses, or the JSON ``__type`` body of
+JSON-protocol services) or forwarded to moto unchanged. That lets tests drive
+botocore's real retry, error parsing and waiter paths: a capacity error in one
+subnet, the first N calls throttled, a response lost after the launch happened.
+
+Moto 5.2 lacks three EC2 behaviours that provisioning relies on, so the proxy
+supplies them in front of moto, following the EC2 API reference:
+
+- placement groups (``CreatePlacementGroup``, ``DescribePlacementGroups``,
+  ``DeletePlacementGroup``; ``RunInstances`` into an unknown group fails with
+  ``InvalidPlacementGroup.Unknown``);
+- ``RunInstances`` idempotency: a repeated ``ClientToken`` with the same parameters
+  returns the first launch instead of launching again, and with other parameters
+  fails with ``IdempotentParameterMismatch``;
+- capacity reservations (``DescribeCapacityReservations`` for reservations a test
+  adds with :meth:`AWSFaultProxy.add_capacity_reservation`; a targeted launch
+  larger than what is left fails with ``ReservationCapacityExceeded``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import re
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+from xml.sax.saxutils import escape
+
+EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15/"
+
+#: HTTP status AWS answers each error code with (EC2 "server errors" are 5xx and retried by SDKs)
+ERROR_STATUS = {
+    "InsufficientInstanceCapacity": 500,
+    "InsufficientCapacity": 500,
+    "InsufficientReservedInstanceCapacity": 500,
+    "InternalError": 500,
+    "Unavailable": 503,
+    "ServiceUnavailable": 503,
+    "ReservationCapacityExceeded": 400,
+    "RequestLimitExceeded": 503,
+    "Throttling": 400,
+    "ThrottlingException": 400,
+    "SpotMaxPriceTooLow": 400,
+    "MaxSpotInstanceCountExceeded": 400,
+    "InstanceLimitExceeded": 400,
+    "UnauthorizedOperation": 403,
+    "AuthFailure": 401,
+}
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "proxy-connection"}
+
+Params = dict[str, str]
+
+
+@dataclass
+class FaultRule:
+    """Answer ``action`` with ``code`` when ``where(params)`` holds, ``times`` times (None: always)."""
+
+    action: str
+    code: str
+    message: str = ""
+    status: int | None = None
+    times: int | None = None
+    where: Callable[[Params], bool] | None = None
+    after_forward: bool = False  # forward first (the call takes effect), then lose the response
+    hits: int = 0
+
+    def matches(self, action: str, params: Params) -> bool:
+        if action != self.action or (self.times is not None and self.hits >= self.times):
+            return False
+        return self.where is None or bool(self.where(params))
+
+
+@dataclass
+class Recorded:
+    """One request as it crossed the proxy, and how it was answered."""
+
+    service: str
+    action: str
+    params: Params
+    status: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Reservation:
+    reservation_id: str
+    instance_type: str
+    availability_zone: str
+    total: int
+    available: int
+    state: str = "active"
+
+
+@dataclass
+class _PlacementGroup:
+    name: str
+    strategy: str
+    group_id: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def _tag_specifications(params: Params, resource_type: str) -> dict[str, str]:
+    tags: dict[str, str] = {}
+    n = 1
+    while f"TagSpecification.{n}.ResourceType" in params:
+        if params[f"TagSpecification.{n}.ResourceType"] == resource_type:
+            m = 1
+            while f"TagSpecification.{n}.Tag.{m}.Key" in params:
+                tags[params[f"TagSpecification.{n}.Tag.{m}.Key"]] = params.get(
+                    f"TagSpecification.{n}.Tag.{m}.Value", ""
+                )
+                m += 1
+        n += 1
+    return tags
+
+
+def _indexed(params: Params, prefix: str) -> list[str]:
+    values, n = [], 1
+    while f"{prefix}.{n}" in params:
+        values.append(params[f"{prefix}.{n}"])
+        n += 1
+    return values
+
+
+def _filters(params: Params) -> dict[str, list[str]]:
+    found, n = {}, 1
+    while f"Filter.{n}.Name" in params:
+        found[params[f"Filter.{n}.Name"]] = _indexed(params, f"Filter.{n}.Value")
+        n += 1
+    return found
+
+
+def ec2_error_body(code: str, message: str) -> bytes:
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n<Response><Errors><Error>'
+        f"<Code>{escape(code)}</Code><Message>{escape(message)}</Message>"
+        f"</Error></Errors><RequestID>{uuid.uuid4()}</RequestID></Response>"
+    ).encode()
+
+
+class AWSFaultProxy:
+    """Forward to ``upstream`` (moto), answering matching requests with AWS errors."""
+
+    def __init__(self, upstream: str) -> None:
+        parts = urlsplit(upstream)
+        self.upstream_host = parts.hostname or "127.0.0.1"
+        self.upstream_port = parts.port or 80
+        self.rules: list[FaultRule] = []
+        self.requests: list[Recorded] = []
+        self._groups: dict[str, _PlacementGroup] = {}
+        self._tokens: dict[str, tuple[str, int, bytes]] = {}
+        self._reservations: dict[str, _Reservation] = {}
+        self._lock = threading.RLock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="aws-fault-proxy", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> AWSFaultProxy:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    # -- rules and records ---------------------------------------------------------
+
+    def fail(
+        self,
+        action: str,
+        code: str,
+        *,
+        message: str = "",
+        status: int | None = None,
+        times: int | None = None,
+        where: Callable[[Params], bool] | None = None,
+        after_forward: bool = False,
+    ) -> FaultRule:
+        rule = FaultRule(action, code, message or f"injected {code}", status, times, where, after_forward)
+        with self._lock:
+            self.rules.append(rule)
+        return rule
+
+    def reset(self) -> None:
+        """Drop rules and records (placement groups and tokens stay: they mirror moto's state)."""
+        with self._lock:
+            self.rules.clear()
+            self.requests.clear()
+
+    def add_capacity_reservation(
+        self, instance_type: str, availability_zone: str, count: int, state: str = "active"
+    ) -> str:
+        """A targeted EC2 capacity reservation; returns its id (cr-...)."""
+        reservation_id = f"cr-{uuid.uuid4().hex[:17]}"
+        with self._lock:
+            self._reservations[reservation_id] = _Reservation(
+                reservation_id, instance_type, availability_zone, count, count, state
+            )
+        return reservation_id
+
+    def calls(self, action: str) -> list[Recorded]:
+        with self._lock:
+            return [r for r in self.requests if r.action == action]
+
+    # -- request handling ----------------------------------------------------------
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def _body(self) -> bytes | None:
+                """The request body, or None when the client went away before sending all of it."""
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        line = self.rfile.readline()
+                        if not line:
+                            return None
+                        size = int(line.split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            break
+                        chunk = self.rfile.read(size)
+                        if len(chunk) < size:
+                            return None
+                        chunks.append(chunk)
+                        self.rfile.readline()
+                    return b"".join(chunks)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                return body if len(body) == length else None
+
+            def _handle(self) -> None:
+                body = self._body()
+                if body is None:  # as a real endpoint does: a cut-short request is dropped, not stored
+                    self.close_connection = True
+                    return
+                status, headers, payload = proxy._dispatch(self.command, self.path, dict(self.headers), body)
+                self.send_response(status)
+                for name, value in headers:
+                    if name.lower() not in HOP_BY_HOP:
+                        self.send_header(name, value)
+                if self.command == "HEAD":
+                    length = next((v for k, v in headers if k.lower() == "content-length"), "0")
+                    self.send_header("Content-Length", length)
+                    self.end_headers()
+                    return
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _handle
+
+        return Handler
+
+    def _dispatch(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, list, bytes]:
+        service, action, params = _identify(headers, body)
+        record = Recorded(service, action, params)
+        with self._lock:
+            self.requests.append(record)
+            rule = next((r for r in self.rules if r.matches(action, params)), None)
+            if rule is not None:
+                rule.hits += 1
+        if rule is not None and not rule.after_forward:
+            return self._error(record, rule.code, rule.message, rule.status, service)
+        if service == "ec2" and action in (
+            "CreatePlacementGroup",
+            "DescribePlacementGroups",
+            "DeletePlacementGroup",
+        ):
+            result = self._placement_groups(action, params)
+        elif service == "ec2" and action == "DescribeCapacityReservations":
+            result = self._describe_reservations(params)
+        elif service == "ec2" and action == "RunInstances":
+            result = self._run_instances(method, path, headers, body, params)
+        else:
+            result = self._forward(method, path, headers, body)
+        if rule is not None:  # the call happened upstream; the caller never hears back
+            return self._error(record, rule.code, rule.message, rule.status, service)
+        record.status = result[0]
+        if result[0] >= 400:  # moto's own errors and the EC2 behaviour above, recorded alike
+            found = re.search(rb"<Code>([^<]+)</Code>|\"__type\"\s*:\s*\"([^\"]+)\"", result[2])
+            record.error = (found.group(1) or found.group(2)).decode() if found else str(result[0])
+        return result
+
+    def _error(self, record: Recorded, code: str, message: str, status: int | None, service: str):
+        """The error in the wire format of the service that was called."""
+        status = status or ERROR_STATUS.get(code, 400)
+        record.status, record.error = status, code
+        xml = [("Content-Type", "text/xml;charset=UTF-8")]
+        request_id = uuid.uuid4()
+        if service.startswith("json:"):
+            body = json.dumps({"__type": code, "message": message}).encode()
+            return status, [("Content-Type", "application/x-amz-json-1.1")], body
+        if service == "ec2":
+            return status, xml, ec2_error_body(code, message)
+        if service == "rest":  # S3
+            body = (
+                f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{escape(code)}</Code>'
+                f"<Message>{escape(message)}</Message><RequestId>{request_id}</RequestId></Error>"
+            )
+            return status, xml, body.encode()
+        body = (  # other query-protocol services (IAM, STS, ...)
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<ErrorResponse><Error><Type>Sender</Type>'
+            f"<Code>{escape(code)}</Code><Message>{escape(message)}</Message></Error>"
+            f"<RequestId>{request_id}</RequestId></ErrorResponse>"
+        )
+        return status, xml, body.encode()
+
+    def _forward(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, list, bytes]:
+        conn = http.client.HTTPConnection(self.upstream_host, self.upstream_port, timeout=60)
+        try:
+            out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+            out["Host"] = f"{self.upstream_host}:{self.upstream_port}"
+            if body or method in ("POST", "PUT", "PATCH"):
+                out["Content-Length"] = str(len(body))
+            conn.request(method, path, body=body or None, headers=out)
+            resp = conn.getresponse()
+            payload = resp.read()
+            return resp.status, resp.getheaders(), payload
+        finally:
+            conn.close()
+
+    # -- EC2 behaviour moto lacks ----------------------------------------------------
+
+    def _ec2_ok(self, action: str, inner: str) -> tuple[int, list, bytes]:
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<{action}Response xmlns="{EC2_NS}">'
+            f"<requestId>{uuid.uuid4()}</requestId>{inner}</{action}Response>"
+        ).encode()
+        return 200, [("Content-Type", "text/xml;charset=UTF-8")], body
+
+    def _ec2_fail(self, code: str, message: str) -> tuple[int, list, bytes]:
+        return (
+            ERROR_STATUS.get(code, 400),
+            [("Content-Type", "text/xml;charset=UTF-8")],
+            ec2_error_body(code, message),
+        )
+
+    @staticmethod
+    def _group_xml(group: _PlacementGroup, tag: str = "item") -> str:
+        tags = "".join(
+            f"<item><key>{escape(k)}</key><value>{escape(v)}</value></item>" for k, v in group.tags.items()
+        )
+        return (
+            f"<{tag}><groupName>{escape(group.name)}</groupName><state>available</state>"
+            f"<strategy>{escape(group.strategy)}</strategy><groupId>{group.group_id}</groupId>"
+            f"<tagSet>{tags}</tagSet></{tag}>"
+        )
+
+    def _placement_groups(self, action: str, params: Params) -> tuple[int, list, bytes]:
+        with self._lock:
+            if action == "CreatePlacementGroup":
+                name = params.get("GroupName", "")
+                if name in self._groups:
+                    return self._ec2_fail(
+                        "InvalidPlacementGroup.Duplicate", f"The placement group '{name}' already exists."
+                    )
+                group = _PlacementGroup(
+                    name,
+                    params.get("Strategy", "cluster"),
+                    f"pg-{uuid.uuid4().hex[:17]}",
+                    _tag_specifications(params, "placement-group"),
+                )
+                self._groups[name] = group
+                return self._ec2_ok(
+                    action, "<return>true</return>" + self._group_xml(group, "placementGroup")
+                )
+            if action == "DeletePlacementGroup":
+                name = params.get("GroupName", "")
+                if self._groups.pop(name, None) is None:
+                    return self._ec2_fail(
+                        "InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown."
+                    )
+                return self._ec2_ok(action, "<return>true</return>")
+            names = _indexed(params, "GroupName")
+            for name in names:
+                if name not in self._groups:
+                    return self._ec2_fail(
+                        "InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown."
+                    )
+            groups = [g for g in self._groups.values() if not names or g.name in names]
+            for key, values in _filters(params).items():
+                if key.startswith("tag:"):
+                    groups = [g for g in groups if g.tags.get(key[4:]) in values]
+                elif key == "group-name":
+                    groups = [g for g in groups if g.name in values]
+                elif key == "strategy":
+                    groups = [g for g in groups if g.strategy in values]
+            items = "".join(self._group_xml(g) for g in groups)
+            return self._ec2_ok(action, f"<placementGroupSet>{items}</placementGroupSet>")
+
+    def _run_instances(self, method: str, path: str, headers: dict[str, str], body: bytes, params: Params):
+        group = params.get("Placement.GroupName")
+        if group:
+            with self._lock:
+                known = group in self._groups
+            if not known:
+                return self._ec2_fail(
+                    "InvalidPlacementGroup.Unknown", f"The Placement Group '{group}' is unknown."
+                )
+        token = params.get("ClientToken", "")
+        fingerprint = hashlib.sha256(
+            json.dumps({k: v for k, v in sorted(params.items()) if k != "ClientToken"}).encode()
+        ).hexdigest()
+        with self._lock:  # one launch per token, even when retries race
+            seen = self._tokens.get(token) if token else None
+            if seen is not None:
+                if seen[0] != fingerprint:
+                    return self._ec2_fail(
+                        "IdempotentParameterMismatch",
+                        "The client token you have provided is associated with a resource that is already "
+                        "deleted or has different parameters.",
+                    )
+                return seen[1], [("Content-Type", "text/xml;charset=UTF-8")], seen[2]
+            reservation_id = params.get(
+                "CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId"
+            )
+            reservation = self._reservations.get(reservation_id or "")
+            if reservation_id and reservation is None:
+                return self._ec2_fail(
+                    "InvalidCapacityReservationId.NotFound",
+                    f"The capacity reservation ID '{reservation_id}' does not exist",
+                )
+            if reservation is not None and int(params.get("MinCount", "1")) > reservation.available:
+                return self._ec2_fail(
+                    "ReservationCapacityExceeded",
+                    f"The targeted Capacity Reservation ({reservation_id}) does not have enough available "
+                    "instance capacity to fulfill your request.",
+                )
+            status, resp_headers, payload = self._forward(method, path, headers, body)
+            if status == 200:
+                if token:
+                    self._tokens[token] = (fingerprint, status, payload)
+                if reservation is not None:
+                    reservation.available -= int(params.get("MaxCount", "1"))
+            return status, resp_headers, payload
+
+    def _describe_reservations(self, params: Params) -> tuple[int, list, bytes]:
+        with self._lock:
+            ids = _indexed(params, "CapacityReservationId")
+            for rid in ids:
+                if rid not in self._reservations:
+                    return self._ec2_fail(
+                        "InvalidCapacityReservationId.NotFound",
+                        f"The capacity reservation ID '{rid}' does not exist",
+                    )
+            items = "".join(
+                f"<item><capacityReservationId>{r.reservation_id}</capacityReservationId>"
+                f"<instanceType>{r.instance_type}</instanceType>"
+                "<instancePlatform>Linux/UNIX</instancePlatform>"
+                f"<availabilityZone>{r.availability_zone}</availabilityZone><tenancy>default</tenancy>"
+                f"<totalInstanceCount>{r.total}</totalInstanceCount>"
+                f"<availableInstanceCount>{r.available}</availableInstanceCount><state>{r.state}</state>"
+                "<instanceMatchCriteria>targeted</instanceMatchCriteria></item>"
+                for r in self._reservations.values()
+                if not ids or r.reservation_id in ids
+            )
+        return self._ec2_ok(
+            "DescribeCapacityReservations", f"<capacityReservationSet>{items}</capacityReservationSet>"
+        )
+
+
+def _identify(headers: dict[str, str], body: bytes) -> tuple[str, str, Params]:
+    """(service, action, flat parameters) of a query-protocol or JSON-protocol request."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    target = lower.get("x-amz-target")
+    if target:
+        try:
+            params = json.loads(body or b"{}")
+        except ValueError:
+            params = {}
+        flat = {k: json.dumps(v) if not isinstance(v, str) else v for k, v in params.items()}
+        return f"json:{target.split('.')[0]}", target.split(".")[-1], flat
+    ctype = lower.get("content-type", "")
+    if "x-www-form-urlencoded" in ctype:
+        params = dict(parse_qsl(body.decode(), keep_blank_values=True))
+        auth = lower.get("authorization", "")
+        service = auth.split("Credential=")[-1].split("/")[3] if "Credential=" in auth else "query"
+        return service, params.get("Action", ""), params
+    return "rest", "", {}

@@ -1,0 +1,216 @@
+"""AWS test fixtures: one moto server per test session, reached through real boto3 clients.
+
+Tests never patch boto3. Code under test talks HTTP to a ``ThreadedMotoServer`` on
+127.0.0.1 exactly as it would talk to AWS, so retries, error parsing, waiters and
+request serialisation are all the real botocore paths.
+
+Fixtures (wired into every test module by ``tests/conftest.py``):
+
+- ``moto_server``   session: moto's own endpoint URL (``http://127.0.0.1:PORT``).
+- ``aws_proxy``     session: :class:`~aws_fault_proxy.AWSFaultProxy` in front of moto.
+                    It adds the EC2 behaviour moto lacks (placement groups, ClientToken
+                    idempotency) and injects AWS errors by rule.
+- ``aws_env``       function: fake credentials, region and ``AWS_ENDPOINT_URL`` (the
+                    proxy) in the environment, so any ``boto3.client(...)`` made by code
+                    under test lands on moto. Returns a :class:`MotoAWS` handle.
+- ``aws_faults``    function: the proxy, with its rules and request records cleared
+                    before and after the test.
+- ``aws_network``   function: a fresh VPC with one subnet in each of two availability
+                    zones, for placement and failover tests.
+- ``no_leaked_instances``  function: fails the test if any moto instance is still
+                    pending/running/stopping when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aws_fault_proxy import AWSFaultProxy
+
+REGION = "us-east-1"
+FAKE_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SECURITY_TOKEN": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+}
+_IMAGE_IDS: dict[str, str] = {}
+LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def aws_environment(endpoint_url: str, region: str = REGION) -> dict[str, str]:
+    """Environment that points every boto3 client at ``endpoint_url`` with fake keys."""
+    return {
+        **FAKE_CREDENTIALS,
+        "AWS_DEFAULT_REGION": region,
+        "AWS_REGION": region,
+        "AWS_ENDPOINT_URL": endpoint_url,
+    }
+
+
+def boto3_client(service: str, endpoint_url: str, region: str = REGION, **config: Any) -> Any:
+    """A real boto3 client bound to the moto endpoint (explicit keys: no env needed)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        service,
+        region_name=region,
+        endpoint_url=endpoint_url,
+        aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        config=Config(**config) if config else None,
+    )
+
+
+def boto3_session(region: str = REGION) -> Any:
+    """A boto3 session with the fake keys (pair it with ``endpoint_url=`` on clients)."""
+    import boto3
+
+    return boto3.Session(
+        aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        region_name=region,
+    )
+
+
+def live_instances(ec2: Any, filters: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Instances moto still holds in a non-terminated state (optionally filtered)."""
+    flt = [{"Name": "instance-state-name", "Values": LIVE_STATES}, *(filters or [])]
+    found = []
+    for page in ec2.get_paginator("describe_instances").paginate(Filters=flt):
+        for reservation in page["Reservations"]:
+            found.extend(reservation["Instances"])
+    return found
+
+
+@dataclass
+class MotoAWS:
+    """Handle on the moto server a test talks to."""
+
+    endpoint_url: str
+    region: str = REGION
+    env: dict[str, str] = field(default_factory=dict)
+
+    def client(self, service: str, **config: Any) -> Any:
+        return boto3_client(service, self.endpoint_url, self.region, **config)
+
+    def session(self) -> Any:
+        return boto3_session(self.region)
+
+    def live_instances(self, filters: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        return live_instances(self.client("ec2"), filters)
+
+    def image_id(self) -> str:
+        """An AMI id moto knows (looked up once per session: moto's image list is long)."""
+        if self.endpoint_url not in _IMAGE_IDS:
+            images = self.client("ec2").describe_images(Owners=["amazon"])["Images"]
+            _IMAGE_IDS[self.endpoint_url] = min(img["ImageId"] for img in images)
+        return _IMAGE_IDS[self.endpoint_url]
+
+    def instance_profile(self, name: str = "sgpu-node") -> str:
+        """An IAM instance profile (moto, like AWS, rejects launches naming an unknown one)."""
+        iam = self.client("iam")
+        try:
+            iam.create_instance_profile(InstanceProfileName=name)
+        except iam.exceptions.EntityAlreadyExistsException:
+            pass
+        return name
+
+    def reset(self) -> None:
+        """Drop every resource in moto (all services). Use sparingly: it is server-wide."""
+        import urllib.request
+
+        req = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
+        urllib.request.urlopen(req, timeout=10).close()
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[str]:
+    """A moto server on a free 127.0.0.1 port for the whole session; yields its URL."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def aws_proxy(moto_server: str) -> Iterator[AWSFaultProxy]:
+    """The fault-injecting proxy every test client talks to (moto behind it)."""
+    proxy = AWSFaultProxy(moto_server).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture
+def aws_faults(aws_proxy: AWSFaultProxy) -> Iterator[AWSFaultProxy]:
+    """The proxy with no rules and no records; rules added by the test end with it."""
+    aws_proxy.reset()
+    yield aws_proxy
+    aws_proxy.reset()
+
+
+@pytest.fixture
+def aws_env(aws_proxy: AWSFaultProxy, monkeypatch: pytest.MonkeyPatch) -> MotoAWS:
+    """Fake credentials + the AWS endpoint in the environment, for code that builds its own clients."""
+    env = aws_environment(aws_proxy.url)
+    for name in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return MotoAWS(endpoint_url=aws_proxy.url, env=env)
+
+
+@dataclass
+class Network:
+    vpc_id: str
+    subnet_ids: list[str]
+    availability_zones: list[str]
+
+
+@pytest.fixture
+def aws_network(aws_env: MotoAWS) -> Iterator[Network]:
+    """A fresh VPC with one subnet in each of two availability zones (first AZ first)."""
+    ec2 = aws_env.client("ec2")
+    octet = uuid.uuid4().int % 250 + 1
+    vpc_id = ec2.create_vpc(CidrBlock=f"10.{octet}.0.0/16")["Vpc"]["VpcId"]
+    zones = [f"{aws_env.region}a", f"{aws_env.region}b"]
+    subnets = [
+        ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.{octet}.{i}.0/24", AvailabilityZone=az)["Subnet"][
+            "SubnetId"
+        ]
+        for i, az in enumerate(zones)
+    ]
+    yield Network(vpc_id=vpc_id, subnet_ids=subnets, availability_zones=zones)
+
+
+@pytest.fixture
+def no_leaked_instances(aws_env: MotoAWS) -> Iterator[None]:
+    """Fail the test if it leaves any instance alive in moto."""
+    before = {i["InstanceId"] for i in aws_env.live_instances()}
+    yield
+    leaked = [i["InstanceId"] for i in aws_env.live_instances() if i["InstanceId"] not in before]
+    assert not leaked, f"instances left alive after the test: {leaked}"

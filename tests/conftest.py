@@ -1,0 +1,56 @@
+"""Shared fixtures: an isolated home for jobs and MLflow, one Prefect server per session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+_HOME = Path(tempfile.mkdtemp(prefix="sgpu-tests-"))
+os.environ["PREFECT_SGPU_HOME"] = str(_HOME)
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_HOME / 'mlflow.db'}"
+os.environ.setdefault("PREFECT_SGPU_DEVICE", "cpu")  # CI has no GPU; GPU runs set it to "cuda"
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+
+
+@pytest.fixture(scope="session")
+def sgpu_home() -> Path:
+    return _HOME
+
+
+@pytest.fixture(scope="session")
+def prefect_server() -> Iterator[None]:
+    """One real temporary Prefect server (SQLite) for every test that needs one."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def job_processes(run_id: str) -> list[str]:
+    """Command lines of live processes that belong to a job (its run id is in their argv)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if run_id in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(f"{proc.pid}: {cmd}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+# AWS fixtures (moto server, fake credentials, VPC, leak check) for every test module.
+from aws_fixtures import (  # noqa: E402,F401
+    aws_env,
+    aws_faults,
+    aws_network,
+    aws_proxy,
+    moto_server,
+    no_leaked_instances,
+)

@@ -1,0 +1,282 @@
+"""Boot moto's EC2 instances as local processes, so the EC2 path runs end to end offline.
+
+For every instance moto reports as pending/running, the simulator runs that
+instance's *real* user-data (decoded from ``describe_instance_attribute``) as a local
+process, with what a VM would give it:
+
+- its own fake IMDSv2 server on 127.0.0.1 (token PUT, then instance-id,
+  ami-launch-index, local-ipv4), found through ``AWS_EC2_METADATA_SERVICE_ENDPOINT``;
+- the moto server's credentials, standing in for the instance profile;
+- its own address. moto's private IPs (10.x) are not on this host, so each node gets
+  its own loopback address (127.X.Y.Z; all of 127.0.0.0/8 is local on Linux) and IMDS
+  reports that address as local-ipv4. ``address_of`` records the mapping from the
+  instance id to (moto's private IP, the loopback address). Loopback addresses were
+  chosen over network namespaces with veth pairs because the moto server listens on
+  127.0.0.1 only, which other network namespaces cannot reach;
+- where the kernel allows (root, util-linux unshare), its own PID namespace with its
+  own /proc, so "power off" (SIGKILL to the namespace's init) takes every process of
+  the node with it, as terminating a VM does.
+
+When moto says an instance is shutting down or terminated, the simulator kills that
+node's processes. ``boot`` decides per instance whether it boots at all (a node that
+never comes up).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
+
+
+class FakeIMDS:
+    """A tiny IMDSv2: tokens are required, as on a real instance with IMDSv2 enforced."""
+
+    def __init__(self, metadata: dict[str, str]) -> None:
+        self.metadata = metadata
+        self.token = base64.urlsafe_b64encode(os.urandom(18)).decode()
+        imds = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, code: int, body: str) -> None:
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_PUT(self) -> None:  # noqa: N802 - http.server's naming
+                ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+                if self.path == "/latest/api/token" and ttl:
+                    self._send(200, imds.token)
+                else:
+                    self._send(400, "bad token request")
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
+                    self._send(401, "")
+                    return
+                prefix = "/latest/meta-data/"
+                key = self.path[len(prefix):] if self.path.startswith(prefix) else None
+                if key in imds.metadata:
+                    self._send(200, imds.metadata[key])
+                else:
+                    self._send(404, "")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclass
+class SimulatedNode:
+    instance_id: str
+    launch_index: int
+    moto_ip: str
+    address: str
+    imds: FakeIMDS
+    proc: subprocess.Popen[bytes]
+    log: Path
+    user_data: str
+    killed: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _pid_namespaces() -> bool:
+    unshare = shutil.which("unshare")
+    if not unshare or os.geteuid() != 0:
+        return False
+    probe = [unshare, "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc", "--", "true"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+class EC2Simulator:
+    """Watch moto's instances; boot each one's user-data as a node, kill it when terminated."""
+
+    def __init__(
+        self,
+        ec2_client: Any,
+        aws_env: dict[str, str],
+        workdir: Path,
+        boot: Callable[[dict[str, Any]], bool] | None = None,
+        interval: float = 0.3,
+    ) -> None:
+        self.ec2 = ec2_client
+        self.aws_env = aws_env
+        self.workdir = Path(workdir)
+        self.boot = boot or (lambda _inst: True)
+        self.interval = interval
+        self.nodes: dict[str, SimulatedNode] = {}
+        self.skipped: set[str] = set()
+        self.namespaces = _pid_namespaces()
+        base = random.randint(64, 191)
+        self._addresses = (f"127.{base}.{n // 250}.{n % 250 + 1}" for n in itertools.count())
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.errors: list[str] = []
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> "EC2Simulator":
+        self._thread = threading.Thread(target=self._loop, name="ec2-simulator", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            for node in self.nodes.values():
+                self._power_off(node)
+                node.imds.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - keep simulating; tests read .errors
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    # -- one pass -----------------------------------------------------------------
+
+    def tick(self) -> None:
+        with self._lock:
+            for inst in self._instances():
+                iid, state = inst["InstanceId"], inst["State"]["Name"]
+                node = self.nodes.get(iid)
+                if state in DEAD_STATES:
+                    if node is not None and not node.killed:
+                        self._power_off(node)
+                elif node is None and iid not in self.skipped:
+                    if self.boot(inst):
+                        self.nodes[iid] = self._boot(inst)
+                    else:
+                        self.skipped.add(iid)
+
+    def _instances(self) -> list[dict[str, Any]]:
+        found = []
+        for page in self.ec2.get_paginator("describe_instances").paginate():
+            for reservation in page.get("Reservations", []):
+                found += reservation.get("Instances", [])
+        return found
+
+    def _boot(self, inst: dict[str, Any]) -> SimulatedNode:
+        iid = inst["InstanceId"]
+        raw = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
+        user_data = base64.b64decode(raw["UserData"].get("Value", "")).decode()
+        address = next(self._addresses)
+        imds = FakeIMDS({
+            "instance-id": iid,
+            "ami-launch-index": str(inst.get("AmiLaunchIndex", 0)),
+            "local-ipv4": address,
+            "instance-type": inst.get("InstanceType", ""),
+            "placement/availability-zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
+        })
+        home = self.workdir / iid
+        (home / "home").mkdir(parents=True, exist_ok=True)
+        script = home / "user-data"
+        script.write_text(user_data)
+        script.chmod(0o755)
+        env = {
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+            "PYTHONPATH": str(REPO_ROOT),  # the AMI's installed prefect-sgpu
+            "HOME": str(home / "home"),
+            "LANG": "C.UTF-8",
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds.url,
+            "PREFECT_SGPU_NODE_DIR": str(home / "jobs"),
+            "PREFECT_SGPU_HOME": str(home / "sgpu-home"),
+            # no GPU on a simulated VM: CPU ranks with gloo
+            "SGPU_DEVICE": "cpu", "PREFECT_SGPU_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            **self.aws_env,
+        }
+        if os.environ.get("TORCH_EXTENSIONS_DIR"):
+            env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+        argv = ["bash", str(script)]
+        if self.namespaces:
+            argv = [shutil.which("unshare") or "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
+                    "--mount-proc", "--", *argv]
+        log = home / "console.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
+        return SimulatedNode(iid, int(inst.get("AmiLaunchIndex", 0)), inst.get("PrivateIpAddress", ""),
+                             address, imds, proc, log, user_data)
+
+    def _power_off(self, node: SimulatedNode) -> None:
+        """What terminating a VM does: every process of the node dies at once."""
+        import psutil
+
+        node.killed = True
+        try:
+            tree = [psutil.Process(node.proc.pid), *psutil.Process(node.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in tree:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(tree, timeout=10)
+        try:
+            node.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.errors.append(f"{node.instance_id}: process {node.proc.pid} survived SIGKILL")
+
+    # -- what tests ask -------------------------------------------------------------
+
+    def address_of(self, instance_id: str) -> tuple[str, str]:
+        """(moto's private IP, the loopback address the node really uses)."""
+        node = self.nodes[instance_id]
+        return node.moto_ip, node.address
+
+    def live_processes(self) -> list[int]:
+        with self._lock:
+            return [n.proc.pid for n in self.nodes.values() if n.proc.poll() is None]
+
+    def console(self, instance_id: str) -> str:
+        node = self.nodes.get(instance_id)
+        return node.log.read_text(errors="replace") if node else ""
+
+    def wait_powered_off(self, instance_ids: list[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                alive = [i for i in instance_ids if i in self.nodes and self.nodes[i].proc.poll() is None]
+            if not alive:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def describe(self) -> str:
+        return json.dumps({i: {"index": n.launch_index, "moto_ip": n.moto_ip, "address": n.address,
+                               "alive": n.proc.poll() is None} for i, n in self.nodes.items()}, indent=1)

@@ -1,0 +1,121 @@
+"""Checkpoints are complete or ignored; resume restores model, optimizer, extra state and RNG.
+
+These run in one process (no process group: barriers are no-ops) on a plain module;
+the sharded FSDP2 / DeepSpeed versions run on real gloo ranks in test_strategies.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.pipeline.checkpoint import MARKER, Checkpointer, complete_steps, latest_complete_step
+from prefect_sgpu.pipeline.strategies import Wrapped
+
+
+def _wrapped(seed: int = 0) -> Wrapped:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 2)
+    return Wrapped("ddp", model, model, torch.optim.AdamW(model.parameters(), lr=0.1), torch.device("cpu"),
+                   torch.float32)
+
+
+def _train_step(w: Wrapped) -> None:
+    loss = w.model(torch.randn(8, 4)).pow(2).mean()
+    w.zero_grad()
+    w.backward(loss)
+    w.step()
+
+
+def test_resume_skips_a_half_written_newer_checkpoint(tmp_path: Path) -> None:
+    w = _wrapped()
+    ckpt = Checkpointer(w, tmp_path, every=2, keep=3)
+    for step in range(1, 5):
+        _train_step(w)
+        ckpt.maybe_save(step, {"loader": {"sample_in_epoch": step * 8}})
+    assert complete_steps(tmp_path) == [2, 4]
+    saved = {k: v.clone() for k, v in w.module.state_dict().items()}
+
+    # a newer checkpoint whose writer died before the marker: files there, no COMPLETE
+    for _ in range(2):
+        _train_step(w)
+    partial = tmp_path / "step-00000006"
+    partial.mkdir()
+    torch.save({"model": w.module.state_dict()}, partial / "model.pt")
+    (partial / "extra-rank-00000.pt").write_bytes(b"truncated")
+    assert latest_complete_step(tmp_path) == 4
+
+    fresh = _wrapped(seed=1)
+    step, extra = Checkpointer(fresh, tmp_path, every=2, keep=3).restore()
+    assert step == 4 and extra == {"loader": {"sample_in_epoch": 32}}
+    for key, value in fresh.module.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    assert fresh.optimizer.state_dict()["state"][0]["step"] == 4, "optimizer state came back too"
+
+
+def test_a_marker_written_last_is_what_makes_a_checkpoint_count(tmp_path: Path) -> None:
+    w = _wrapped()
+    path = Checkpointer(w, tmp_path, every=1).save(3, {"note": "x"})
+    info = json.loads((path / MARKER).read_text())
+    assert info["step"] == 3 and info["strategy"] == "ddp" and info["world_size"] == 1
+    assert not list(path.glob("*.tmp")), "no temporary files remain"
+    (path / MARKER).unlink()
+    assert Checkpointer(_wrapped(), tmp_path).restore() == (0, {}), "without its marker it is not a checkpoint"
+
+
+def test_keeps_the_last_k_and_clears_stale_partials(tmp_path: Path) -> None:
+    w = _wrapped()
+    stale = tmp_path / "step-00000001"
+    stale.mkdir(parents=True)
+    (stale / "model.pt").write_bytes(b"from a crashed attempt")
+    ckpt = Checkpointer(w, tmp_path, every=5, keep=2)
+    assert [s for s in range(0, 12) if ckpt.due(s)] == [5, 10]
+    for step in range(1, 21):
+        _train_step(w)
+        ckpt.maybe_save(step)
+    assert complete_steps(tmp_path) == [15, 20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000015", "step-00000020"]
+
+
+def test_rewriting_a_step_replaces_what_a_dead_attempt_left(tmp_path: Path) -> None:
+    w = _wrapped()
+    left = tmp_path / "step-00000002"
+    left.mkdir(parents=True)
+    (left / "junk.bin").write_bytes(b"x")
+    Checkpointer(w, tmp_path, every=2).save(2)
+    assert not (left / "junk.bin").exists()
+    assert (left / MARKER).is_file()
+
+
+def test_rng_state_is_restored(tmp_path: Path) -> None:
+    w = _wrapped()
+    ckpt = Checkpointer(w, tmp_path, every=1)
+    torch.manual_seed(7)
+    random.seed(7)
+    ckpt.save(1)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(99)
+    random.seed(99)
+    assert ckpt.restore()[0] == 1
+    got = (torch.rand(3), random.random())
+    assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
+
+
+def test_checkpoint_dir_defaults_to_the_runtime_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGPU_CHECKPOINT_DIR", str(tmp_path / "ckpts"))
+    ckpt = Checkpointer(_wrapped(), every=1)
+    assert ckpt.folder == tmp_path / "ckpts" and ckpt.folder.is_dir()
+
+
+@pytest.mark.parametrize(("field", "kwargs"), [("every", {"every": 0}), ("keep", {"keep": 0})])
+def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, field: str, kwargs: dict) -> None:
+    with pytest.raises(SGPUConfigError) as info:
+        Checkpointer(_wrapped(), tmp_path / "never", **kwargs)
+    assert info.value.field == field
+    assert not (tmp_path / "never").exists()

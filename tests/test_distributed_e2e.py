@@ -1,0 +1,311 @@
+"""End-to-end runs with real torch elastic agents and real gloo process groups."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import job_processes
+from prefect_sgpu import LaunchTimeout, RankFailedError, distributed, run_script, runtime
+from prefect_sgpu.compute.local import LocalCompute, namespaces_available
+from prefect_sgpu.errors import JobCancelled
+
+pytestmark = pytest.mark.e2e
+
+
+class TrainingDiverged(Exception):
+    """An exception class defined in the caller's module, raised inside a rank."""
+
+
+def _all_reduce_rank_sum(tag: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    backend = runtime.init_process_group()
+    t = torch.tensor([float(runtime.rank())])
+    dist.all_reduce(t)
+    print(f"{tag}: rank {runtime.rank()} of {runtime.world_size()} sum={t.item():g}")
+    return {"rank": runtime.rank(), "world": runtime.world_size(), "node": runtime.node_rank(),
+            "local_rank": runtime.local_rank(), "sum": t.item(), "backend": backend,
+            "device": str(runtime.device())}
+
+
+def test_one_node_two_ranks_returns_values_in_rank_order(capfd: pytest.CaptureFixture[str]) -> None:
+    fn = distributed(gpus=2, mlflow=False)(_all_reduce_rank_sum)
+    result = fn.run("hello")
+    values = result.values
+    assert [v["rank"] for v in values] == [0, 1]
+    assert all(v["sum"] == 1.0 and v["world"] == 2 and v["backend"] == "gloo" for v in values)
+    assert all(v["device"] == "cpu" for v in values)
+    out = capfd.readouterr().out
+    assert "[rank 0 node 0] hello: rank 0 of 2 sum=1" in out
+    assert "[rank 1 node 0] hello: rank 1 of 2 sum=1" in out
+    logs = Path(result.logs_uri)
+    assert "rank 1 of 2" in (logs / "rank-00001.log").read_text(), "full per-rank logs stay in the store"
+    assert job_processes(result.run_id) == []
+
+
+def test_two_nodes_two_ranks_each_world_of_four() -> None:
+    fn = distributed(gpus=4, nodes=2, mlflow=False)(_all_reduce_rank_sum)
+    result = fn.run("multi")
+    assert [v["rank"] for v in result.values] == [0, 1, 2, 3]
+    assert [v["node"] for v in result.values] == [0, 0, 1, 1]
+    assert [v["local_rank"] for v in result.values] == [0, 1, 0, 1]
+    assert all(v["sum"] == 6.0 and v["world"] == 4 for v in result.values)
+    assert [r.node for r in result.ranks] == [0, 0, 1, 1]
+    assert job_processes(result.run_id) == []
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="needs root and util-linux unshare for namespaces")
+def test_simulated_nodes_have_their_own_dev_shm_and_proc() -> None:
+    @distributed(gpus=4, nodes=2, mlflow=False, compute=LocalCompute(isolation="namespaces"))
+    def node_view() -> tuple[list[str], int, str | None]:
+        import psutil
+        import torch.distributed as dist
+
+        Path(f"/dev/shm/sgpu-test-rank-{runtime.rank()}").write_text("x")
+        runtime.init_process_group()
+        dist.barrier()
+        shm = sorted(p.name for p in Path("/dev/shm").glob("sgpu-test-rank-*"))
+        # the node's own /proc: a process sees itself (DeepSpeed and others call psutil.Process())
+        return shm, psutil.Process().pid - os.getpid(), os.environ.get("OMP_NUM_THREADS")
+
+    views = node_view.distributed()
+    assert views[0][0] == views[1][0] == ["sgpu-test-rank-0", "sgpu-test-rank-1"]
+    assert views[2][0] == views[3][0] == ["sgpu-test-rank-2", "sgpu-test-rank-3"]
+    assert [v[1] for v in views] == [0, 0, 0, 0]
+    threads = str(max(1, (os.cpu_count() or 1) // 4))
+    assert [v[2] for v in views] == [threads] * 4, "each rank gets its share of the host's cores"
+    assert not list(Path("/dev/shm").glob("sgpu-test-rank-*")), "the host's /dev/shm is untouched"
+
+
+def test_failing_rank_raises_its_own_exception_and_stops_the_others() -> None:
+    @distributed(gpus=4, nodes=2, mlflow=False)
+    def diverge() -> int:
+        import torch.distributed as dist
+
+        runtime.init_process_group()
+        dist.barrier()
+        if runtime.rank() == 3:
+            raise TrainingDiverged("loss is nan at step 7")
+        time.sleep(120)  # the others would wait far longer than the test
+        return runtime.rank()
+
+    job = diverge.job()
+    started = time.monotonic()
+    with pytest.raises(TrainingDiverged, match="loss is nan at step 7") as info:
+        job.run()
+    assert time.monotonic() - started < 90, "the other ranks were not left to sleep"
+    failure = info.value.sgpu_failure
+    assert (failure.rank, failure.node, failure.exit_code) == (3, 1, 1)
+    assert failure.host
+    assert "loss is nan at step 7" in failure.remote_traceback
+    assert "raise TrainingDiverged" in failure.remote_traceback
+    assert any("rank 3 (node 1)" in note for note in info.value.__notes__)
+    assert job_processes(job.run_id) == []
+
+
+def test_unimportable_exception_becomes_rank_failed_error() -> None:
+    @distributed(gpus=2, mlflow=False)
+    def bad() -> None:
+        if runtime.rank() == 1:
+            class Unreachable(Exception):
+                def __reduce__(self):  # cannot be rebuilt on the caller's side
+                    raise TypeError("no")
+
+            raise Unreachable("custom failure")
+
+    with pytest.raises(RankFailedError) as info:
+        bad.distributed()
+    assert info.value.rank == 1 and info.value.exit_code == 1
+    assert "custom failure" in str(info.value)
+
+
+def test_rank_killed_by_signal_is_reported() -> None:
+    @distributed(gpus=2, mlflow=False)
+    def crash() -> None:
+        if runtime.rank() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    job = crash.job()
+    with pytest.raises(RankFailedError) as info:
+        job.run()
+    assert info.value.rank == 0
+    assert info.value.exit_code == -9
+    assert "SIGKILL" in str(info.value)
+    assert job_processes(job.run_id) == []
+
+
+def test_timeout_stops_every_rank() -> None:
+    @distributed(gpus=2, timeout=8, mlflow=False)
+    def forever() -> None:
+        time.sleep(600)
+
+    job = forever.job()
+    with pytest.raises(LaunchTimeout, match="timeout=8s"):
+        job.run()
+    assert job_processes(job.run_id) == []
+
+
+def test_cancelled_future_stops_every_rank(tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+
+    @distributed(gpus=2, mlflow=False)
+    def slow(path: str) -> None:
+        Path(path + str(runtime.rank())).write_text("1")
+        time.sleep(600)
+
+    future = slow.submit(str(marker))
+    deadline = time.monotonic() + 60
+    while not (Path(str(marker) + "0").exists() and Path(str(marker) + "1").exists()):
+        assert time.monotonic() < deadline, "ranks never started"
+        time.sleep(0.2)
+    assert future.cancel()
+    with pytest.raises(JobCancelled):
+        future.result(timeout=60)
+    run_dirs = [p.name for p in (Path(os.environ["PREFECT_SGPU_HOME"]) / "jobs").iterdir()]
+    assert all(job_processes(r) == [] for r in run_dirs)
+
+
+def test_submit_runs_calls_side_by_side() -> None:
+    @distributed(gpus=1, mlflow=False)
+    def square(x: int) -> int:
+        return x * x
+
+    futures = [square.submit(x) for x in (2, 3)]
+    assert [f.result(timeout=120) for f in futures] == [[4], [9]]
+
+
+def test_large_results_come_back_intact() -> None:
+    @distributed(gpus=2, mlflow=False)
+    def big() -> bytes:
+        return bytes([runtime.rank()]) * (24 * 1024 * 1024)
+
+    a, b = big.distributed()
+    assert len(a) == len(b) == 24 * 1024 * 1024
+    assert a[:3] == b"\x00\x00\x00" and b[-3:] == b"\x01\x01\x01"
+
+
+def test_max_restarts_relaunches_the_worker_group(tmp_path: Path) -> None:
+    @distributed(gpus=2, max_restarts=1, mlflow=False)
+    def flaky(path: str) -> int:
+        restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if restart == 0 and runtime.rank() == 1:
+            raise RuntimeError("transient failure")
+        return restart
+
+    assert flaky.distributed(str(tmp_path)) == [1, 1]
+
+
+def test_env_reaches_ranks_but_prefect_api_key_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFECT_API_KEY", "pnu_secret_should_not_travel")
+
+    @distributed(gpus=1, mlflow=False, env={"MY_SETTING": "42"})
+    def read_env() -> tuple[str | None, str | None]:
+        return os.environ.get("MY_SETTING"), os.environ.get("PREFECT_API_KEY")
+
+    assert read_env.distributed() == [("42", None)]
+
+
+SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(t)
+out = sys.argv[sys.argv.index("--out") + 1]
+with open(f"{out}.{dist.get_rank()}", "w") as fh:
+    fh.write(f"{t.item():g}")
+if "--fail-rank" in sys.argv and dist.get_rank() == int(sys.argv[sys.argv.index("--fail-rank") + 1]):
+    sys.exit(3)
+dist.destroy_process_group()
+"""
+
+
+def test_run_script_runs_an_unmodified_torchrun_script(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    out = tmp_path / "sum"
+    run_script(script, ["--out", str(out)], gpus=2, mlflow=False)
+    assert [Path(f"{out}.{r}").read_text() for r in (0, 1)] == ["3", "3"]
+
+
+def test_run_script_raises_on_non_zero_exit(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    with pytest.raises(RankFailedError) as info:
+        run_script(script, ["--out", str(tmp_path / "x"), "--fail-rank", "1"], gpus=2, mlflow=False)
+    assert (info.value.rank, info.value.exit_code) == (1, 3)
+
+
+INTERRUPTED_DRIVER = """
+import sys, time
+from pathlib import Path
+from prefect_sgpu import distributed, runtime
+
+@distributed(gpus=2)
+def wait_forever(flag):
+    Path(flag + str(runtime.rank())).write_text("up")
+    time.sleep(600)
+
+wait_forever.distributed(sys.argv[1])
+"""
+
+
+def _mlflow_runs_tagged(run_id: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exps = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(exps, filter_string=f"tags.`sgpu.run_id` = '{run_id}'")
+
+
+def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(INTERRUPTED_DRIVER))
+    flag = tmp_path / "up"
+    proc = subprocess.Popen([sys.executable, str(script), str(flag)], cwd=tmp_path,
+                            env={**os.environ, "PREFECT_SGPU_HEARTBEAT_TTL": "4"})
+    deadline = time.monotonic() + 90
+    while not (Path(f"{flag}0").exists() and Path(f"{flag}1").exists()):
+        assert proc.poll() is None, "driver exited early"
+        assert time.monotonic() < deadline, "ranks never started"
+        time.sleep(0.2)
+    return proc, flag
+
+
+def _newest_run_id() -> str:
+    jobs = Path(os.environ["PREFECT_SGPU_HOME"]) / "jobs"
+    return max(jobs.iterdir(), key=lambda p: p.stat().st_mtime).name
+
+
+def test_ctrl_c_stops_every_rank_and_marks_the_mlflow_run_killed(tmp_path: Path) -> None:
+    proc, _ = _start_driver(tmp_path)
+    run_id = _newest_run_id()
+    assert job_processes(run_id), "the job should be running"
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert job_processes(run_id) == []
+    [run] = _mlflow_runs_tagged(run_id)
+    assert run.info.status == "KILLED"
+
+
+def test_nodes_stop_themselves_when_the_driver_dies(tmp_path: Path) -> None:
+    proc, _ = _start_driver(tmp_path)
+    run_id = _newest_run_id()
+    proc.kill()  # SIGKILL: no cleanup code runs in the driver
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 60
+    while job_processes(run_id):
+        assert time.monotonic() < deadline, f"orphans left: {job_processes(run_id)}"
+        time.sleep(0.5)

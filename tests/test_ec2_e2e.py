@@ -1,0 +1,435 @@
+"""EC2 compute end to end, offline: moto server, real boto3, real torch.distributed (gloo).
+
+Every instance moto launches is booted by :mod:`ec2_simulator`: its real user-data runs
+as a local process with a fake IMDSv2, so the bootstrap, the S3 store, the SSM-held
+payload key, the launch documents, heartbeats and self-termination all run for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from aws_fixtures import FAKE_CREDENTIALS, MotoAWS, Network, free_port, live_instances
+from ec2_simulator import REPO_ROOT, EC2Simulator
+from prefect_sgpu import LaunchTimeout, RankFailedError, distributed, runtime
+from prefect_sgpu.compute.ec2 import EC2Compute, payload_key_parameter
+from prefect_sgpu.compute.ec2_provision import RUN_ID_TAG
+from prefect_sgpu.store_s3 import S3Store
+
+pytestmark = pytest.mark.e2e
+
+HEARTBEAT_TTL_S = 10.0
+
+
+class TrainingDiverged(Exception):
+    """Raised inside a rank; the caller gets this very type back."""
+
+
+@dataclass
+class EC2Env:
+    aws: MotoAWS
+    settings: dict[str, Any]
+    simulator: EC2Simulator
+    bucket: str
+
+    def compute(self, **overrides: Any) -> EC2Compute:
+        return EC2Compute.from_settings({**self.settings, **overrides}, session=self.aws.session())
+
+    def instances(self, run_id: str) -> list[dict[str, Any]]:
+        ec2 = self.aws.client("ec2")
+        found = []
+        for page in ec2.get_paginator("describe_instances").paginate(
+            Filters=[{"Name": f"tag:{RUN_ID_TAG}", "Values": [run_id]}]
+        ):
+            for reservation in page["Reservations"]:
+                found += reservation["Instances"]
+        return found
+
+    def objects(self, run_id: str) -> dict[str, bytes]:
+        """Every object the job left in the store, by full key."""
+        store = S3Store(f"s3://{self.bucket}/jobs", session=self.aws.session(),
+                        endpoint_url=self.aws.endpoint_url)
+        out = {}
+        for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                            Prefix=f"jobs/{run_id}/"):
+            for obj in page.get("Contents", []):
+                out[obj["Key"]] = store.get(run_id, obj["Key"][len(f"jobs/{run_id}/"):]) or b""
+        return out
+
+
+@pytest.fixture
+def ec2(aws_env: MotoAWS, aws_network: Network, tmp_path: Path) -> Iterator[EC2Env]:
+    bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    settings = {
+        "region": aws_env.region,
+        "subnet_ids": aws_network.subnet_ids,
+        "instance_profile": aws_env.instance_profile(),
+        "ami_id": aws_env.image_id(),
+        "store_uri": f"s3://{bucket}/jobs",
+        "endpoint_url": aws_env.endpoint_url,
+        "heartbeat_ttl_s": HEARTBEAT_TTL_S,
+        "agent_timeout_s": 90.0,
+        "rendezvous_port": free_port(),
+        "running_timeout_s": 60.0,
+        "waiter_delay_s": 0.5,
+    }
+    # what an instance profile would give the nodes; the user-data itself carries no key
+    node_env = {k: v for k, v in aws_env.env.items() if k != "AWS_ENDPOINT_URL"}
+    node_env.pop("AWS_SECURITY_TOKEN", None)
+    node_env.pop("AWS_SESSION_TOKEN", None)
+    simulator = EC2Simulator(aws_env.client("ec2"), node_env, tmp_path / "nodes").start()
+    env = EC2Env(aws_env, settings, simulator, bucket)
+    try:
+        yield env
+        leaked = [i["InstanceId"] for i in live_instances(aws_env.client("ec2"))]
+        assert not leaked, f"instances left running: {leaked}"
+        assert simulator.wait_powered_off(list(simulator.nodes), timeout=20), simulator.describe()
+        assert not simulator.errors, simulator.errors
+    finally:
+        simulator.close()
+
+
+def _all_reduce(tag: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    runtime.init_process_group()
+    t = torch.tensor([float(runtime.rank())])
+    dist.all_reduce(t)
+    print(f"{tag}: rank {runtime.rank()} of {runtime.world_size()} sum={t.item():g}")
+    return {"rank": runtime.rank(), "node": runtime.node_rank(), "world": runtime.world_size(),
+            "sum": t.item()}
+
+
+def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.CaptureFixture[str]) -> None:
+    compute = ec2.compute()
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False,
+                     timeout=300)(_all_reduce)
+    job = fn.job("hello")
+    result = job.run()
+
+    assert result.plan.nodes == 2 and result.plan.instance_type.name == "g5.xlarge"
+    assert [v["rank"] for v in result.values] == [0, 1]
+    assert [v["node"] for v in result.values] == [0, 1]
+    assert all(v["world"] == 2 and v["sum"] == 1.0 for v in result.values)
+    out = capfd.readouterr().out
+    assert "[rank 0 node 0] hello: rank 0 of 2 sum=1" in out
+    assert "[rank 1 node 1] hello: rank 1 of 2 sum=1" in out
+    assert result.logs_uri == f"s3://{ec2.bucket}/jobs/{result.run_id}/logs"
+
+    instances = ec2.instances(result.run_id)
+    assert len(instances) == 2 and {i["InstanceType"] for i in instances} == {"g5.xlarge"}
+    assert all(i["State"]["Name"] == "terminated" for i in instances), "release terminated every instance"
+    assert result.cost and result.cost["instance_hours"] > 0 and result.cost["usd"] > 0
+
+    # the rendezvous ran on node 0's own address (as its IMDS reported it)
+    node0 = next(i for i in instances if i["AmiLaunchIndex"] == 0)
+    moto_ip, address = ec2.simulator.address_of(node0["InstanceId"])
+    assert moto_ip == node0["PrivateIpAddress"]
+    objects = ec2.objects(result.run_id)
+    launch0 = json.loads(objects[f"jobs/{result.run_id}/nodes/node-0.launch.json"])
+    assert f"--rdzv-endpoint={address}:{ec2.settings['rendezvous_port']}" in launch0["argv"]
+
+    # no secret in the user-data, and the payload key never at rest in S3
+    key = job.prepare()[2]
+    secrets = [key, *{v for v in FAKE_CREDENTIALS.values()}]
+    for iid, node in ec2.simulator.nodes.items():
+        assert "prefect_sgpu.launch.bootstrap" in node.user_data
+        assert not any(s in node.user_data for s in secrets), f"secret in the user-data of {iid}"
+        assert "AWS_" not in node.user_data and "SGPU_PAYLOAD_KEY" not in node.user_data
+    for name, blob in objects.items():
+        assert key.encode() not in blob, f"payload key in {name}"
+    assert "SGPU_PAYLOAD_KEY" not in launch0["env"]
+    assert launch0["payload_key_parameter"] == payload_key_parameter(result.run_id)
+    ssm = ec2.aws.client("ssm")
+    with pytest.raises(ssm.exceptions.ParameterNotFound):
+        ssm.get_parameter(Name=payload_key_parameter(result.run_id))
+    # rank logs stay in the store; payload and results are cleaned up
+    assert b"rank 1 of 2" in objects[f"jobs/{result.run_id}/logs/rank-00001.log"]
+    assert not any("/results/" in k or k.endswith("payload.bin") for k in objects)
+
+
+def test_dry_run_spends_nothing(ec2: EC2Env) -> None:
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False)(_all_reduce)
+    before = len(ec2.aws.client("ec2").describe_instances()["Reservations"])
+    plan = fn.dry_run("x")
+    request = plan["run_instances"]
+    assert request["InstanceType"] == "g5.xlarge" and request["MinCount"] == request["MaxCount"] == 2
+    assert "prefect_sgpu.launch.bootstrap" in request["UserData"]
+    assert [n["index"] for n in plan["nodes"]] == [0, 1]
+    assert all(n["env"]["SGPU_PAYLOAD_KEY"] == "***" for n in plan["nodes"])
+    assert plan["estimated_usd_per_hour"] == pytest.approx(2 * 1.006)
+    assert len(ec2.aws.client("ec2").describe_instances()["Reservations"]) == before
+
+
+def _fails_on_rank_1() -> int:
+    runtime.init_process_group()
+    if runtime.rank() == 1:
+        raise TrainingDiverged("loss is nan on rank 1")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 waits here until its node is stopped
+    return runtime.rank()
+
+
+def test_rank_failure_is_reraised_and_every_instance_terminated(ec2: EC2Env) -> None:
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False,
+                     timeout=300)(_fails_on_rank_1)
+    job = fn.job()
+    with pytest.raises(TrainingDiverged, match="loss is nan") as info:
+        job.run()
+    failure = info.value.sgpu_failure  # type: ignore[attr-defined]
+    assert failure.rank == 1 and failure.node == 1
+    instances = ec2.instances(job.run_id)
+    assert len(instances) == 2 and all(i["State"]["Name"] == "terminated" for i in instances)
+
+
+def test_node_that_never_boots_is_a_launch_timeout(ec2: EC2Env) -> None:
+    ec2.simulator.boot = lambda inst: inst.get("AmiLaunchIndex") != 1  # node 1 hangs in boot
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(agent_timeout_s=8.0),
+                     mlflow=False)(_all_reduce)
+    job = fn.job("never")
+    with pytest.raises(LaunchTimeout) as info:
+        job.run()
+    assert info.value.phase == "agent start"
+    instances = ec2.instances(job.run_id)
+    assert len(instances) == 2 and all(i["State"]["Name"] == "terminated" for i in instances)
+
+
+_DRIVER = textwrap.dedent(
+    """
+    import json, sys, time
+    from prefect_sgpu import distributed
+    from prefect_sgpu.compute.ec2 import EC2Compute
+    from aws_fixtures import boto3_session
+
+    def wait_forever() -> None:
+        print("rank is up", flush=True)
+        time.sleep(600)
+
+    settings = json.loads(sys.argv[1])
+    compute = EC2Compute.from_settings(settings, session=boto3_session())
+    job = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False)(wait_forever)
+    job.distributed()
+    """
+)
+
+
+def test_killed_driver_nodes_terminate_themselves(ec2: EC2Env, tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    env = {**os.environ, **ec2.aws.env, "PREFECT_SGPU_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
+    driver = subprocess.Popen([sys.executable, str(script), json.dumps(ec2.settings)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    s3 = ec2.aws.client("s3")
+    run_id = None
+    try:
+        deadline = time.monotonic() + 240
+        while run_id is None and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(1)
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=ec2.bucket, Prefix="jobs/"):
+                for obj in page.get("Contents", []):
+                    if obj["Key"].endswith("logs/rank-00001.log"):
+                        body = s3.get_object(Bucket=ec2.bucket, Key=obj["Key"])["Body"].read()
+                        if b"rank is up" in body:
+                            run_id = obj["Key"].split("/")[1]
+        output = driver.stdout.read().decode() if driver.poll() is not None else ""
+        assert run_id, f"the job never started: {output}"
+        os.killpg(driver.pid, signal.SIGKILL)  # no finally, no release: the driver is just gone
+        driver.wait(timeout=10)
+        ids = [i["InstanceId"] for i in ec2.instances(run_id)]
+        assert len(ids) == 2
+        deadline = time.monotonic() + HEARTBEAT_TTL_S + 90
+        while time.monotonic() < deadline:
+            states = {i["State"]["Name"] for i in ec2.instances(run_id)}
+            if states == {"terminated"}:
+                break
+            time.sleep(1)
+        assert {i["State"]["Name"] for i in ec2.instances(run_id)} == {"terminated"}, ec2.simulator.describe()
+        assert ec2.simulator.wait_powered_off(ids, timeout=20)
+        ssm = ec2.aws.client("ssm")
+        with pytest.raises(ssm.exceptions.ParameterNotFound):  # node 0 deleted the key on its way out
+            ssm.get_parameter(Name=payload_key_parameter(run_id))
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(timeout=10)
+        if run_id:  # what a dead driver leaves besides instances: its groups (tagged; cleaned here)
+            from prefect_sgpu.compute.ec2_provision import EC2Provisioner
+            from prefect_sgpu.compute.ec2_settings import EC2Settings
+
+            fields = EC2Settings.model_fields
+            EC2Provisioner(EC2Settings(**{k: v for k, v in ec2.settings.items() if k in fields}),
+                           session=ec2.aws.session()).terminate(run_id)
+
+
+def _sleep_after_hello() -> int:
+    print(f"rank {runtime.rank()} is up", flush=True)
+    time.sleep(300)
+    return runtime.rank()
+
+
+def test_lost_instance_fails_the_job_and_the_rest_is_terminated(ec2: EC2Env) -> None:
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False,
+                     timeout=300)(_sleep_after_hello)
+    job = fn.job()
+    outcome: dict[str, BaseException] = {}
+
+    def drive() -> None:
+        try:
+            job.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 240
+    node1 = None
+    while node1 is None and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(1)
+        logs = ec2.objects(job.run_id) if ec2.instances(job.run_id) else {}
+        if b"rank 1 is up" in logs.get(f"jobs/{job.run_id}/logs/rank-00001.log", b""):
+            node1 = next(i["InstanceId"] for i in ec2.instances(job.run_id) if i["AmiLaunchIndex"] == 1)
+    assert node1, "rank 1 never started"
+    ec2.aws.client("ec2").terminate_instances(InstanceIds=[node1])  # e.g. a spot reclaim
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, RankFailedError), repr(error)
+    assert error.node == 1 and node1 in str(error), str(error)
+    instances = ec2.instances(job.run_id)
+    assert len(instances) == 2 and all(i["State"]["Name"] == "terminated" for i in instances)
+
+
+def test_bootstrap_reads_its_identity_from_imdsv2(monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.error
+    import urllib.request
+
+    from ec2_simulator import FakeIMDS
+    from prefect_sgpu.launch.bootstrap import IMDS_ENV, fetch_identity, render_user_data
+
+    imds = FakeIMDS({"instance-id": "i-0123456789abcdef0", "ami-launch-index": "3", "local-ipv4": "10.1.2.3"})
+    try:
+        with pytest.raises(urllib.error.HTTPError, match="401"):  # IMDSv1 (no token) is refused
+            urllib.request.urlopen(imds.url + "latest/meta-data/instance-id", timeout=5)
+        monkeypatch.setenv(IMDS_ENV, imds.url)
+        identity = fetch_identity(attempts=2)
+    finally:
+        imds.close()
+    assert identity.instance_id == "i-0123456789abcdef0"
+    assert (identity.launch_index, identity.private_ip) == (3, "10.1.2.3")
+    script = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, endpoint_url=None)
+    assert script.startswith("#!/bin/bash\n") and "--store=s3://bucket/jobs" in script
+    assert "--endpoint-url" not in script and "AWS_" not in script
+
+
+def test_block_builds_the_compute_and_checks_its_store(aws_env: MotoAWS) -> None:
+    from prefect_sgpu.blocks import EC2Compute as EC2ComputeBlock
+    from prefect_sgpu.errors import SGPUConfigError
+
+    block = EC2ComputeBlock(store_uri="s3://team-bucket/sgpu", subnet_ids=["subnet-0123456789abcdef0"],
+                            instance_profile="sgpu-node", ttl_minutes=5, endpoint_url=aws_env.endpoint_url)
+    compute = block.get_compute()
+    assert isinstance(compute, EC2Compute)
+    assert compute.default_store().root_uri == "s3://team-bucket/sgpu"
+    assert compute.heartbeat_ttl_s == 300
+    assert "--heartbeat-ttl=300" in compute.user_data("run-1")
+    with pytest.raises(SGPUConfigError, match="store_uri"):
+        EC2ComputeBlock(store_uri="", subnet_ids=["subnet-0123456789abcdef0"]).get_compute()
+    with pytest.raises(SGPUConfigError, match="subnet_ids"):
+        EC2Compute.from_settings({"store_uri": "s3://b/p", "subnet_ids": ["not-a-subnet"]})
+    with pytest.raises(SGPUConfigError, match="volume_size"):  # a misspelt setting is not ignored
+        EC2Compute.from_settings({"store_uri": "s3://b/p", "volume_size": 100})
+
+
+def _moto_instance(aws: MotoAWS, run_id: str) -> str:
+    response = aws.client("ec2").run_instances(
+        ImageId=aws.image_id(), InstanceType="g5.xlarge", MinCount=1, MaxCount=1,
+        TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": RUN_ID_TAG, "Value": run_id}]}],
+    )
+    return response["Instances"][0]["InstanceId"]
+
+
+def test_crashed_bootstrap_reports_and_powers_off(aws_env: MotoAWS, tmp_path: Path) -> None:
+    from prefect_sgpu.launch.bootstrap import NodeBootstrap, NodeIdentity, status_key
+
+    bucket = f"sgpu-crash-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    store = S3Store(f"s3://{bucket}/jobs", endpoint_url=aws_env.endpoint_url)
+    iid = _moto_instance(aws_env, "crash-run")
+    node = NodeBootstrap(store, "crash-run", NodeIdentity(iid, 0, "10.0.0.5"), tmp_path, heartbeat_ttl=60,
+                         region=aws_env.region, endpoint_url=aws_env.endpoint_url)
+    node.crashed(RuntimeError("disk full"))
+    status = json.loads(store.get("crash-run", status_key(0)) or b"{}")
+    assert status["exit_code"] == 2 and "disk full" in status["error"] and status["instance_id"] == iid
+    found = aws_env.client("ec2").describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"]
+    assert found[0]["State"]["Name"] in ("shutting-down", "terminated")
+
+
+def test_node_that_stops_reporting_fails_the_job(aws_env: MotoAWS, aws_network: Network) -> None:
+    from prefect_sgpu.compute import Allocation, Node
+    from prefect_sgpu.launch.bootstrap import alive_key, status_key
+    from prefect_sgpu.spec import make_resources
+
+    bucket = f"sgpu-silent-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    compute = EC2Compute.from_settings(
+        {"store_uri": f"s3://{bucket}/jobs", "endpoint_url": aws_env.endpoint_url,
+         "subnet_ids": aws_network.subnet_ids, "poll_interval_s": 0.05, "node_silence_s": 0.5},
+        session=aws_env.session())
+    plan = compute.plan(make_resources(gpus=1, gpu_type="A10", remote=True))
+    iid = _moto_instance(aws_env, "silent-run")
+    try:
+        node = Node(0, "10.0.0.5", info={"instance_id": iid})
+        allocation = Allocation("silent-run", plan, [node])
+        compute.store.put("silent-run", alive_key(0), json.dumps({"seq": 7}).encode())  # then nothing more
+        deadline = time.monotonic() + 30
+        code = None
+        while code is None and time.monotonic() < deadline:
+            code = compute.poll(allocation, node)
+            time.sleep(0.05)
+        assert code == 137
+        status = json.loads(compute.store.get("silent-run", status_key(0)) or b"{}")
+        assert "has not reported" in status["error"]
+    finally:
+        aws_env.client("ec2").terminate_instances(InstanceIds=[iid])
+
+
+def test_bootstrap_rides_out_store_errors_until_the_ttl(aws_env: MotoAWS, aws_faults: Any,
+                                                        tmp_path: Path) -> None:
+    from prefect_sgpu.launch.bootstrap import NodeBootstrap, NodeIdentity
+    from prefect_sgpu.store_s3 import s3_client
+
+    bucket = f"sgpu-flaky-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    client = s3_client(endpoint_url=aws_env.endpoint_url, max_attempts=1)
+    store = S3Store(f"s3://{bucket}/jobs", client=client)
+    store.put("run", "heartbeat", b"1.0")
+    ttl = 6.0
+    node = NodeBootstrap(store, "run", NodeIdentity("i-0123456789abcdef0", 0, "10.0.0.5"), tmp_path,
+                         heartbeat_ttl=ttl, interval=0.1)
+    seen = time.monotonic()
+    assert node.heartbeat_stale() is False
+    aws_faults.fail("", "InternalError", status=500)  # every S3 call fails from now on
+    stale = node.heartbeat_stale()
+    if time.monotonic() - seen < ttl:
+        assert stale is False, "an unreadable heartbeat is no news, not a dead driver"
+    assert node.stop_requested() is False
+    node.sync_quietly()  # logs, envelopes, alive: retried next tick, no exception
+    time.sleep(max(0.0, seen + ttl + 0.3 - time.monotonic()))
+    assert node.heartbeat_stale() is True, "unreachable for a whole TTL: the driver counts as gone"

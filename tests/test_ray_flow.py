@@ -1,0 +1,44 @@
+"""The ray_digits flow end to end: a per-run Ray cluster, Ray Data + Ray Train, MLflow, the registry."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flows"))
+
+
+def test_ray_digits_trains_logs_and_registers(prefect_server: None) -> None:
+    from mlflow.tracking import MlflowClient
+
+    import ray_digits
+
+    out = ray_digits.ray_digits(epochs=2, model_name="digits-cnn-test", min_accuracy=0.5)
+    assert out["accuracy"] >= 0.5
+    assert out["version"] >= 1
+
+    client = MlflowClient()
+    version = client.get_model_version("digits-cnn-test", str(out["version"]))
+    run = client.get_run(version.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["test_accuracy"] == pytest.approx(out["accuracy"])
+    assert len(client.get_metric_history(version.run_id, "loss")) == 2, "one loss point per epoch"
+
+    import mlflow.pytorch
+    import torch
+
+    model = mlflow.pytorch.load_model(f"models:/digits-cnn-test/{out['version']}")
+    assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+
+
+def test_flow_module_imports_light() -> None:
+    import subprocess
+
+    code = ("import sys; sys.path.insert(0, 'flows'); import ray_digits; "
+            "heavy = [m for m in ('torch', 'ray', 'mlflow', 'sklearn') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -1,0 +1,144 @@
+"""``@ray_launch``: a real Ray cluster over simulated local nodes, the function as its driver."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ray_cluster import job_leftovers
+from prefect_sgpu import SGPUConfigError
+from prefect_sgpu.ray import RayCompute, ray_launch
+
+pytestmark = pytest.mark.e2e
+
+
+class ShardMissing(Exception):
+    """Defined in the caller's module, raised by the Ray driver on node 0."""
+
+
+def _spread_over_nodes(tasks: int) -> dict:
+    import ray
+
+    ray.init()  # RAY_ADDRESS points at the job's head
+
+    @ray.remote(num_cpus=1)
+    def where() -> str:
+        import time
+
+        time.sleep(0.3)
+        return ray.util.get_node_ip_address()
+
+    ips = sorted(set(ray.get([where.remote() for _ in range(tasks)])))
+    resources = ray.cluster_resources()
+    print(f"driver sees {len(ray.nodes())} node(s): {ips}")
+    return {"nodes": sum(1 for n in ray.nodes() if n["Alive"]), "ips": ips, "cpus": resources.get("CPU"),
+            "gpus": resources.get("GPU", 0.0)}
+
+
+def test_two_nodes_form_one_cluster_and_the_driver_value_comes_back(capfd: pytest.CaptureFixture[str]) -> None:
+    fn = ray_launch(gpus=2, nodes=2, ray_metrics_to_mlflow=True)(_spread_over_nodes)
+    result = fn.run(6)
+    value = result.values[0]
+    assert len(result.values) == 1, "the function runs once, as the driver"
+    assert value["nodes"] == 2
+    assert value["ips"] == ["127.0.0.2", "127.0.1.1"], "each simulated node on its own loopback address"
+    assert value["cpus"] == 2.0 and value["gpus"] == 0.0, "logical resources match the plan: 2 nodes x 1 CPU"
+    out = capfd.readouterr().out
+    assert "[rank 0 node 0] driver sees 2 node(s)" in out
+    assert "driver sees 2 node(s)" in (Path(result.logs_uri) / "rank-00000.log").read_text()
+    assert job_leftovers(result.run_id) == [], "no raylet, GCS or worker of the job is left"
+
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(result.mlflow_tracking_uri).get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["system/ray/nodes_alive"] == 2.0
+    assert run.data.metrics["system/ray/cpu_total"] == 2.0
+    history = MlflowClient(result.mlflow_tracking_uri).get_metric_history(result.mlflow_run_id,
+                                                                          "system/ray/cpu_total")
+    assert len(history) >= 2, "sampled at start and at the end"
+
+
+def test_driver_exception_is_reraised_with_the_remote_traceback() -> None:
+    @ray_launch(gpus=1)
+    def load_shards() -> None:
+        import ray
+
+        ray.init()
+        print("looking for shard 7")
+        raise ShardMissing("shard 7 is not in the bucket")
+
+    job = load_shards.job()
+    with pytest.raises(ShardMissing, match="shard 7 is not in the bucket") as info:
+        job.run()
+    failure = info.value.sgpu_failure
+    assert (failure.rank, failure.node, failure.exit_code) == (0, 0, 1)
+    assert 'raise ShardMissing("shard 7 is not in the bucket")' in failure.remote_traceback
+    assert job.tracked is not None and job.tracked.status == "FAILED"
+    assert job_leftovers(job.run_id) == []
+
+
+def test_options_are_validated_like_distributed() -> None:
+    with pytest.raises(SGPUConfigError, match="gpu_type"):
+        ray_launch(gpus=2, gpu_type="TPU9")(lambda: None)
+    with pytest.raises(SGPUConfigError, match="gpus"):
+        ray_launch(gpus=3, nodes=2)(lambda: None).dry_run()
+    with pytest.raises(SGPUConfigError, match="max_restarts"):
+        ray_launch(gpus=2, max_restarts=1)(lambda: None)
+    with pytest.raises(SGPUConfigError, match="gpu_type"):
+        ray_launch(gpus=8, remote=True)(lambda: None)  # remote needs whole nodes of a known type
+    with pytest.raises(SGPUConfigError, match="compute"):
+        ray_launch(gpus=2, compute=RayCompute("ray://127.0.0.1:1"))(lambda: None).job()
+
+    fn = ray_launch(gpus=4, nodes=2)(_spread_over_nodes)
+    with pytest.raises(TypeError, match=r"\.distributed\(\.\.\.\)"):
+        fn(3)
+    assert fn.with_options(ray_metrics_to_mlflow=True).ray_metrics_to_mlflow is True
+
+    plan = fn.dry_run(3)
+    commands = [node["command"] for node in plan["nodes"]]
+    assert all("-m prefect_sgpu.ray.node" in c and "--num-cpus=2" in c and "--num-gpus=0" in c for c in commands)
+    assert "--node-index=0" in commands[0] and "--node-index=1" in commands[1]
+
+
+def test_cancel_stops_every_ray_process_of_the_job_without_namespaces() -> None:
+    import threading
+    import time
+
+    from prefect_sgpu.compute.local import LocalCompute
+    from prefect_sgpu.errors import JobCancelled
+
+    @ray_launch(gpus=2, nodes=2, mlflow=False, compute=LocalCompute(isolation="none"))
+    def serve_forever() -> None:
+        import time
+
+        import ray
+
+        ray.init()
+        print("cluster ready", flush=True)
+        time.sleep(600)
+
+    cancel = threading.Event()
+    job = serve_forever.job(cancel_event=cancel)
+    outcome: list[BaseException] = []
+    runner = threading.Thread(target=lambda: outcome.append(_raised(job.run)))
+    runner.start()
+    log = Path(job.store.uri(job.run_id, "logs")) / "rank-00000.log"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and "cluster ready" in log.read_text()):
+        assert time.monotonic() < deadline and runner.is_alive(), "the driver never started"
+        time.sleep(0.5)
+    assert job_leftovers(job.run_id), "the job's Ray processes are running"
+    cancel.set()
+    runner.join(timeout=120)
+    assert isinstance(outcome[0], JobCancelled)
+    assert job_leftovers(job.run_id) == [], "raylets, GCS and workers were stopped by pid"
+
+
+def _raised(fn) -> BaseException | None:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None

@@ -1,0 +1,91 @@
+"""Bad input fails before launch, naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefect_sgpu import SGPUConfigError, catalog, distributed, run_script
+from prefect_sgpu.spec import make_resources, plan_local
+
+
+def _noop() -> None:
+    return None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "needle"),
+    [
+        ({"gpus": 0}, "gpus", "greater than or equal to 1"),
+        ({"gpus": -2}, "gpus", "greater than or equal to 1"),
+        ({"gpu_type": "X100"}, "gpu_type", "H100"),
+        ({"nodes": 0}, "nodes", "greater than or equal to 1"),
+        ({"timeout": -5}, "timeout", "greater than 0"),
+        ({"timeout": 0}, "timeout", "greater than 0"),
+        ({"max_restarts": -1}, "max_restarts", "greater than or equal to 0"),
+        ({"gpus": 12, "gpu_type": "H100", "remote": True}, "gpus", "multiple of 8"),
+        ({"gpus": 8, "gpu_type": "H100", "nodes": 2, "remote": True}, "gpus", "GPUs per node"),
+        ({"gpus": 2, "remote": True}, "gpu_type", "needs a gpu_type"),
+    ],
+)
+def test_bad_input_is_rejected_at_decoration(kwargs: dict, field: str, needle: str) -> None:
+    with pytest.raises(SGPUConfigError) as info:
+        distributed(**kwargs)(_noop)
+    err = info.value
+    assert err.field == field
+    assert repr(err.value) in str(err) or str(err.value) in str(err)
+    assert needle in str(err)
+
+
+def test_unknown_gpu_type_lists_the_known_ones() -> None:
+    with pytest.raises(SGPUConfigError) as info:
+        distributed(gpu_type="T4")(_noop)
+    for name in catalog.known_gpu_types():
+        assert name in str(info.value)
+
+
+def test_gpus_must_split_evenly_over_local_nodes() -> None:
+    with pytest.raises(SGPUConfigError, match=r"gpus=3 .*multiple of nodes=2"):
+        plan_local(make_resources(gpus=3, nodes=2), local_gpus=0)
+
+
+def test_local_gpus_beyond_the_machine_are_rejected() -> None:
+    with pytest.raises(SGPUConfigError, match="at most 2 on this machine"):
+        plan_local(make_resources(gpus=4), local_gpus=2)
+
+
+@pytest.mark.parametrize(
+    ("gpu_type", "gpus", "nodes", "expected"),
+    [
+        ("H100", 16, None, (2, "p5.48xlarge")),
+        ("H100", 8, None, (1, "p5.48xlarge")),
+        ("A10", 2, None, (2, "g5.xlarge")),
+        ("A10G", 4, None, (1, "g5.12xlarge")),
+        ("a10", 8, 2, (2, "g5.12xlarge")),
+        ("L4", 24, None, (3, "g6.48xlarge")),
+        ("H200", 16, None, (2, "p5en.48xlarge")),
+    ],
+)
+def test_catalog_splits_gpus_into_whole_nodes(gpu_type: str, gpus: int, nodes: int | None,
+                                              expected: tuple[int, str]) -> None:
+    n, itype = catalog.plan_nodes(gpu_type, gpus, nodes)
+    assert (n, itype.name) == expected
+    assert n * itype.gpus == gpus
+
+
+def test_remote_without_compute_says_how_to_configure_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PREFECT_SGPU_REMOTE_COMPUTE", raising=False)
+    fn = distributed(gpus=8, gpu_type="H100", remote=True)(_noop)
+    with pytest.raises(SGPUConfigError, match="PREFECT_SGPU_REMOTE_COMPUTE"):
+        fn.distributed()
+
+
+def test_run_script_needs_an_existing_python_file(tmp_path) -> None:
+    with pytest.raises(SGPUConfigError, match="path=.*existing Python file"):
+        run_script(tmp_path / "missing.py", gpus=2)
+
+
+def test_timedelta_timeout_is_accepted() -> None:
+    import datetime as dt
+
+    fn = distributed(timeout=dt.timedelta(minutes=2))(_noop)
+    assert fn.options.timeout == 120.0

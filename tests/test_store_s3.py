@@ -1,0 +1,89 @@
+"""The S3 job store against a moto server, through real boto3 clients (and the fault proxy)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from aws_fixtures import MotoAWS
+from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.logs import LogTailer
+from prefect_sgpu.store_s3 import S3Store
+
+
+@pytest.fixture
+def store(aws_env: MotoAWS) -> S3Store:
+    bucket = f"sgpu-store-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    return S3Store(f"s3://{bucket}/team/jobs/", session=aws_env.session(), endpoint_url=aws_env.endpoint_url)
+
+
+def test_keys_uris_and_round_trip(store: S3Store) -> None:
+    assert store.root_uri == f"s3://{store.bucket}/team/jobs"
+    assert store.uri("run-1", "logs") == f"s3://{store.bucket}/team/jobs/run-1/logs"
+    store.put("run-1", "payload.bin", b"\x00payload")
+    store.put("run-1", "logs/rank-00001.log", b"one\n")
+    store.put("run-1", "logs/rank-00000.log", b"zero\n")
+    store.put("run-1", "logs/.partial", b"hidden")
+    store.put("run-1", "checkpoints/step-1/model.pt", b"deep")
+    store.put("run-2", "logs/rank-00000.log", b"another job\n")
+    assert store.get("run-1", "payload.bin") == b"\x00payload"
+    assert store.get("run-1", "missing") is None
+    assert store.list("run-1", "logs") == ["logs/rank-00000.log", "logs/rank-00001.log"]
+    assert store.list("run-1", "checkpoints") == [], "only direct children, as the local store lists"
+    assert store.list("run-1", "results") == []
+    store.put("run-1", "payload.bin", b"")
+    assert store.get("run-1", "payload.bin") == b""
+
+
+def test_delete_one_key_or_a_folder(store: S3Store) -> None:
+    for rank in range(3):
+        store.put("run", f"results/rank-{rank:05d}.bin", b"r")
+    store.put("run", "payload.bin", b"p")
+    store.put("run", "logs/rank-00000.log", b"kept\n")
+    store.delete("run", "results")
+    store.delete("run", "payload.bin")
+    store.delete("run", "never-written")
+    assert store.list("run", "results") == []
+    assert store.get("run", "payload.bin") is None
+    assert store.get("run", "logs/rank-00000.log") == b"kept\n"
+
+
+def test_read_from_is_a_ranged_read(store: S3Store, aws_faults: Any) -> None:
+    store.put("run", "logs/rank-00000.log", b"first\nsecond\n")
+    assert store.read_from("run", "logs/rank-00000.log", 6) == b"second\n"
+    assert store.read_from("run", "logs/rank-00000.log", 13) == b"", "nothing new past the end"
+    assert store.read_from("run", "logs/rank-00000.log", 99) == b""
+    assert store.read_from("run", "logs/missing.log", 0) == b""
+
+
+def test_log_tailer_follows_a_growing_log(store: S3Store) -> None:
+    lines: list[tuple[int, int, str]] = []
+    tailer = LogTailer(store, "run", procs_per_node=2, sink=lambda r, n, t: lines.append((r, n, t)))
+    store.put("run", "logs/rank-00003.log", b"step 1\nstep 2 partial")
+    tailer.poll()
+    assert lines == [(3, 1, "step 1")]
+    store.put("run", "logs/rank-00003.log", b"step 1\nstep 2 partial done\nstep 3")  # re-uploaded whole
+    tailer.poll()
+    tailer.poll(final=True)
+    assert [t for _, _, t in lines] == ["step 1", "step 2 partial done", "step 3"]
+
+
+def test_throttled_requests_are_retried_by_botocore(store: S3Store, aws_faults: Any) -> None:
+    aws_faults.fail("", "SlowDown", status=503, times=2)  # S3 REST calls: the next two answer 503
+    store.put("run", "heartbeat", b"1.0")
+    assert store.get("run", "heartbeat") == b"1.0"
+    rest = [r for r in aws_faults.requests if r.service == "rest"]
+    assert [r.status for r in rest[:3]] == [503, 503, 200]
+
+
+def test_adaptive_retry_mode_and_bad_settings(aws_env: MotoAWS) -> None:
+    store = S3Store("s3://some-bucket", endpoint_url=aws_env.endpoint_url, retry_mode="adaptive")
+    assert store.client.meta.config.retries["mode"] == "adaptive"
+    assert store.uri("r", "k") == "s3://some-bucket/r/k"
+    with pytest.raises(SGPUConfigError, match="store_uri"):
+        S3Store("some-bucket/prefix")
+    with pytest.raises(SGPUConfigError, match="retry_mode"):
+        S3Store("s3://some-bucket", retry_mode="sometimes")

@@ -1,0 +1,134 @@
+"""GPU tasks under Prefect's engine: states, values, retries, caching, logs, artifacts."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+from prefect.cache_policies import INPUTS
+
+from prefect_sgpu import GPUTaskRunner, SGPUConfigError, gpu_task, runtime
+
+pytestmark = pytest.mark.e2e
+
+
+def _job_dirs() -> set[str]:
+    return {p.name for p in (Path(os.environ["PREFECT_SGPU_HOME"]) / "jobs").glob("*")}
+
+
+@gpu_task(gpus=2, strategy="ddp", mlflow=False)
+def rank_info(offset: int) -> dict:
+    print(f"rank {runtime.rank()} says hi")
+    return {"rank": runtime.rank(), "value": runtime.rank() + offset,
+            "strategy": os.environ.get("SGPU_STRATEGY"), "has_api_key": "PREFECT_API_KEY" in os.environ}
+
+
+@task
+def plain(x: int) -> tuple[int, bool]:
+    return x + 1, "SGPU_RUN_ID" in os.environ
+
+
+def test_gpu_task_value_logs_and_artifact(prefect_server: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterTaskRunId, FlowRunFilter,
+                                                LogFilter, LogFilterTaskRunId, TaskRunFilter)
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    monkeypatch.setenv("PREFECT_API_KEY", "pnu_not_for_ranks")
+
+    @flow(task_runner=GPUTaskRunner())
+    def pipeline() -> tuple:
+        prepped, in_job = plain(1)
+        state = rank_info(prepped, return_state=True)
+        every = rank_info.with_options(return_all=True).submit(10).result()
+        return prepped, in_job, state, every
+
+    prepped, in_job, state, every = pipeline()
+    assert (prepped, in_job) == (2, False), "tasks without resources run locally"
+    assert state.is_completed() and state.result() == {"rank": 0, "value": 2, "strategy": "ddp",
+                                                        "has_api_key": False}
+    assert [r["value"] for r in every] == [10, 11]
+
+    task_run_id = state.state_details.task_run_id
+    wanted = {"[rank 0 node 0] rank 0 says hi", "[rank 1 node 0] rank 1 says hi"}
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 30
+        while True:
+            logs = client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])),
+                                    limit=200, offset=0)
+            if wanted <= {log.message for log in logs} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert wanted <= {log.message for log in logs}, "rank lines are the task run's logs"
+
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])),
+            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(),
+            sort=ArtifactSort.CREATED_DESC, limit=10, offset=0,
+        )
+    [artifact] = artifacts
+    assert "| rank | node | host | exit code | duration (s) |" in artifact.data
+    assert "| 0 | 0 |" in artifact.data and "| 1 | 0 |" in artifact.data
+
+
+def test_retry_relaunches_the_whole_gang(prefect_server: None, tmp_path: Path) -> None:
+    marker = tmp_path / "attempts"
+
+    @gpu_task(gpus=2, retries=1, retry_delay_seconds=0, mlflow=False)
+    def flaky(path: str) -> int:
+        with open(f"{path}.{runtime.rank()}", "a") as fh:
+            fh.write("x")
+        if runtime.rank() == 1 and len(Path(f"{path}.1").read_text()) == 1:
+            raise RuntimeError("first attempt fails")
+        return len(Path(f"{path}.{runtime.rank()}").read_text())
+
+    @flow(task_runner=GPUTaskRunner())
+    def pipeline() -> object:
+        return flaky(str(marker), return_state=True)
+
+    state = pipeline()
+    assert state.is_completed() and state.result() == 2
+    assert Path(f"{marker}.0").read_text() == "xx", "rank 0 ran again: the whole gang was relaunched"
+
+
+def test_cache_hit_launches_nothing(prefect_server: None) -> None:
+    @gpu_task(gpus=2, cache_policy=INPUTS, persist_result=True, mlflow=False)
+    def cached_square(x: int) -> int:
+        return x * x + runtime.rank()
+
+    @flow(task_runner=GPUTaskRunner())
+    def pipeline(x: int) -> object:
+        return cached_square(x, return_state=True)
+
+    first = pipeline(7)
+    before = _job_dirs()
+    second = pipeline(7)
+    assert first.result() == second.result() == 49
+    assert second.name == "Cached"
+    assert _job_dirs() == before, "a cache hit must not launch a job"
+
+
+def test_map_wait_for_and_runner_defaults(prefect_server: None) -> None:
+    @task
+    def double(x: int) -> int:
+        return 2 * x
+
+    @flow(task_runner=GPUTaskRunner(gpus=2, distribute_all_tasks=True, mlflow=False))
+    def pipeline() -> list:
+        first = double.submit(1)
+        mapped = double.map([3, 4], wait_for=[first])
+        return [first.result(), *mapped.result()]
+
+    assert pipeline() == [2, 6, 8]
+
+
+def test_bad_task_resources_fail_at_decoration() -> None:
+    with pytest.raises(SGPUConfigError, match="strategy='zero'"):
+        gpu_task(gpus=2, strategy="zero")(lambda: None)
+    with pytest.raises(SGPUConfigError, match="gpus=0"):
+        rank_info.with_options(gpus=0)
+    with pytest.raises(SGPUConfigError, match="distribute_all_tasks"):
+        GPUTaskRunner(distribute_all_tasks=True)
