@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -19,6 +20,27 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torc
 @pytest.fixture(scope="session")
 def sgpu_home() -> Path:
     return _HOME
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_process_state_restored() -> Iterator[None]:
+    """A test that calls ``mlflow.set_tracking_uri`` (or leaves a run active) does not leak it.
+
+    MLflow keeps the tracking and registry URIs set in a process ahead of
+    ``MLFLOW_TRACKING_URI``; left set, they send a later test's ``models:/`` lookup
+    to another test's store.
+    """
+    yield
+    if "mlflow" not in sys.modules:
+        return
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+    tracking_utils._tracking_uri = None
+    registry_utils._registry_uri = None
 
 
 @pytest.fixture(scope="session")
