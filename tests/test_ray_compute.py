@@ -105,8 +105,6 @@ def test_failing_rank_is_reraised_and_the_run_ends_failed(compute: RayCompute) -
     assert cluster_idle(), "the sleeping rank was stopped with the run"
 
 
-@pytest.mark.skip(reason="known issue: in a full module run the cancelled run's workers never start "
-                         "(placement group of an earlier run still reserved); cancel releases are unverified")
 def test_cancel_stops_the_ray_train_run(compute: RayCompute) -> None:
     import threading
     import time
@@ -141,12 +139,14 @@ def test_cancel_stops_the_ray_train_run(compute: RayCompute) -> None:
 
     runner = threading.Thread(target=run)
     runner.start()
-    deadline = time.monotonic() + 300
-    while not {"[rank 0] training", "[rank 1] training"} <= set(sink.seen):
-        assert time.monotonic() < deadline and runner.is_alive(), "the workers never started"
-        time.sleep(0.2)
-    cancel.set()
-    runner.join(timeout=120)
+    try:
+        deadline = time.monotonic() + 300
+        while not {"[rank 0] training", "[rank 1] training"} <= set(sink.seen):
+            assert time.monotonic() < deadline and runner.is_alive(), "the workers never started"
+            time.sleep(0.2)
+    finally:
+        cancel.set()
+        runner.join(timeout=120)
     assert outcome and isinstance(outcome[0], JobCancelled)
     assert job.tracked is not None and job.tracked.status == "KILLED"
     assert cluster_idle(), "both workers and the run's placement group were released"
@@ -163,8 +163,6 @@ def test_a_rank_that_dies_without_an_exception_becomes_rank_failed_error(compute
         vanish.distributed()
 
 
-@pytest.mark.skip(reason="known issue: in a full-suite run ray.wait in the Prefect task thread raised "
-                         "SystemError (an exception set inside CoreWorker.wait); passes alone; open under the Ray issue")
 def test_gpu_task_runs_as_a_ray_train_job(compute: RayCompute, prefect_server: None) -> None:
     from prefect import flow
 

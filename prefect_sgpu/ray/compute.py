@@ -159,7 +159,8 @@ class RayCompute(Compute):
                     {"node": 0, "host": self.address, "exit_code": 1, "failures": {}, "error": error}).encode())
             return job.collect(plan, {0: 1 if error is not None else 0})
         finally:
-            if not finished:  # cancelled, timed out or interrupted: stop the run and its workers
+            connected = ray.is_initialized()
+            if not finished and connected:  # cancelled, timed out or interrupted: stop the run
                 self._cancel(fit)
             try:
                 self._drain(job, collector, logs)
@@ -167,7 +168,8 @@ class RayCompute(Compute):
                 pass
             for rank, lines in logs.items():
                 job.store.put(job.run_id, rank_key("logs", rank), ("\n".join(lines) + "\n").encode())
-            ray.kill(collector)
+            if connected:
+                ray.kill(collector)
 
     @staticmethod
     def _cancel(fit: Any) -> None:
@@ -205,10 +207,11 @@ class RayCompute(Compute):
             if time.monotonic() > deadline:
                 raise LaunchTimeout(job.run_id, job.options.timeout)
 
-    @staticmethod
-    def _drain(job: "Job", collector: Any, logs: dict[int, list[str]]) -> None:
+    def _drain(self, job: "Job", collector: Any, logs: dict[int, list[str]]) -> None:
         import ray
 
+        if not ray.is_initialized():  # close() ran meanwhile: never let ray auto-start a local instance
+            raise JobCancelled(f"job {job.run_id}: this process left the Ray cluster at {self.address}")
         for rank, node, text in ray.get(collector.drain.remote()):
             logs.setdefault(rank, []).append(text)
             job.sink.line(rank, node, text)

@@ -67,6 +67,8 @@ class OutputToCollector:
         self._pending: list[tuple[int, int, str]] = []
         self._lock = threading.Lock()
         self._last_ref: Any = None
+        self._stop_flushing = threading.Event()
+        self._flusher: threading.Thread | None = None
 
     def __enter__(self) -> "OutputToCollector":
         sys.stdout.flush()
@@ -80,11 +82,17 @@ class OutputToCollector:
         builtins.print = _plain_print
         self._reader = threading.Thread(target=self._read, args=(read_fd,), name="sgpu-output", daemon=True)
         self._reader.start()
+        # a line is sent within FLUSH_INTERVAL_S even when nothing is written after it
+        self._flusher = threading.Thread(target=self._flush_periodically, name="sgpu-output-flush", daemon=True)
+        self._flusher.start()
         return self
+
+    def _flush_periodically(self) -> None:
+        while not self._stop_flushing.wait(FLUSH_INTERVAL_S):
+            self.flush()
 
     def _read(self, fd: int) -> None:
         partial = b""
-        last_flush = time.monotonic()
         with os.fdopen(fd, "rb", buffering=0) as pipe:
             while True:
                 data = pipe.read(65536)
@@ -99,18 +107,15 @@ class OutputToCollector:
                 with self._lock:
                     self._pending += [(self.rank, self.node, raw.decode("utf-8", "replace").rstrip("\r"))
                                       for raw in lines]
-                if time.monotonic() - last_flush > FLUSH_INTERVAL_S:
-                    self.flush()
-                    last_flush = time.monotonic()
         if partial:
             with self._lock:
                 self._pending.append((self.rank, self.node, partial.decode("utf-8", "replace")))
 
     def flush(self) -> None:
-        with self._lock:
+        with self._lock:  # held while submitting, so batches reach the actor in order
             batch, self._pending = self._pending, []
-        if batch:  # calls from one caller to one actor run in order
-            self._last_ref = self.collector.put_lines.remote(batch)
+            if batch:
+                self._last_ref = self.collector.put_lines.remote(batch)
 
     def __exit__(self, *exc: Any) -> None:
         import ray
@@ -123,6 +128,9 @@ class OutputToCollector:
         os.dup2(self._saved[1], 2)
         if self._reader is not None:
             self._reader.join(timeout=10)
+        self._stop_flushing.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=10)
         os.close(self._saved[0])
         os.close(self._saved[1])
         self._saved = None
