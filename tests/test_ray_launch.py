@@ -142,3 +142,34 @@ def _raised(fn) -> BaseException | None:  # type: ignore[no-untyped-def]
     except BaseException as exc:  # noqa: BLE001
         return exc
     return None
+
+
+def test_a_head_whose_port_lies_in_rays_default_worker_range_starts() -> None:
+    """Listener ports come from 10000 up; Ray's default worker ports (10002-19999) must not refuse them."""
+    import io
+    import shutil
+    import socket
+    import tempfile
+
+    from prefect_sgpu.ray.node_process import RayNodeProcess, RayNodeSpec
+
+    def bindable(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.13", port))
+            except OSError:
+                return False
+        return True
+
+    port = next(p for p in range(15000, 19999) if bindable(p))
+    out = io.StringIO()
+    temp = tempfile.mkdtemp(prefix="sgpu-rh-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    head = RayNodeProcess(RayNodeSpec(node_ip="127.0.0.13", temp_dir=temp, num_cpus=1, gcs_port=port,
+                                      object_store_memory=128 << 20), output=out)
+    try:
+        head.start()
+        assert head.alive(), out.getvalue()
+    finally:
+        head.stop()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert not head.alive()

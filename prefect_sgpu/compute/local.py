@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from prefect_sgpu.compute import Allocation, Compute, Node, NodeLaunch, node_base_environment
 from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.launch.processes import kill_and_reap
 from prefect_sgpu.spec import Plan, Resources, plan_local
 
 logger = logging.getLogger("prefect_sgpu.compute.local")
@@ -192,12 +193,7 @@ class LocalCompute(Compute):
         for proc in procs:
             if proc.poll() is None:
                 _signal_group(proc.pid, signal.SIGKILL)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        kill_and_reap(alive)
         for proc in procs:
             try:
                 proc.wait(timeout=5)

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefect_sgpu.launch.processes import kill_and_reap
+
 DEFAULT_IMDS = "http://169.254.169.254/"
 IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
 NODE_DIR_ENV = "PREFECT_SGPU_NODE_DIR"
@@ -351,12 +353,7 @@ class NodeBootstrap:
             tree = []
         proc.terminate()
         _, alive = psutil.wait_procs(tree, timeout=self.grace)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        kill_and_reap(alive)
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:

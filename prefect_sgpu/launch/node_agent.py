@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class _Stop(Exception):
@@ -130,13 +130,19 @@ def run(args: argparse.Namespace) -> int:
     return int(status["exit_code"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def node_main(parse: Callable[[list[str] | None], argparse.Namespace],
+              body: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
+    """A node process's entry point: stop signals honoured from the first instruction, 143 on a stop."""
     _install_early_signal_handlers()
-    args = parse_args(argv)
+    args = parse(argv)
     try:
-        return run(args)
+        return body(args)
     except _Stop:
         return 143
+
+
+def main(argv: list[str] | None = None) -> int:
+    return node_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -61,22 +61,18 @@ def _shutdown_process_group() -> None:
         pass
 
 
-def main() -> int:
+def run_payload(blob: bytes, key: str, base: dict[str, Any]) -> tuple[Any, int]:
+    """Run a rank's call from its payload: the envelope for every outcome, and the exit code.
+
+    ``base`` holds the rank's identity; start and finish times are added. Shared by
+    torchrun ranks and Ray Train workers.
+    """
     from prefect_sgpu import payload
-    from prefect_sgpu.store import atomic_write, rank_key
 
-    job_dir = Path(os.environ["SGPU_JOB_DIR"])
-    key = os.environ.pop("SGPU_PAYLOAD_KEY")
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    node = int(os.environ.get("GROUP_RANK", 0))
-    _redirect_output(job_dir / rank_key("logs", rank))
-
-    base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname(),
-            "started": time.time()}
+    base = {**base, "started": time.time()}
     exit_code = 0
     try:
-        call = payload.load((job_dir / "payload.bin").read_bytes(), key)
+        call = payload.load(blob, key)
         if isinstance(call, payload.ScriptCall):
             exit_code = _run_script(call)
             if exit_code:
@@ -98,6 +94,22 @@ def main() -> int:
             exit_code = 1
             traceback.print_exc()
         envelope = payload.failure_envelope(base, exc, tb, exit_code)
+    return envelope, exit_code
+
+
+def main() -> int:
+    from prefect_sgpu import payload
+    from prefect_sgpu.store import atomic_write, rank_key
+
+    job_dir = Path(os.environ["SGPU_JOB_DIR"])
+    key = os.environ.pop("SGPU_PAYLOAD_KEY")
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    node = int(os.environ.get("GROUP_RANK", 0))
+    _redirect_output(job_dir / rank_key("logs", rank))
+
+    base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname()}
+    envelope, exit_code = run_payload((job_dir / "payload.bin").read_bytes(), key, base)
     atomic_write(job_dir / rank_key("results", rank), payload.dump_envelope(envelope, key))
     _shutdown_process_group()
     sys.stdout.flush()

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect_sgpu.launch.node_agent import _install_early_signal_handlers, _Stop, _watch_heartbeat, _write_status
+from prefect_sgpu.launch.node_agent import _Stop, _watch_heartbeat, _write_status, node_main
 from prefect_sgpu.ray.node_process import RayNodeProcess, RayNodeSpec, ray_ip
 
 POLL_S = 0.2
@@ -207,12 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _install_early_signal_handlers()
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except _Stop:
-        return 143
+    return node_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,17 @@ of the process tree we saw is still alive.
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import IO, Callable
+
+from prefect_sgpu.launch.processes import kill_and_reap
 
 #: what ``ray start`` prints once the node has registered with the GCS
 READY_LINE = "Ray runtime started"
@@ -42,9 +44,14 @@ def ray_ip(address: str) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A listening port for a Ray component: free, outside the ephemeral range, not handed out before."""
+    from prefect_sgpu.compute.ports import free_port as listener_port
+
+    return listener_port(host)
+
+
+#: how many of ``ray start``'s last output lines an error about it quotes
+TAIL_LINES = 12
 
 
 @dataclass
@@ -67,10 +74,16 @@ class RayNodeSpec:
         return self.head_address is None
 
     def argv(self) -> list[str]:
-        """The ``ray start`` command line; every port a job-unique free one."""
+        """The ``ray start`` command line; every port a job-unique free one.
+
+        Ray's workers take random ports: its default worker range (10002-19999)
+        overlaps the listener ports chosen here, and ``ray start`` refuses to start
+        when the two meet.
+        """
         ip = ray_ip(self.node_ip)
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
                 f"--node-ip-address={ip}", f"--temp-dir={self.temp_dir}",
+                "--min-worker-port=0", "--max-worker-port=0",
                 f"--dashboard-agent-listen-port={free_port(ip)}",
                 f"--metrics-export-port={self.metrics_export_port or free_port(ip)}"]
         if self.is_head:
@@ -101,6 +114,7 @@ class RayNodeProcess:
         self._ready = threading.Event()
         self._pump: threading.Thread | None = None
         self._seen: dict[int, float] = {}  # pid -> create time of every process of the tree seen
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def start(self, timeout: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Run ``ray start --block`` and return once the node is up; raise if it is not."""
@@ -115,7 +129,10 @@ class RayNodeProcess:
         while not self._ready.wait(0.1):
             self._remember_tree()
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with code {self.proc.returncode} before the node was up")
+                self._pump.join(timeout=5)
+                tail = "".join(self._tail).rstrip()
+                raise RuntimeError(f"ray start exited with code {self.proc.returncode} before the node was up"
+                                   + (f"; its last lines:\n{tail}" if tail else ""))
             if time.monotonic() > deadline or should_stop():
                 raise TimeoutError(f"the Ray node did not start within {timeout:g}s")
         self._remember_tree()
@@ -123,6 +140,7 @@ class RayNodeProcess:
     def _forward(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
+            self._tail.append(line)
             try:
                 self.output.write(line)
                 self.output.flush()
@@ -167,12 +185,7 @@ class RayNodeProcess:
                     survivors.append(p)
             except psutil.NoSuchProcess:
                 continue
-        for p in survivors:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(survivors, timeout=5)
+        kill_and_reap(survivors)
         if self.proc.poll() is None:
             self.proc.kill()
         try:

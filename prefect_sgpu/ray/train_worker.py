@@ -15,8 +15,6 @@ import os
 import socket
 import sys
 import threading
-import time
-import traceback
 from typing import Any
 
 FLUSH_INTERVAL_S = 0.2
@@ -155,31 +153,13 @@ def _set_rank_env(config: dict[str, Any]) -> tuple[int, int, int]:
 def run_rank(config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of the job's TorchTrainer."""
     from prefect_sgpu import payload
-    from prefect_sgpu.launch.rank_main import _run_script
+    from prefect_sgpu.launch.rank_main import run_payload
 
     rank, node, local = _set_rank_env(config)
     key = config["key"]
-    base = {"rank": rank, "node": node, "local_rank": local, "host": socket.gethostname(), "started": time.time()}
+    base = {"rank": rank, "node": node, "local_rank": local, "host": socket.gethostname()}
     with OutputToCollector(config["collector"], rank, node):
-        try:
-            call = payload.load(config["payload"], key)
-            if isinstance(call, payload.ScriptCall):
-                code = _run_script(call)
-                if code:
-                    raise SystemExit(code)
-                value = None
-            else:
-                value = call.fn(*call.args, **call.kwargs)
-            base["finished"] = time.time()
-            envelope = payload.success_envelope(base, value)
-            if not envelope.ok:
-                print(envelope.exc_message, file=sys.stderr)
-        except BaseException as exc:  # noqa: BLE001 - every outcome gets an envelope
-            base["finished"] = time.time()
-            code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
-            if not isinstance(exc, SystemExit):
-                traceback.print_exc()
-            envelope = payload.failure_envelope(base, exc, traceback.format_exc(), code or 1)
+        envelope, _ = run_payload(config["payload"], key, base)
     import ray
 
     ray.get(config["collector"].put_result.remote(rank, payload.dump_envelope(envelope, key)))
