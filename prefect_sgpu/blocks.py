@@ -185,8 +185,10 @@ class RayCompute(Block):
 
     address: str = Field(default="auto", description="Ray cluster address (ray://host:10001, or auto).")
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime environment for the job.")
+    backend: Optional[Literal["nccl", "gloo"]] = Field(
+        default=None, description="torch.distributed backend; unset: nccl on GPU workers, gloo on CPU workers.")
 
     def get_compute(self) -> Any:
         from prefect_sgpu.ray import RayCompute as Ray
 
-        return Ray(address=self.address, runtime_env=self.runtime_env)
+        return Ray(address=self.address, runtime_env=self.runtime_env, backend=self.backend)

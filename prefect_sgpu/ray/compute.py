@@ -57,15 +57,21 @@ def scaling_options(resources: Resources, plan: Plan, cluster: dict[str, float])
     return options
 
 
-def _fit(config: dict[str, Any], scaling: dict[str, Any], name: str, max_failures: int) -> None:
+#: process-group backends a RayCompute may pin (None: Ray Train's choice, nccl on GPU, gloo on CPU)
+BACKENDS = ("nccl", "gloo")
+
+
+def _fit(config: dict[str, Any], scaling: dict[str, Any], name: str, max_failures: int,
+         backend: str | None = None) -> None:
     """Run the job's TorchTrainer to the end (in a Ray task, so cancelling it stops the run)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from prefect_sgpu.ray.train_worker import run_rank
 
     TorchTrainer(
         run_rank, train_loop_config=config, scaling_config=ScalingConfig(**scaling),
+        torch_config=TorchConfig(backend=backend) if backend else None,
         run_config=RunConfig(name=name, failure_config=FailureConfig(max_failures=max_failures)),
     ).fit()
 
@@ -73,11 +79,16 @@ def _fit(config: dict[str, Any], scaling: dict[str, Any], name: str, max_failure
 class RayCompute(Compute):
     """Run jobs on an existing Ray cluster (``address="auto"``, ``"ray://host:10001"``, ``"host:6379"``)."""
 
-    def __init__(self, address: str = "auto", runtime_env: dict[str, Any] | None = None) -> None:
+    def __init__(self, address: str = "auto", runtime_env: dict[str, Any] | None = None,
+                 backend: str | None = None) -> None:
         if not isinstance(address, str) or not address.strip():
             raise SGPUConfigError("address", address, "'auto', 'ray://host:port' or 'host:port'")
+        if backend is not None and backend not in BACKENDS:
+            raise SGPUConfigError("backend", backend, f"one of {', '.join(BACKENDS)}, or None for Ray Train's "
+                                  "default (nccl on GPU workers, gloo on CPU workers)")
         self.address = address.strip()
         self.runtime_env = dict(runtime_env or {})
+        self.backend = backend
         self._connected_here = False
         self._lock = threading.Lock()
 
@@ -86,7 +97,7 @@ class RayCompute(Compute):
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, RayCompute) and other.address == self.address
-                and other.runtime_env == self.runtime_env)
+                and other.runtime_env == self.runtime_env and other.backend == self.backend)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -104,7 +115,8 @@ class RayCompute(Compute):
     def dry_run(self, run_id: str, plan: Plan, launches: list[NodeLaunch]) -> dict[str, Any]:
         return {"compute": "ray", "address": self.address, "run_id": run_id,
                 "trainer": "ray.train.torch.TorchTrainer", "num_workers": plan.world_size,
-                "use_gpu_if_available": plan.device == "cuda", "runtime_env": self.runtime_env}
+                "use_gpu_if_available": plan.device == "cuda", "runtime_env": self.runtime_env,
+                "backend": self.backend or "nccl on GPU workers, gloo on CPU workers"}
 
     # -- the whole job ------------------------------------------------------------
 
@@ -114,10 +126,27 @@ class RayCompute(Compute):
 
         with self._lock:
             if ray.is_initialized():
+                self._check_same_cluster()
                 return
             ray.init(address=self.address, runtime_env=self.runtime_env or None, log_to_driver=False,
                      logging_level="WARNING")
             self._connected_here = True
+
+    def _check_same_cluster(self) -> None:
+        """A process holds one Ray connection: refuse to run on it when it is another cluster's."""
+        import ray
+
+        if self.address == "auto" or self.address.startswith("ray://"):
+            return  # "auto" accepts the cluster joined; a client address is not comparable to the GCS one
+        try:
+            joined = ray.get_runtime_context().gcs_address
+        except Exception:  # noqa: BLE001 - nothing to compare with
+            return
+        if joined and joined != self.address:
+            raise SGPUConfigError(
+                "address", self.address,
+                f"the Ray cluster this process is connected to ({joined}): a process joins one Ray cluster; "
+                "call ray.shutdown() first or run the job from another process")
 
     def close(self) -> None:
         """Leave the cluster if this compute joined it (the task runner calls this at flow end)."""
@@ -145,7 +174,7 @@ class RayCompute(Compute):
         collector = ray.remote(num_cpus=0)(Collector).remote()
         config = {"payload": blob, "key": key, "env": env, "collector": collector}
         fit = ray.remote(num_cpus=0, max_retries=0)(_fit).remote(
-            config, scaling, job.run_id, job.options.max_restarts)
+            config, scaling, job.run_id, job.options.max_restarts, self.backend)
         logs: dict[int, list[str]] = {}
         finished = False
         try:
