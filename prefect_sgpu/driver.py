@@ -184,7 +184,7 @@ class Job:
                 result: JobResult = execute(self)
             else:
                 tailer = LogTailer(self.store, self.run_id, plan.procs_per_node, self.sink.line).start()
-                self.allocation = self.compute.acquire(self.run_id, plan)
+                self.allocation = self.compute.acquire(self.run_id, plan, cancel=self.cancel_event)
                 endpoint = self.compute.rendezvous_endpoint(self.allocation)
                 for launch in self.launches(plan, self.allocation, key, endpoint):
                     self.compute.start(self.allocation, launch)

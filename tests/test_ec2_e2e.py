@@ -210,6 +210,40 @@ def test_node_that_never_boots_is_a_launch_timeout(ec2: EC2Env) -> None:
     assert len(instances) == 2 and all(i["State"]["Name"] == "terminated" for i in instances)
 
 
+def test_cancel_while_nodes_boot_terminates_them_and_ends_the_run_killed(ec2: EC2Env) -> None:
+
+    from prefect_sgpu.errors import JobCancelled
+
+    ec2.simulator.boot = lambda inst: inst.get("AmiLaunchIndex") != 1  # node 1 hangs in boot
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(agent_timeout_s=600.0))(_all_reduce)
+    cancel = threading.Event()
+    job = fn.job("cancelled", cancel_event=cancel)
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job.run()
+        except BaseException as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not ec2.instances(job.run_id) or not any(
+                i["State"]["Name"] == "running" for i in ec2.instances(job.run_id)):
+            assert time.monotonic() < deadline and runner.is_alive(), "the instances never started"
+            time.sleep(0.2)
+    finally:
+        cancel.set()
+        runner.join(timeout=120)
+    assert not runner.is_alive(), "cancel is honoured while the driver waits for the node agents"
+    assert outcome and isinstance(outcome[0], JobCancelled), outcome
+    assert job.tracked is not None and job.tracked.status == "KILLED"
+    instances = ec2.instances(job.run_id)
+    assert len(instances) == 2 and all(i["State"]["Name"] == "terminated" for i in instances)
+
+
 _DRIVER = textwrap.dedent(
     """
     import json, sys, time

@@ -605,3 +605,40 @@ def test_instances_never_running_time_out_and_are_cleaned(
     assert info.value.phase == "provisioning"
     assert [c.error for c in aws_faults.calls("DescribeInstances")][:5] == ["InvalidInstanceID.NotFound"] * 5
     assert_cleaned(aws_env, "r-stuck")
+
+
+def test_cancel_while_instances_start_terminates_them(
+    settings: dict[str, Any], aws_env: Any, aws_faults: Any
+) -> None:
+    """The running-wait polls one at a time and gives up, cleaning up, once told to stop."""
+    from prefect_sgpu.errors import JobCancelled
+
+    cancelled: list[bool] = []
+    aws_faults.fail(  # the new ids stay unknown until the cancel, so the instances never run
+        "DescribeInstances",
+        "InvalidInstanceID.NotFound",
+        message="The instance IDs do not exist",
+        times=1000,
+        where=lambda p: "InstanceId.1" in p and not cancelled,
+    )
+
+    def should_stop() -> bool:
+        if len(aws_faults.calls("DescribeInstances")) >= 3:
+            cancelled.append(True)
+        return bool(cancelled)
+
+    prov = provisioner(settings, running_timeout_s=600.0, waiter_delay_s=0.2)
+    with pytest.raises(JobCancelled, match="cancelled while its instances started"):
+        prov.provision("r-cancel", make_plan(2, "A10"), USER_DATA, should_stop=should_stop)
+    assert len(run_instances_calls(aws_faults)) == 1
+    assert_cleaned(aws_env, "r-cancel")
+
+
+def test_cancel_before_launch_spends_nothing(settings: dict[str, Any], aws_env: Any, aws_faults: Any) -> None:
+    from prefect_sgpu.errors import JobCancelled
+
+    prov = provisioner(settings)
+    with pytest.raises(JobCancelled):
+        prov.provision("r-cancel0", make_plan(2, "A10"), USER_DATA, should_stop=lambda: True)
+    assert run_instances_calls(aws_faults) == []
+    assert_cleaned(aws_env, "r-cancel0")

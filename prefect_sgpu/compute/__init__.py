@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +67,9 @@ class Compute(ABC):
         """What acquire+start would do (requests, commands), without doing it."""
 
     @abstractmethod
-    def acquire(self, run_id: str, plan: Plan) -> Allocation: ...
+    def acquire(self, run_id: str, plan: Plan, cancel: "threading.Event | None" = None) -> Allocation:
+        """The job's nodes. A compute that waits for them (VMs booting) stops waiting once
+        ``cancel`` is set, releases what it got and raises ``JobCancelled``."""
 
     @abstractmethod
     def start(self, allocation: Allocation, launch: NodeLaunch) -> None: ...

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from prefect_sgpu import catalog
 from prefect_sgpu.compute import Allocation, Compute, Node, NodeLaunch
-from prefect_sgpu.errors import LaunchTimeout, ProvisioningError, SGPUConfigError
+from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.launch.bootstrap import STOP_KEY, alive_key, launch_key, render_user_data, status_key
 from prefect_sgpu.spec import Plan, Resources, plan_remote
 
@@ -190,8 +190,9 @@ class EC2Compute(Compute):
             ],
         }
 
-    def acquire(self, run_id: str, plan: Plan) -> Allocation:
+    def acquire(self, run_id: str, plan: Plan, cancel: threading.Event | None = None) -> Allocation:
         progress = _Progress(run_id)
+        should_stop = cancel.is_set if cancel is not None else (lambda: False)
         itype = plan.instance_type.name if plan.instance_type else "?"
         started = time.time()
         progress("requested", f"{plan.nodes} x {itype} in {self.region}")
@@ -200,7 +201,7 @@ class EC2Compute(Compute):
                 try:
                     instances = self.provisioner.provision(
                         run_id, plan, self.user_data(run_id),
-                        progress=lambda text: progress("provisioning", text),
+                        progress=lambda text: progress("provisioning", text), should_stop=should_stop,
                     )
                 except LaunchTimeout:
                     raise
@@ -209,15 +210,15 @@ class EC2Compute(Compute):
                 instances = sorted(instances, key=lambda i: i.launch_index)
                 progress("running", ", ".join(f"{i.id} ({i.private_ip}, {i.availability_zone}, {i.market})"
                                               for i in instances))
-                nodes = self._wait_for_agents(run_id, plan, instances, progress)
+                nodes = self._wait_for_agents(run_id, plan, instances, progress, should_stop)
         except BaseException:
             self._terminate(run_id)
             raise
         return Allocation(run_id=run_id, plan=plan, nodes=nodes,
                           info={"instances": instances, "started": started, "progress": progress})
 
-    def _wait_for_agents(self, run_id: str, plan: Plan, instances: list[Any],
-                         progress: _Progress) -> list[Node]:
+    def _wait_for_agents(self, run_id: str, plan: Plan, instances: list[Any], progress: _Progress,
+                         should_stop: Any = lambda: False) -> list[Node]:
         """Every node's bootstrap has announced itself, or LaunchTimeout (phase "agent start")."""
         if len(instances) != plan.nodes:
             raise ProvisioningError(f"job {run_id}: asked for {plan.nodes} instance(s), got {len(instances)}")
@@ -235,6 +236,8 @@ class EC2Compute(Compute):
                     progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})")
             if len(up) == len(instances):
                 break
+            if should_stop():
+                raise JobCancelled(f"job {run_id} was cancelled while its nodes booted; they are terminated")
             now = time.monotonic()
             if now > deadline:
                 missing = [instances[i].id for i in range(len(instances)) if i not in up]

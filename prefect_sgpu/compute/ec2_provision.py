@@ -36,7 +36,7 @@ from botocore.exceptions import BotoCoreError, ClientError, WaiterError
 
 from prefect_sgpu import catalog
 from prefect_sgpu.compute.ec2_settings import EC2Settings
-from prefect_sgpu.errors import LaunchTimeout, ProvisioningError, SGPUConfigError
+from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2_provision")
 
@@ -316,12 +316,15 @@ class EC2Provisioner:
 
     # -- provisioning --------------------------------------------------------------
 
-    def provision(self, run_id: str, plan: Any, user_data: str, progress: Progress = None) -> list[Instance]:
+    def provision(self, run_id: str, plan: Any, user_data: str, progress: Progress = None,
+                  should_stop: Callable[[], bool] | None = None) -> list[Instance]:
         """Launch ``plan.nodes`` instances as one gang, failing over as configured.
 
-        Returns the running instances sorted by launch index. On any failure every
-        resource of the run is cleaned up before the error propagates.
+        Returns the running instances sorted by launch index. On any failure, and when
+        ``should_stop()`` turns true before they run (``JobCancelled``), every resource
+        of the run is cleaned up before the error propagates.
         """
+        stop = should_stop or (lambda: False)
         say = progress or (lambda message: None)
         self.settings.require_launchable()
         itype = self.instance_type_for(plan)
@@ -349,6 +352,8 @@ class EC2Provisioner:
             self._create_placement_group(run_id)
             tried: list[Attempt] = []
             for number, (market, subnet_id) in enumerate(plan_attempts):
+                if stop():
+                    raise JobCancelled(f"run {run_id} was cancelled while provisioning")
                 zone = subnets[subnet_id]["AvailabilityZone"]
                 request = self.run_instances_request(
                     run_id,
@@ -379,7 +384,7 @@ class EC2Provisioner:
                 ids = [i["InstanceId"] for i in response["Instances"]]
                 self._launched.setdefault(run_id, set()).update(ids)
                 say(f"launched {', '.join(ids)} in {zone}; waiting for running")
-                return self._wait_running(run_id, ids, market)
+                return self._wait_running(run_id, ids, market, stop)
             error = ProvisioningError(
                 f"could not launch {plan.nodes} x {itype} for run {run_id}; tried "
                 f"{len(tried)} subnet/market combination(s):\n" + "\n".join(f"  - {a}" for a in tried)
@@ -508,21 +513,31 @@ class EC2Provisioner:
             if _error_of(exc)[0] != "InvalidPlacementGroup.Duplicate":
                 raise
 
-    def _wait_running(self, run_id: str, ids: list[str], market: str) -> list[Instance]:
+    def _wait_running(self, run_id: str, ids: list[str], market: str,
+                      should_stop: Callable[[], bool] = lambda: False) -> list[Instance]:
+        """botocore's ``instance_running`` waiter, one poll at a time so a cancel is seen between polls."""
         ec2 = self.client("ec2")
         delay = self.settings.waiter_delay_s
+        waiter = ec2.get_waiter("instance_running")
         attempts = max(1, math.ceil(self.settings.running_timeout_s / delay))
-        try:
-            ec2.get_waiter("instance_running").wait(
-                InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": attempts}
-            )
-        except WaiterError as exc:
-            if "Max attempts exceeded" in str(exc):
-                raise LaunchTimeout(run_id, self.settings.running_timeout_s, phase="provisioning") from exc
-            states = self._states(ids)
-            raise ProvisioningError(
-                f"run {run_id}: instances stopped before running (spot reclaimed or launch failure): {states}"
-            ) from exc
+        for attempt in range(1, attempts + 1):
+            try:
+                waiter.wait(InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": 1})
+                break
+            except WaiterError as exc:
+                if "Max attempts exceeded" not in str(exc):  # a terminal state: not coming up
+                    states = self._states(ids)
+                    raise ProvisioningError(
+                        f"run {run_id}: instances stopped before running (spot reclaimed or launch failure): "
+                        f"{states}"
+                    ) from exc
+                if attempt == attempts:
+                    raise LaunchTimeout(run_id, self.settings.running_timeout_s, phase="provisioning") from exc
+            pause_until = time.monotonic() + delay
+            while time.monotonic() < pause_until:
+                if should_stop():
+                    raise JobCancelled(f"run {run_id} was cancelled while its instances started")
+                time.sleep(min(0.5, max(0.0, pause_until - time.monotonic())))
         instances = []
         for page in ec2.get_paginator("describe_instances").paginate(InstanceIds=ids):
             for reservation in page["Reservations"]:

@@ -142,7 +142,7 @@ class LocalCompute(Compute):
             ],
         }
 
-    def acquire(self, run_id: str, plan: Plan) -> Allocation:
+    def acquire(self, run_id: str, plan: Plan, cancel: Any = None) -> Allocation:
         # one loopback address per simulated node (all of 127.0.0.0/8 is local): torch
         # elastic tells nodes apart by address and pid, and in PID namespaces every agent is pid 1
         nodes = [Node(index=i, address=f"127.0.0.{i + 1}") for i in range(plan.nodes)]

@@ -247,7 +247,7 @@ class RayCompute(Compute):
 
     # -- the node protocol does not apply: Ray places the workers ---------------------
 
-    def acquire(self, run_id: str, plan: Plan) -> Allocation:
+    def acquire(self, run_id: str, plan: Plan, cancel: Any = None) -> Allocation:
         raise NotImplementedError("RayCompute runs whole jobs through execute(); Ray places the workers")
 
     def start(self, allocation: Allocation, launch: NodeLaunch) -> None:
