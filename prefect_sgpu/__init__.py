@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from prefect_sgpu import runtime
-from prefect_sgpu.decorator import DistributedFunction, distributed, run_script
+from prefect_sgpu.adapters.decorator import DistributedFunction, distributed, run_script
 from prefect_sgpu.errors import (
     JobCancelled,
     LaunchTimeout,
@@ -45,14 +45,14 @@ __all__ = [
 ]
 
 _LAZY = {
-    "GPUTaskRunner": "prefect_sgpu.task_runner",
-    "gpu_task": "prefect_sgpu.task_runner",
-    "GPUTask": "prefect_sgpu.task_runner",
-    "LocalCompute": "prefect_sgpu.blocks",
-    "EC2Compute": "prefect_sgpu.blocks",
-    "RayCompute": "prefect_sgpu.blocks",
-    "SGPUStore": "prefect_sgpu.blocks",
-    "SGPUWorker": "prefect_sgpu.worker",
+    "GPUTaskRunner": "prefect_sgpu.adapters.task_runner",
+    "gpu_task": "prefect_sgpu.adapters.task_runner",
+    "GPUTask": "prefect_sgpu.adapters.task_runner",
+    "LocalCompute": "prefect_sgpu.adapters.blocks",
+    "EC2Compute": "prefect_sgpu.adapters.blocks",
+    "RayCompute": "prefect_sgpu.adapters.blocks",
+    "SGPUStore": "prefect_sgpu.adapters.blocks",
+    "SGPUWorker": "prefect_sgpu.adapters.worker",
     "ray_launch": "prefect_sgpu.ray",
 }
 
@@ -64,7 +64,7 @@ def _register_blocks() -> None:
 
     for name in ("LocalCompute", "EC2Compute", "RayCompute", "SGPUStore"):
         globals()[name] = getattr(blocks, name)
-    from prefect_sgpu.worker import SGPUWorker  # the "sgpu" work pool type
+    from prefect_sgpu.adapters.worker import SGPUWorker  # the "sgpu" work pool type
 
     globals()["SGPUWorker"] = SGPUWorker
 

@@ -1,14 +1,16 @@
 """Run one distributed job from start to finish, and clean up on every path.
 
-Order matters: everything that can be checked (resources, payload) is checked
+Order matters: everything that can be checked (spec, plan, payload) is checked
 before the store, MLflow or any process is touched; once anything exists, a
-``finally`` stops every rank, releases the compute and ends the MLflow run.
+``finally`` stops every rank, releases the compute and ends the MLflow run. The
+driver speaks to every compute through the same contract
+(:mod:`prefect_sgpu.compute.base`) and to nodes only through sealed documents in the
+job folder (:mod:`prefect_sgpu.jobfolder`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import threading
@@ -18,22 +20,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefect_sgpu import payload as payload_mod
-from prefect_sgpu.compute import Allocation, Compute, Node, NodeLaunch
-from prefect_sgpu.compute.ports import free_port  # noqa: F401 - kept importable from here
+from prefect_sgpu.compute.base import (
+    Allocation,
+    Compute,
+    JobLaunch,
+    NodeCommand,
+    NodeExited,
+    NodeLost,
+    NodeUp,
+    Request,
+)
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, RankFailedError
+from prefect_sgpu.jobfolder import JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
-from prefect_sgpu.spec import JobOptions, Plan, Resources
-from prefect_sgpu.store import Store, rank_key
+from prefect_sgpu.spec import JobSpec, Plan
+from prefect_sgpu.store import Store
 from prefect_sgpu.tracking import TrackedRun, active_parent, mlflow_available, start_run
 
 logger = logging.getLogger("prefect_sgpu.driver")
 
 HEARTBEAT_INTERVAL_S = 2.0
-
-def heartbeat_ttl() -> float:
-    """Seconds without a driver heartbeat after which nodes stop themselves."""
-    return float(os.environ.get("PREFECT_SGPU_HEARTBEAT_TTL", 60.0))
-
 POLL_INTERVAL_S = 0.05
 
 
@@ -60,21 +66,24 @@ class JobResult:
     duration_s: float = 0.0
     #: what the compute charged for, when it knows (EC2: instance-hours and estimated USD)
     cost: dict[str, Any] | None = None
+    #: what release removed (instances, groups, parameters, processes)
+    released: list[str] = field(default_factory=list)
 
 
 class Launcher:
-    """What each node runs. The default: torch elastic with ``procs_per_node`` ranks."""
+    """What each node of a node compute runs. The default: torch elastic with ``procs_per_node`` ranks."""
 
     name = "torchrun"
 
-    def node_argv(self, job: "Job", plan: Plan, node: Node, endpoint: str) -> list[str]:
+    def node_argv(self, job: "Job", request: Request, node: int, address: str, endpoint: str) -> list[str]:
+        plan = request.plan
         return [
             sys.executable, "-m", "prefect_sgpu.launch.node_agent",
             f"--run-id={job.run_id}", f"--job-dir={job.store.uri(job.run_id)}",
-            f"--node-index={node.index}", f"--nnodes={plan.nodes}",
+            f"--node-index={node}", f"--nnodes={plan.nodes}",
             f"--nproc-per-node={plan.procs_per_node}", f"--rdzv-endpoint={endpoint}",
-            f"--local-addr={node.address}", f"--max-restarts={job.options.max_restarts}",
-            f"--heartbeat-ttl={heartbeat_ttl():g}", f"--join-timeout={min(job.options.timeout, 600):g}",
+            f"--local-addr={address}", f"--max-restarts={job.spec.max_restarts}",
+            f"--heartbeat-ttl={request.heartbeat_ttl_s:g}", f"--join-timeout={min(job.spec.timeout, 600):g}",
         ]
 
     def result_ranks(self, plan: Plan) -> list[int]:
@@ -96,8 +105,7 @@ class Job:
     def __init__(
         self,
         call: payload_mod.FunctionCall | payload_mod.ScriptCall,
-        resources: Resources,
-        options: JobOptions,
+        spec: JobSpec,
         compute: Compute,
         store: Store,
         sink: RankLogSink | None = None,
@@ -106,8 +114,7 @@ class Job:
         launcher: "Launcher | None" = None,
     ) -> None:
         self.call = call
-        self.resources = resources
-        self.options = options
+        self.spec = spec
         self.compute = compute
         self.store = store
         self.sink = sink or RankLogSink(call.name)
@@ -118,79 +125,77 @@ class Job:
         self.plan: Plan | None = None
         self.tracked: TrackedRun | None = None
         self.allocation: Allocation | None = None
+        self.folder: JobFolder | None = None
         self.started_at = 0.0
-        self._prepared: tuple[Plan, bytes, str] | None = None
-        self.mlflow_parent = active_parent() if options.mlflow else None
+        self._prepared: tuple[Request, bytes, str] | None = None
+        self.mlflow_parent = active_parent() if spec.mlflow else None
 
     # -- preparation (nothing spent) ---------------------------------------------
 
-    def prepare(self) -> tuple[Plan, bytes, str]:
-        """Plan and payload, checked and built once; raises before anything is started."""
+    def prepare(self) -> tuple[Request, bytes, str]:
+        """Request and payload, checked and built once; raises before anything is started."""
         if self._prepared is None:
-            plan = self.compute.plan(self.resources)
-            key = payload_mod.new_key()
-            self._prepared = (plan, payload_mod.build(self.call, key), key)
+            request = self.compute.plan(self.spec, self.run_id)
+            self._prepared = (request, payload_mod.build(self.call), new_key())
         return self._prepared
 
-    def launches(self, plan: Plan, allocation: Allocation, key: str, endpoint: str) -> list[NodeLaunch]:
-        job_dir = self.store.uri(self.run_id)
+    def launch(self, request: Request, addresses: list[str], endpoint: str) -> JobLaunch:
         env = {
-            **self.options.env,
+            **self.spec.rank_env(),
             "SGPU_RUN_ID": self.run_id,
-            "SGPU_JOB_DIR": job_dir,
-            "SGPU_PAYLOAD_KEY": key,
+            "SGPU_JOB_DIR": self.store.uri(self.run_id),
             "PYTHONUNBUFFERED": "1",
             **(self.tracked.env if self.tracked else {}),
         }
-        return [
-            NodeLaunch(node=node, argv=self.launcher.node_argv(self, plan, node, endpoint), env=dict(env))
-            for node in allocation.nodes
-        ]
+        commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
+                    for i, address in enumerate(addresses)]
+        return JobLaunch(env=env, commands=commands, rendezvous=endpoint)
 
     def dry_run(self) -> dict[str, Any]:
-        """The plan and each node's command, without starting anything."""
-        plan, _blob, _key = self.prepare()
-        alloc = Allocation(self.run_id, plan, [Node(i, f"<node-{i}>") for i in range(plan.nodes)])
-        launches = self.launches(plan, alloc, "<redacted>", "<node-0>:<port>")
-        return {"plan": plan, **self.compute.dry_run(self.run_id, plan, launches)}
+        """The request and each node's command, without starting anything."""
+        request, _body, _key = self.prepare()
+        addresses = [f"<node-{i}>" for i in range(request.plan.nodes)]
+        launch = self.launch(request, addresses, "<node-0>:<port>")
+        return {"plan": request.plan, **request.describe(), "nodes": launch.describe(self.compute, request)}
 
     # -- run ------------------------------------------------------------------
 
     def run(self) -> JobResult:
-        plan, blob, key = self.prepare()
-        self.plan = plan
+        request, body, key = self.prepare()
+        plan = self.plan = request.plan
         self.started_at = time.monotonic()
-        deadline = self.started_at + self.options.timeout
+        deadline = self.started_at + self.spec.timeout
+        folder = self.folder = JobFolder(self.store, self.run_id, key)
         outcome = "KILLED"
         tailer: LogTailer | None = None
+        result: JobResult | None = None
+        released = None
         try:
-            self.store.put(self.run_id, "payload.bin", blob)
-            self._beat()
-            if self.options.mlflow and mlflow_available():
+            folder.put_payload(body)
+            folder.beat()
+            if self.spec.mlflow and mlflow_available():
                 self.tracked = start_run(
                     self.call.name,
                     tags={"sgpu.run_id": self.run_id, **self.tags},
-                    params={"sgpu.gpus": self.resources.gpus, "sgpu.nodes": plan.nodes,
+                    params={"sgpu.gpus": self.spec.gpus, "sgpu.nodes": plan.nodes,
                             "sgpu.procs_per_node": plan.procs_per_node,
-                            "sgpu.gpu_type": self.resources.gpu_type or plan.device},
+                            "sgpu.gpu_type": self.spec.gpu_type or plan.device,
+                            "sgpu.compute": request.compute},
                     parent=self.mlflow_parent,
                 )
             self.sink.info(
                 f"{self.call.name}: starting {plan.world_size} rank(s) on {plan.nodes} node(s) "
-                f"[{plan.device}], job {self.run_id}"
+                f"[{plan.device}, {request.compute}], job {self.run_id}"
             )
-            execute = getattr(self.compute, "execute", None)
-            if execute is not None:  # computes that run whole jobs themselves (an existing Ray cluster)
-                result: JobResult = execute(self)
-            else:
-                tailer = LogTailer(self.store, self.run_id, plan.procs_per_node, self.sink.line).start()
-                self.allocation = self.compute.acquire(self.run_id, plan, cancel=self.cancel_event)
-                endpoint = self.compute.rendezvous_endpoint(self.allocation)
-                for launch in self.launches(plan, self.allocation, key, endpoint):
-                    self.compute.start(self.allocation, launch)
-                codes = self._wait(deadline)
-                tailer.poll()
-                result = self._collect(plan, key, codes)
+            tailer = LogTailer(self.store, self.run_id, plan.procs_per_node, self.sink.line).start()
+            self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
+            self.plan = self.allocation.plan  # a job compute may refine the device it got
+            endpoint = self.compute.rendezvous_endpoint(self.allocation)
+            launch = self.launch(request, [n.address for n in self.allocation.nodes], endpoint)
+            self.compute.start(self.allocation, launch)
+            codes, statuses, lost = self._wait(deadline)
+            tailer.poll()
+            result = self._collect(self.plan, codes, statuses, lost)
             outcome = "FINISHED"
         except (RankFailedError, LaunchTimeout):
             outcome = "FAILED"
@@ -199,67 +204,62 @@ class Job:
             outcome = "FAILED" if getattr(exc, "sgpu_failure", None) is not None else "KILLED"
             raise
         finally:
-            self._cleanup(outcome, tailer)
-        if self.allocation is not None:  # known only once the compute was released
-            result.cost = self.allocation.info.get("cost")
+            released = self._cleanup(outcome, tailer)
+        assert result is not None
+        if released is not None:
+            result.cost = released.cost
+            result.released = list(released.gone)
         return result
 
-    def collect(self, plan: Plan, codes: dict[int, int]) -> JobResult:
-        """Values in rank order from the envelopes in the store, else the first failing rank's error.
-
-        For computes that run whole jobs (``execute``): they put each rank's envelope and,
-        on failure, ``nodes/node-<i>.json`` into the store, then report through here.
-        """
-        return self._collect(plan, self.prepare()[2], codes)
-
-    def _beat(self) -> None:
-        self.store.put(self.run_id, "heartbeat", f"{time.time():.3f}".encode())
-
-    def _wait(self, deadline: float) -> dict[int, int]:
-        assert self.allocation is not None
+    def _wait(self, deadline: float) -> tuple[dict[int, int], dict[int, NodeStatus], dict[int, str]]:
+        """Poll the compute until every node exited, or one failed or was lost."""
+        assert self.allocation is not None and self.folder is not None
         codes: dict[int, int] = {}
+        statuses: dict[int, NodeStatus] = {}
+        lost: dict[int, str] = {}
         last_beat = time.monotonic()
+        total = len(self.allocation.nodes)
         while True:
-            for node in self.allocation.nodes:
-                if node.index not in codes:
-                    code = self.compute.poll(self.allocation, node)
-                    if code is not None:
-                        codes[node.index] = code
-            if len(codes) == len(self.allocation.nodes) or any(codes.values()):
-                return codes
+            for event in self.compute.poll(self.allocation):
+                if isinstance(event, NodeExited):
+                    codes[event.node] = event.exit_code
+                    if event.status is not None:
+                        statuses[event.node] = event.status
+                elif isinstance(event, NodeLost):
+                    codes[event.node] = 137
+                    lost[event.node] = event.reason
+                elif isinstance(event, NodeUp):
+                    logger.debug("job %s: node %d up on %s", self.run_id, event.node, event.host)
+            if len(codes) == total or any(codes.values()):
+                return codes, statuses, lost
             now = time.monotonic()
             if self.cancel_event.is_set():
                 raise JobCancelled(f"job {self.run_id} was cancelled; every rank was stopped")
             if now > deadline:
-                raise LaunchTimeout(self.run_id, self.options.timeout)
+                raise LaunchTimeout(self.run_id, self.spec.timeout)
             if now - last_beat > HEARTBEAT_INTERVAL_S:
-                self._beat()
+                self.folder.beat()
                 last_beat = now
             self.cancel_event.wait(POLL_INTERVAL_S)
 
-    def _envelopes(self, key: str) -> dict[int, payload_mod.Envelope]:
-        found: dict[int, payload_mod.Envelope] = {}
-        for k in self.store.list(self.run_id, "results"):
-            blob = self.store.get(self.run_id, k)
-            if blob:
-                env = payload_mod.load_envelope(blob, key)
-                found[env.rank] = env
-        return found
+    def _envelopes(self) -> dict[int, payload_mod.Envelope]:
+        assert self.folder is not None
+        return {rank: payload_mod.load_envelope(body) for rank, body in self.folder.results().items()}
 
-    def _collect(self, plan: Plan, key: str, codes: dict[int, int]) -> JobResult:
+    def _collect(self, plan: Plan, codes: dict[int, int], statuses: dict[int, NodeStatus],
+                 lost: dict[int, str]) -> JobResult:
         if any(codes.values()):
             if self.allocation is not None:
                 self.compute.stop(self.allocation)  # the other nodes, before reading envelopes
-            raise self._failure(key, codes)
-        envelopes = self._envelopes(key)
+            raise self._failure(codes, statuses, lost)
+        envelopes = self._envelopes()
         expected = self.launcher.result_ranks(plan)
         missing = [r for r in expected if r not in envelopes]
         if missing:
             raise RankFailedError(missing[0], None, None, None,
                                   f"rank(s) {missing} exited without a result")
-        bad = [e for e in envelopes.values() if not e.ok]
-        if bad:
-            raise self._failure(key, codes)
+        if any(not e.ok for e in envelopes.values()):
+            raise self._failure(codes, statuses, lost)
         values = [envelopes[r].value() for r in expected]
         ranks = [RankReport(e.rank, e.node, e.host, e.exit_code, e.finished - e.started)
                  for e in (envelopes[r] for r in expected)]
@@ -271,9 +271,10 @@ class Job:
             duration_s=time.monotonic() - self.started_at,
         )
 
-    def _failure(self, key: str, codes: dict[int, int]) -> BaseException:
+    def _failure(self, codes: dict[int, int], statuses: dict[int, NodeStatus],
+                 lost: dict[int, str]) -> BaseException:
         """The first failing rank's own exception (with rank/host notes), else RankFailedError."""
-        failed = sorted((e for e in self._envelopes(key).values() if not e.ok), key=lambda e: e.finished)
+        failed = sorted((e for e in self._envelopes().values() if not e.ok), key=lambda e: e.finished)
         if failed:
             first = failed[0]
             info = RankFailedError(first.rank, first.host, first.exit_code, first.traceback,
@@ -288,35 +289,39 @@ class Job:
                 + (first.traceback or "").rstrip()
             )
             return original
-        import json
-
+        hosts = {n.index: n.host for n in (self.allocation.nodes if self.allocation else [])}
         for index, code in sorted(codes.items()):
             if not code:
                 continue
-            raw = self.store.get(self.run_id, f"nodes/node-{index}.json")
-            status = json.loads(raw) if raw else {}
-            failures = status.get("failures") or {}
-            if failures:
-                rank, fail = min(failures.items(), key=lambda kv: int(kv[0]))
-                how = f"killed by {fail['signal']}" if fail.get("signal") else "exited"
-                return RankFailedError(int(rank), status.get("host"), fail.get("exit_code"), None,
+            if index in lost:
+                return RankFailedError(None, hosts.get(index), code, None, lost[index], node=index)
+            status = statuses.get(index) or (self.folder.status(index) if self.folder else None)
+            if status is not None and status.failures:
+                rank, fail = min(status.failures.items(), key=lambda kv: int(kv[0]))
+                how = f"killed by {fail.signal}" if fail.signal else "exited"
+                return RankFailedError(int(rank), status.host or hosts.get(index), fail.exit_code, None,
                                        f"{how} without a Python exception (see its log)", node=index)
-            return RankFailedError(None, status.get("host"), code, None,
-                                   status.get("error") or f"node {index}'s agent exited with code {code}",
-                                   node=index)
+            return RankFailedError(None, (status.host if status else None) or hosts.get(index), code, None,
+                                   (status.error if status else None)
+                                   or f"node {index}'s agent exited with code {code}", node=index)
         return RankFailedError(None, None, None, None, "the job failed without a report")
 
-    def _cleanup(self, outcome: str, tailer: LogTailer | None) -> None:
+    def _cleanup(self, outcome: str, tailer: LogTailer | None) -> Any:
+        released = None
         try:
             if self.allocation is not None:
                 try:
                     self.compute.stop(self.allocation)
                 finally:
-                    self.compute.release(self.allocation)
+                    released = self.compute.release(self.allocation)
         finally:
             if tailer is not None:
                 tailer.close()
             if self.tracked is not None:
                 self.tracked.end(outcome)
-            for key in ("payload.bin", "results"):
-                self.store.delete(self.run_id, key)
+            if self.folder is not None:
+                try:
+                    self.folder.delete_control_files()
+                except Exception:  # noqa: BLE001 - the job's outcome matters more than tidiness
+                    logger.warning("could not delete the control files of job %s", self.run_id, exc_info=True)
+        return released

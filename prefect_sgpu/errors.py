@@ -35,6 +35,11 @@ class PayloadError(SGPUError, ValueError):
     """The function or its arguments cannot be shipped to the ranks."""
 
 
+class DocumentRefused(PayloadError):
+    """A document in the job folder is not this job's own: unsigned, forged, from another
+    job, or moved to another node's or rank's place. It is never acted on."""
+
+
 class ProvisioningError(SGPUError):
     """Compute could not be acquired (capacity, quota, permissions)."""
 

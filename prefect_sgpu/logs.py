@@ -11,7 +11,8 @@ import sys
 import threading
 from typing import Any, Callable
 
-from prefect_sgpu.store import Store, rank_of_key
+from prefect_sgpu.jobfolder import LOGS, rank_of_key
+from prefect_sgpu.store import Store
 
 logger = logging.getLogger("prefect_sgpu")
 
@@ -85,7 +86,7 @@ class LogTailer:
 
     def poll(self, final: bool = False) -> None:
         with self._lock:
-            for key in self.store.list(self.run_id, "logs"):
+            for key in self.store.list(self.run_id, LOGS):
                 data = self.store.read_from(self.run_id, key, self._offsets.get(key, 0))
                 if not data and not (final and self._partial.get(key)):
                     continue

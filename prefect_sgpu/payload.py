@@ -1,20 +1,17 @@
-"""What travels between the driver and the ranks: signed cloudpickle blobs.
+"""What travels between the driver and the ranks: cloudpickle of the call, and result envelopes.
 
 The driver pickles the function and its arguments once; every rank loads the same
 bytes from the store. Each rank writes one *envelope* back: its return value, or
-its exception with the remote traceback. Both directions are HMAC-signed with a
-per-job key, so a store another party can write to cannot inject code or results.
-The key is handed to nodes out of band (environment), never written to the store.
+its exception with the remote traceback. This module only pickles and explains what
+cannot be pickled; :mod:`prefect_sgpu.jobfolder` seals both directions with the job's
+key, bound to the job and the rank, before anything is unpickled.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import inspect
 import os
 import pickle
-import secrets
 import threading
 import types
 from dataclasses import dataclass, field
@@ -23,35 +20,13 @@ from typing import Any, Callable
 
 from prefect_sgpu.errors import PayloadError
 
-MAGIC = b"SGPU1"
 _BY_VALUE_LOCK = threading.RLock()
-_DIGEST = 32
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
-
-
-def new_key() -> str:
-    return secrets.token_hex(32)
 
 
 def max_payload_bytes() -> int:
     mb = os.environ.get("PREFECT_SGPU_MAX_PAYLOAD_MB")
     return int(float(mb) * 1024 * 1024) if mb else DEFAULT_MAX_PAYLOAD_BYTES
-
-
-def sign(body: bytes, key: str) -> bytes:
-    mac = hmac.new(bytes.fromhex(key), body, hashlib.sha256).digest()
-    return MAGIC + mac + body
-
-
-def verify(blob: bytes, key: str, what: str = "payload") -> bytes:
-    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + _DIGEST:
-        raise PayloadError(f"{what} is not a prefect-sgpu blob")
-    mac = blob[len(MAGIC) : len(MAGIC) + _DIGEST]
-    body = blob[len(MAGIC) + _DIGEST :]
-    expected = hmac.new(bytes.fromhex(key), body, hashlib.sha256).digest()
-    if not hmac.compare_digest(mac, expected):
-        raise PayloadError(f"{what} signature does not match: it was not written by this job")
-    return body
 
 
 def _dumps(obj: Any) -> bytes:
@@ -137,8 +112,8 @@ def _user_module(fn: Any) -> types.ModuleType | None:
     return module
 
 
-def build(call: FunctionCall | ScriptCall, key: str, limit: int | None = None) -> bytes:
-    """Pickle and sign a call, or explain exactly what cannot be shipped."""
+def build(call: FunctionCall | ScriptCall, limit: int | None = None) -> bytes:
+    """Pickle a call, or explain exactly what cannot be shipped."""
     import cloudpickle
 
     limit = max_payload_bytes() if limit is None else limit
@@ -155,11 +130,12 @@ def build(call: FunctionCall | ScriptCall, key: str, limit: int | None = None) -
                 cloudpickle.unregister_pickle_by_value(module)
     if len(body) > limit:
         raise PayloadError(_explain_too_large(call, len(body), limit))
-    return sign(body, key)
+    return body
 
 
-def load(blob: bytes, key: str) -> FunctionCall | ScriptCall:
-    return pickle.loads(verify(blob, key))
+def load(body: bytes) -> FunctionCall | ScriptCall:
+    """The call from a payload body that the job folder has already verified."""
+    return pickle.loads(body)
 
 
 def _explain_unpicklable(call: FunctionCall | ScriptCall, exc: Exception) -> str:
@@ -267,9 +243,10 @@ def failure_envelope(base: dict[str, Any], exc: BaseException, tb: str, exit_cod
     )
 
 
-def dump_envelope(env: Envelope, key: str) -> bytes:
-    return sign(pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL), key)
+def dump_envelope(env: Envelope) -> bytes:
+    return pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def load_envelope(blob: bytes, key: str) -> Envelope:
-    return pickle.loads(verify(blob, key, what="result envelope"))
+def load_envelope(body: bytes) -> Envelope:
+    """An envelope from a body the job folder has already verified (sealed by a rank of this job)."""
+    return pickle.loads(body)

@@ -1,65 +1,231 @@
-"""What to run, independent of where: the validated job model.
+"""What to run, independent of where: one validated ``JobSpec``.
 
-Every user-facing knob lands in a pydantic model here and is checked before any
-process, VM or MLflow run exists. Errors name the field, the value and what is
-allowed (:class:`~prefect_sgpu.errors.SGPUConfigError`).
+Every user-facing knob lands here and is checked before any process, VM or MLflow
+run exists. Errors name the field, the value and what is allowed
+(:class:`~prefect_sgpu.errors.SGPUConfigError`).
+
+Settings come in layers, highest first::
+
+    call (with_options, a decorator's own arguments)
+    > task (@gpu_task)
+    > runner (GPUTaskRunner(...)) / work-pool job variables
+    > environment (PREFECT_SGPU_<FIELD>)
+    > built-in defaults
+
+A layer holds only what its caller *gave*: ``GPUTaskRunner(gpus=4)`` under a bare
+``@gpu_task()`` runs 4 ranks, because the task did not say ``gpus=1``, it said nothing.
+Giving a value explicitly (even the built-in default, or ``None`` for ``nodes``)
+does override the layers below.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from prefect_sgpu import catalog
 from prefect_sgpu.errors import SGPUConfigError
 
 DEFAULT_TIMEOUT_S = 3 * 60 * 60.0
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+ENV_PREFIX = "PREFECT_SGPU_"
 
 
-class Resources(BaseModel):
-    """How many GPUs of which type, on how many nodes, here or remote."""
+class _Unset:
+    """The value of an argument the caller did not give (distinct from None and from defaults)."""
+
+    _instance: "_Unset | None" = None
+
+    def __new__(cls) -> "_Unset":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+
+
+def _gpu_type(value: str | None) -> str | None:
+    return None if value is None else catalog.lookup(value).name
+
+
+def _seconds(value: Any) -> Any:
+    return value.total_seconds() if isinstance(value, _dt.timedelta) else value
+
+
+def _env_strings(value: Any) -> Any:
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    return value
+
+
+Gpus = Annotated[int, Field(ge=1, description="Total GPUs (ranks) of the job.")]
+GpuType = Annotated[str | None, AfterValidator(_gpu_type), Field(description="Accelerator name from the catalog.")]
+Nodes = Annotated[int | None, Field(ge=1, description="Nodes; derived when omitted.")]
+Timeout = Annotated[float, BeforeValidator(_seconds), Field(gt=0, description="Seconds before every rank is stopped.")]
+Restarts = Annotated[int, Field(ge=0, description="Worker-group restarts torch elastic may do.")]
+Env = Annotated[dict[str, str], BeforeValidator(_env_strings), Field(description="Extra environment for every rank.")]
+Strategy = Literal["ddp", "fsdp", "deepspeed"] | None
+
+#: every field of a job spec, in the order users meet them
+FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "mlflow", "strategy",
+          "return_all")
+
+
+def _check_shape(gpus: int | None, nodes: int | None) -> None:
+    if gpus is not None and nodes is not None and gpus % nodes:
+        raise SGPUConfigError(
+            "gpus", gpus, f"a multiple of nodes={nodes} (each node runs the same number of ranks)"
+        )
+
+
+class SpecLayer(BaseModel):
+    """The settings one source gave (a call, a task, a runner, the environment): nothing more."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    gpus: int = Field(1, ge=1, description="Total GPUs (ranks) of the job.")
-    gpu_type: str | None = Field(None, description="Accelerator name from the catalog.")
-    nodes: int | None = Field(None, ge=1, description="Nodes; derived when omitted.")
+    source: str = Field("call", exclude=True)
+    gpus: Gpus | None = None
+    gpu_type: GpuType = None
+    nodes: Nodes = None
+    remote: bool | None = None
+    timeout: Timeout | None = None
+    max_restarts: Restarts | None = None
+    env: Env | None = None
+    mlflow: bool | None = None
+    strategy: Strategy = None
+    return_all: bool | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> "SpecLayer":
+        _check_shape(self.gpus, self.nodes)
+        return self
+
+    def given(self) -> dict[str, Any]:
+        """Only the fields this source set, with their validated values."""
+        return {name: getattr(self, name) for name in FIELDS if name in self.model_fields_set}
+
+
+class JobSpec(BaseModel):
+    """Resources and options of one job, merged from every layer and validated once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus: Gpus = 1
+    gpu_type: GpuType = None
+    nodes: Nodes = None
     remote: bool = Field(False, description="Run on remote compute instead of this machine.")
-
-    @field_validator("gpu_type")
-    @classmethod
-    def _known_gpu_type(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        return catalog.lookup(value).name
-
-
-class JobOptions(BaseModel):
-    """How a job runs: limits, restarts, environment, tracking."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    timeout: float = Field(DEFAULT_TIMEOUT_S, gt=0, description="Seconds before every rank is stopped.")
-    max_restarts: int = Field(0, ge=0, description="Worker-group restarts torch elastic may do.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every rank.")
+    timeout: Timeout = DEFAULT_TIMEOUT_S
+    max_restarts: Restarts = 0
+    env: Env = Field(default_factory=dict)
     mlflow: bool = Field(True, description="Open one MLflow run per call and hand it to every rank.")
+    strategy: Strategy = Field(None, description="Training strategy handed to ranks as SGPU_STRATEGY.")
+    return_all: bool = Field(False, description="A GPU task returns every rank's value, not rank 0's.")
 
-    @field_validator("timeout", mode="before")
-    @classmethod
-    def _timedelta_to_seconds(cls, value: Any) -> Any:
-        if isinstance(value, _dt.timedelta):
-            return value.total_seconds()
-        return value
+    @model_validator(mode="after")
+    def _shape(self) -> "JobSpec":
+        _check_shape(self.gpus, self.nodes)
+        return self
 
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_strings(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {str(k): str(v) for k, v in value.items()}
-        return value
+    def rank_env(self) -> dict[str, str]:
+        """What every rank gets from the spec itself."""
+        return {**self.env, **({"SGPU_STRATEGY": self.strategy} if self.strategy else {})}
+
+    def replace(self, **changes: Any) -> "JobSpec":
+        """A validated copy with ``changes`` applied."""
+        return merge(layer("call", **changes), layer("base", **self.model_dump()))
+
+
+def _config_error(exc: ValidationError) -> SGPUConfigError:
+    err = exc.errors()[0]
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, SGPUConfigError):
+        return cause
+    field = ".".join(str(p) for p in err.get("loc", ())) or "spec"
+    allowed = err.get("msg", "invalid value")
+    if field == "strategy":
+        allowed = "one of " + ", ".join(STRATEGIES) + " or None"
+    return SGPUConfigError(field, err.get("input"), allowed)
+
+
+def layer(source: str, **given: Any) -> SpecLayer:
+    """One source's settings; arguments left ``UNSET`` are not given. Raises SGPUConfigError."""
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:
+        raise SGPUConfigError(unknown[0], given[unknown[0]], "one of " + ", ".join(FIELDS))
+    values = {k: v for k, v in given.items() if v is not UNSET}
+    try:
+        return SpecLayer(source=source, **values)
+    except ValidationError as exc:
+        raise _config_error(exc) from None
+
+
+def environment_layer(environ: Mapping[str, str] | None = None) -> SpecLayer:
+    """``PREFECT_SGPU_GPUS=8``, ``PREFECT_SGPU_GPU_TYPE=H100``, ``PREFECT_SGPU_ENV='{"A": "1"}'``, ..."""
+    environ = os.environ if environ is None else environ
+    given: dict[str, Any] = {}
+    for name in FIELDS:
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is None or raw == "":
+            continue
+        if name == "env":
+            try:
+                given[name] = json.loads(raw)
+            except ValueError:
+                raise SGPUConfigError(ENV_PREFIX + "ENV", raw, "a JSON object of strings") from None
+        elif name in ("gpu_type", "strategy"):
+            given[name] = None if raw.lower() == "none" else raw
+        elif name == "nodes" and raw.lower() in ("none", "auto"):
+            given[name] = None
+        else:
+            given[name] = raw
+    try:
+        return layer("environment", **given)
+    except SGPUConfigError as exc:
+        raise SGPUConfigError(ENV_PREFIX + exc.field.upper(), exc.value, exc.allowed) from None
+
+
+def merge(*layers: SpecLayer | None) -> JobSpec:
+    """The job spec: for each field, the first layer (highest first) that gave it, else the default."""
+    values: dict[str, Any] = {}
+    for item in layers:
+        if item is None:
+            continue
+        for name, value in item.given().items():
+            values.setdefault(name, value)
+    try:
+        return JobSpec(**values)
+    except ValidationError as exc:
+        raise _config_error(exc) from None
+
+
+def build(*layers: SpecLayer | None, environ: Mapping[str, str] | None = None) -> JobSpec:
+    """``merge`` with the environment layer below the given ones."""
+    return merge(*layers, environment_layer(environ))
 
 
 @dataclass(frozen=True)
@@ -76,56 +242,36 @@ class Plan:
         return self.nodes * self.procs_per_node
 
 
-def _config_error(model: type[BaseModel], exc: ValidationError) -> SGPUConfigError:
-    err = exc.errors()[0]
-    field = ".".join(str(p) for p in err.get("loc", ())) or model.__name__
-    value = err.get("input")
-    cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, SGPUConfigError):
-        return cause
-    return SGPUConfigError(field, value, err.get("msg", "invalid value"))
-
-
-def make_resources(**values: Any) -> Resources:
-    try:
-        return Resources(**values)
-    except ValidationError as exc:
-        raise _config_error(Resources, exc) from None
-
-
-def make_options(**values: Any) -> JobOptions:
-    try:
-        return JobOptions(**values)
-    except ValidationError as exc:
-        raise _config_error(JobOptions, exc) from None
-
-
-def plan_remote(resources: Resources) -> Plan:
-    """Whole nodes of one instance type, from the catalog."""
-    if resources.gpu_type is None:
+def plan_remote(spec: JobSpec, instance_type: str | None = None) -> Plan:
+    """Whole instances of one type: the catalog's for ``gpu_type``, or ``instance_type`` when given."""
+    if spec.gpu_type is None:
         raise SGPUConfigError(
-            "gpu_type", None, "remote=True needs a gpu_type: one of " + ", ".join(catalog.known_gpu_types())
+            "gpu_type", None, "remote GPU instances need a gpu_type: one of " + ", ".join(catalog.known_gpu_types())
         )
-    nodes, itype = catalog.plan_nodes(resources.gpu_type, resources.gpus, resources.nodes)
+    if instance_type:
+        itype = catalog.instance_type_by_name(instance_type)
+        if itype is not None:
+            if spec.gpus % itype.gpus:
+                raise SGPUConfigError("gpus", spec.gpus, f"a multiple of {itype.gpus} (GPUs of one {itype.name})")
+            nodes = spec.gpus // itype.gpus
+            if spec.nodes is not None and spec.nodes != nodes:
+                raise SGPUConfigError("nodes", spec.nodes, f"{nodes} ({spec.gpus} GPUs on {itype.name})")
+            return Plan(nodes=nodes, procs_per_node=itype.gpus, device="cuda", instance_type=itype)
+    nodes, itype = catalog.plan_nodes(spec.gpu_type, spec.gpus, spec.nodes)
     return Plan(nodes=nodes, procs_per_node=itype.gpus, device="cuda", instance_type=itype)
 
 
-def plan_local(resources: Resources, local_gpus: int) -> Plan:
+def plan_local(spec: JobSpec, local_gpus: int) -> Plan:
     """Simulated nodes on this machine: one rank per GPU, or CPU ranks when it has none."""
-    nodes = resources.nodes or 1
-    if resources.gpus % nodes:
-        raise SGPUConfigError(
-            "gpus",
-            resources.gpus,
-            f"must be a multiple of nodes={nodes} (each node runs the same number of ranks)",
-        )
+    nodes = spec.nodes or 1
+    _check_shape(spec.gpus, nodes)
     if local_gpus == 0:
-        return Plan(nodes=nodes, procs_per_node=resources.gpus // nodes, device="cpu")
-    if resources.gpus > local_gpus:
+        return Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cpu")
+    if spec.gpus > local_gpus:
         raise SGPUConfigError(
             "gpus",
-            resources.gpus,
+            spec.gpus,
             f"at most {local_gpus} on this machine (it has {local_gpus} GPU(s)); "
             "use remote=True or set PREFECT_SGPU_DEVICE=cpu to run CPU ranks",
         )
-    return Plan(nodes=nodes, procs_per_node=resources.gpus // nodes, device="cuda")
+    return Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cuda")

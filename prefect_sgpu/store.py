@@ -1,17 +1,9 @@
-"""The one mailbox between the driver and the nodes.
+"""Byte storage for job folders: a local folder, or S3 (:mod:`prefect_sgpu.store_s3`).
 
-The driver writes the payload and a heartbeat; nodes write per-rank logs, result
-envelopes and their own exit status. Nothing needs an inbound port on the driver,
-so a driver behind NAT can run nodes anywhere that can reach the store.
-
-Key layout of one job (``<run_id>/...``)::
-
-    payload.bin               signed cloudpickle of the call
-    heartbeat                 driver's last heartbeat (unix time as text)
-    logs/rank-00003.log       stdout+stderr of rank 3 (kept after the job)
-    results/rank-00003.bin    signed result envelope of rank 3
-    nodes/node-1.json         exit status of node 1's elastic agent
-    checkpoints/...           user checkpoints (runtime.checkpoint_dir())
+The store is the one mailbox between the driver and the nodes: nothing needs an
+inbound port on the driver, so a driver behind NAT can run nodes anywhere that can
+reach the store. What goes where in a job's folder, and how each document is sealed,
+is :mod:`prefect_sgpu.jobfolder`'s alone; a store only moves bytes.
 """
 
 from __future__ import annotations
@@ -26,15 +18,6 @@ from pathlib import Path
 def default_home() -> Path:
     """Where local job folders and the default MLflow store live."""
     return Path(os.environ.get("PREFECT_SGPU_HOME", Path.home() / ".prefect-sgpu")).expanduser()
-
-
-def rank_key(kind: str, rank: int) -> str:
-    suffix = {"logs": "log", "results": "bin"}[kind]
-    return f"{kind}/rank-{rank:05d}.{suffix}"
-
-
-def rank_of_key(key: str) -> int:
-    return int(Path(key).stem.split("-")[1])
 
 
 class Store(ABC):
@@ -62,6 +45,10 @@ class Store(ABC):
         """A folder nodes on this machine may write into directly, if any."""
         return None
 
+    def local_dir_root(self) -> Path | None:
+        """The folder that holds every job's folder, when the store is on this machine."""
+        return None
+
 
 class LocalStore(Store):
     """A folder on this machine: the store of the local compute."""
@@ -74,6 +61,9 @@ class LocalStore(Store):
 
     def uri(self, run_id: str, key: str = "") -> str:
         return str(self._path(run_id, key))
+
+    def local_dir_root(self) -> Path:
+        return self.root
 
     def local_dir(self, run_id: str) -> Path:
         path = self.root / run_id

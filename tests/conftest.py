@@ -52,23 +52,8 @@ def prefect_server() -> Iterator[None]:
         yield
 
 
-def job_processes(run_id: str) -> list[str]:
-    """Command lines of live processes that belong to a job (its run id is in their argv)."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            if run_id in cmd and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(f"{proc.pid}: {cmd}")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
 # AWS fixtures (moto server, fake credentials, VPC, leak check) for every test module.
-from aws_fixtures import (  # noqa: E402,F401
+from support.aws_fixtures import (  # noqa: E402,F401
     aws_env,
     aws_faults,
     aws_network,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from aws_fixtures import MotoAWS
+from support.aws_fixtures import MotoAWS
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.logs import LogTailer
 from prefect_sgpu.store_s3 import S3Store

@@ -1,10 +1,14 @@
 """The program every node runs: torch elastic's agent around the rank entry point.
 
-Locally it is started by :class:`~prefect_sgpu.compute.local.LocalCompute` (in its
+Locally it is started by :class:`~prefect_sgpu.compute.local.LocalProcessCompute` (in its
 own PID and mount namespace when possible); on a VM the bootstrap starts it. It
 joins the c10d rendezvous hosted by node 0, lets torch elastic start and watch the
-ranks, writes ``nodes/node-<i>.json`` with each failed rank's exit code, and stops
-everything when the driver's heartbeat goes stale (the driver died).
+ranks, writes its sealed ``NodeStatus`` with each failed rank's exit code, and stops
+everything when the driver's heartbeat stops changing (the driver died).
+
+The job key comes in ``SGPU_PAYLOAD_KEY`` (the local compute's environment, or the EC2
+bootstrap, which reads it from SSM): with it the agent verifies the heartbeat and
+seals its status; the ranks verify the payload and seal their envelopes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from prefect_sgpu.jobfolder import JobFolder
 
 
 class _Stop(Exception):
@@ -36,16 +43,23 @@ def _install_early_signal_handlers() -> None:
         signal.signal(sig, handler)
 
 
-def _watch_heartbeat(path: Path, ttl: float) -> None:
-    """Stop this node when the driver has not written its heartbeat for ``ttl`` seconds."""
+def _watch_heartbeat(folder: "JobFolder", ttl: float) -> None:
+    """Stop this node when the driver's heartbeat has not advanced for ``ttl`` seconds.
+
+    Measured on this node's monotonic clock from the last *new* sealed heartbeat (its
+    sequence number grew), so clock skew does not matter and a forged or replayed
+    heartbeat cannot keep a node alive past its driver.
+    """
+    last_seq = -1
+    seen = time.monotonic()
     while True:
         time.sleep(min(ttl / 4, 5.0))
-        try:
-            beat = float(path.read_text().strip() or 0)
-        except (FileNotFoundError, ValueError):
-            beat = 0.0
-        if beat and time.time() - beat > ttl:
-            print(f"[sgpu-agent] driver heartbeat is {time.time() - beat:.0f}s old (ttl {ttl:.0f}s): "
+        beat = folder.heartbeat()
+        now = time.monotonic()
+        if beat is not None and beat.seq > last_seq:
+            last_seq, seen = beat.seq, now
+        elif now - seen > ttl:
+            print(f"[sgpu-agent] no new driver heartbeat for {now - seen:.0f}s (ttl {ttl:.0f}s): "
                   "stopping this node", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
             return
@@ -68,10 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _write_status(job_dir: Path, node_index: int, status: dict[str, Any]) -> None:
-    from prefect_sgpu.store import atomic_write
+def job_folder(job_dir: str | Path) -> "JobFolder":
+    """This node's job folder, with the job key from the environment."""
+    from prefect_sgpu.jobfolder import JobFolder
 
-    atomic_write(job_dir / "nodes" / f"node-{node_index}.json", json.dumps(status).encode())
+    return JobFolder.local(job_dir, os.environ["SGPU_PAYLOAD_KEY"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     job_dir = Path(args.job_dir)
+    folder = job_folder(job_dir)
     if args.shm_size:  # our own mount namespace: a private /dev/shm, as on a separate host
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.shm_size}", "tmpfs", "/dev/shm"],
                        check=True)
@@ -88,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ["SGPU_RUN_ID"] = args.run_id
     if args.heartbeat_ttl > 0:
         threading.Thread(
-            target=_watch_heartbeat, args=(job_dir / "heartbeat", args.heartbeat_ttl), daemon=True
+            target=_watch_heartbeat, args=(folder, args.heartbeat_ttl), daemon=True
         ).start()
 
     config = LaunchConfig(
@@ -109,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     )
     status: dict[str, Any] = {"node": args.node_index, "host": socket.gethostname(), "exit_code": 0,
                               "failures": {}}
+    from prefect_sgpu.jobfolder import NodeStatus
+
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "prefect_sgpu.launch.rank_main",
                                                f"--run-id={args.run_id}")
@@ -126,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         status.update(exit_code=2, error=f"{type(exc).__name__}: {exc}")
         print(f"[sgpu-agent] node {args.node_index}: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)
-    _write_status(job_dir, args.node_index, status)
+    folder.put_status(args.node_index, NodeStatus(**status))
     return int(status["exit_code"])
 
 

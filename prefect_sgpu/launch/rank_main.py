@@ -61,18 +61,19 @@ def _shutdown_process_group() -> None:
         pass
 
 
-def run_payload(blob: bytes, key: str, base: dict[str, Any]) -> tuple[Any, int]:
-    """Run a rank's call from its payload: the envelope for every outcome, and the exit code.
+def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> tuple[Any, int]:
+    """Run a rank's call from its sealed payload: the envelope for every outcome, and the exit code.
 
+    The payload is verified (this job's key, this run id) before anything is unpickled.
     ``base`` holds the rank's identity; start and finish times are added. Shared by
     torchrun ranks and Ray Train workers.
     """
-    from prefect_sgpu import payload
+    from prefect_sgpu import jobfolder, payload
 
     base = {**base, "started": time.time()}
     exit_code = 0
     try:
-        call = payload.load(blob, key)
+        call = payload.load(jobfolder.unseal(sealed, key, "payload", run_id, what=jobfolder.PAYLOAD))
         if isinstance(call, payload.ScriptCall):
             exit_code = _run_script(call)
             if exit_code:
@@ -98,19 +99,19 @@ def run_payload(blob: bytes, key: str, base: dict[str, Any]) -> tuple[Any, int]:
 
 
 def main() -> int:
-    from prefect_sgpu import payload
-    from prefect_sgpu.store import atomic_write, rank_key
+    from prefect_sgpu import jobfolder, payload
 
-    job_dir = Path(os.environ["SGPU_JOB_DIR"])
     key = os.environ.pop("SGPU_PAYLOAD_KEY")
+    folder = jobfolder.JobFolder.local(os.environ["SGPU_JOB_DIR"], key)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     node = int(os.environ.get("GROUP_RANK", 0))
-    _redirect_output(job_dir / rank_key("logs", rank))
+    _redirect_output(folder.path(jobfolder.log_key(rank)))
 
     base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname()}
-    envelope, exit_code = run_payload((job_dir / "payload.bin").read_bytes(), key, base)
-    atomic_write(job_dir / rank_key("results", rank), payload.dump_envelope(envelope, key))
+    sealed = folder.store.get(folder.run_id, jobfolder.PAYLOAD) or b""
+    envelope, exit_code = run_payload(sealed, key, folder.run_id, base)
+    folder.put_result(rank, payload.dump_envelope(envelope))
     _shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect_sgpu.launch.node_agent import _Stop, _watch_heartbeat, _write_status, node_main
+from prefect_sgpu.launch.node_agent import _Stop, _watch_heartbeat, job_folder, node_main
 from prefect_sgpu.ray.node_process import RayNodeProcess, RayNodeSpec, ray_ip
 
 POLL_S = 0.2
@@ -158,12 +158,13 @@ def _run_worker(args: argparse.Namespace, node: RayNodeProcess, marks: Path) -> 
 
 def run(args: argparse.Namespace) -> int:
     job_dir = Path(args.job_dir)
+    folder = job_folder(job_dir)
     if args.shm_size:  # our own PID + mount namespace: a private /dev/shm, as on a separate host,
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.shm_size}", "tmpfs", "/dev/shm"], check=True)
         # and a /proc that shows this namespace's pids (Ray looks its own processes up there)
         subprocess.run(["mount", "-t", "proc", "proc", "/proc"], check=True)
     if args.heartbeat_ttl > 0:
-        threading.Thread(target=_watch_heartbeat, args=(job_dir / "heartbeat", args.heartbeat_ttl),
+        threading.Thread(target=_watch_heartbeat, args=(folder, args.heartbeat_ttl),
                          daemon=True).start()
     marks = job_dir / "ray"
     marks.mkdir(parents=True, exist_ok=True)
@@ -202,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(spec.temp_dir, ignore_errors=True)
     else:
         print(f"[sgpu-ray] Ray's own logs of this node stay in {spec.temp_dir}", file=sys.stderr, flush=True)
-    _write_status(job_dir, args.node_index, status)
+    from prefect_sgpu.jobfolder import NodeStatus
+
+    folder.put_status(args.node_index, NodeStatus(**status))
     return int(status["exit_code"])
 
 

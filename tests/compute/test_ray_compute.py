@@ -7,10 +7,10 @@ from typing import Iterator
 
 import pytest
 
-from ray_cluster import job_leftovers, ray_cluster
+from support.ray_cluster import job_leftovers, ray_cluster
 from prefect_sgpu import RankFailedError, distributed, runtime
 from prefect_sgpu.ray import RayCompute
-from prefect_sgpu.ray.compute import scaling_options
+from prefect_sgpu.compute.ray import scaling_options
 from prefect_sgpu.spec import make_resources
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ import boto3
 import pytest
 
 from prefect_sgpu import spec
-from prefect_sgpu.compute.ec2_provision import EC2Provisioner, EC2Settings, Instance
+from prefect_sgpu.compute.ec2.instances import EC2Provisioner, EC2Settings, Instance
 from prefect_sgpu.errors import LaunchTimeout, ProvisioningError, SGPUConfigError
 
 pytestmark = pytest.mark.usefixtures("no_leaked_instances")

@@ -14,7 +14,7 @@ from prefect_sgpu.compat import DeepspeedTorchDistributor, TorchDistributor, dee
 
 pytestmark = pytest.mark.e2e
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flows"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "flows"))
 
 SCRIPT = textwrap.dedent(
     """

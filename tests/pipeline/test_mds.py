@@ -242,7 +242,7 @@ def test_importing_mds_loads_neither_prefect_nor_streaming() -> None:
     code = ("import sys, prefect_sgpu.pipeline.mds, prefect_sgpu.pipeline.streaming;"
             "print(sorted(m for m in ('prefect', 'streaming', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+                         cwd=Path(__file__).resolve().parents[2]).stdout.strip()
     assert out == "[]"
 
 

@@ -57,7 +57,7 @@ def scaling_options(resources: Resources, plan: Plan, cluster: dict[str, float])
     return options
 
 
-#: process-group backends a RayCompute may pin (None: Ray Train's choice, nccl on GPU, gloo on CPU)
+#: process-group backends a RayTrainCompute may pin (None: Ray Train's choice, nccl on GPU, gloo on CPU)
 BACKENDS = ("nccl", "gloo")
 
 
@@ -76,7 +76,7 @@ def _fit(config: dict[str, Any], scaling: dict[str, Any], name: str, max_failure
     ).fit()
 
 
-class RayCompute(Compute):
+class RayTrainCompute(Compute):
     """Run jobs on an existing Ray cluster (``address="auto"``, ``"ray://host:10001"``, ``"host:6379"``)."""
 
     def __init__(self, address: str = "auto", runtime_env: dict[str, Any] | None = None,
@@ -93,10 +93,10 @@ class RayCompute(Compute):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"RayCompute(address={self.address!r})"
+        return f"RayTrainCompute(address={self.address!r})"
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, RayCompute) and other.address == self.address
+        return (isinstance(other, RayTrainCompute) and other.address == self.address
                 and other.runtime_env == self.runtime_env and other.backend == self.backend)
 
     __hash__ = None  # type: ignore[assignment]
@@ -248,13 +248,13 @@ class RayCompute(Compute):
     # -- the node protocol does not apply: Ray places the workers ---------------------
 
     def acquire(self, run_id: str, plan: Plan, cancel: Any = None) -> Allocation:
-        raise NotImplementedError("RayCompute runs whole jobs through execute(); Ray places the workers")
+        raise NotImplementedError("RayTrainCompute runs whole jobs through execute(); Ray places the workers")
 
     def start(self, allocation: Allocation, launch: NodeLaunch) -> None:
-        raise NotImplementedError("RayCompute runs whole jobs through execute()")
+        raise NotImplementedError("RayTrainCompute runs whole jobs through execute()")
 
     def poll(self, allocation: Allocation, node: Any) -> int | None:
-        raise NotImplementedError("RayCompute runs whole jobs through execute()")
+        raise NotImplementedError("RayTrainCompute runs whole jobs through execute()")
 
     def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
         return None

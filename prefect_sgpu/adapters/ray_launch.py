@@ -12,14 +12,15 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
 
-from prefect_sgpu.decorator import DistributedFunction, DistributedFuture
-from prefect_sgpu.driver import Job, Launcher, heartbeat_ttl
+from prefect_sgpu.adapters.decorator import DistributedFunction, DistributedFuture
+from prefect_sgpu import spec as spec_mod
+from prefect_sgpu.driver import Job, Launcher
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.logs import RankLogSink
-from prefect_sgpu.spec import DEFAULT_TIMEOUT_S, make_options, make_resources
+from prefect_sgpu.spec import UNSET, SpecLayer
 
 if TYPE_CHECKING:
-    from prefect_sgpu.compute import Node
+    from prefect_sgpu.compute.base import Request
     from prefect_sgpu.spec import Plan
     from prefect_sgpu.store import Store
 
@@ -36,18 +37,19 @@ class RayLauncher(Launcher):
         self.metrics_to_mlflow = metrics_to_mlflow
         self.metrics_interval = metrics_interval
 
-    def node_argv(self, job: Job, plan: "Plan", node: "Node", endpoint: str) -> list[str]:
+    def node_argv(self, job: Job, request: "Request", node: int, address: str, endpoint: str) -> list[str]:
+        plan = request.plan
         # logical resources match the plan: GPUs only where the plan has them, else that many CPUs
         resources = ([f"--num-gpus={plan.procs_per_node}"] if plan.device == "cuda"
                      else [f"--num-cpus={plan.procs_per_node}", "--num-gpus=0"])
         argv = [
             sys.executable, "-m", "prefect_sgpu.ray.node",
             f"--run-id={job.run_id}", f"--job-dir={job.store.uri(job.run_id)}",
-            f"--node-index={node.index}", f"--nnodes={plan.nodes}", f"--gcs-endpoint={endpoint}",
-            f"--node-ip={node.address}", *resources, f"--heartbeat-ttl={heartbeat_ttl():g}",
-            f"--join-timeout={min(job.options.timeout, 600):g}",
+            f"--node-index={node}", f"--nnodes={plan.nodes}", f"--gcs-endpoint={endpoint}",
+            f"--node-ip={address}", *resources, f"--heartbeat-ttl={request.heartbeat_ttl_s:g}",
+            f"--join-timeout={min(job.spec.timeout, 600):g}",
         ]
-        if self.metrics_to_mlflow and job.options.mlflow:
+        if self.metrics_to_mlflow and job.spec.mlflow:
             argv += ["--metrics-to-mlflow", f"--metrics-interval={self.metrics_interval:g}"]
         return argv
 
@@ -65,36 +67,36 @@ class RayDriverFuture(DistributedFuture[R]):
 class RayLaunchFunction(DistributedFunction[P, R]):
     """A function that runs once, as the driver of a Ray cluster built over the job's nodes."""
 
-    def __init__(self, fn: Callable[P, R], resources: Any, options: Any, compute: Any | None = None,
-                 store: "Store | None" = None, ray_metrics_to_mlflow: bool = False) -> None:
-        if options.max_restarts:
+    def __init__(self, fn: Callable[P, R], layer: SpecLayer, compute: Any | None = None,
+                 store: "Store | Any | None" = None, ray_metrics_to_mlflow: bool = False) -> None:
+        restarts = layer.given().get("max_restarts")
+        if restarts:
             raise SGPUConfigError(
-                "max_restarts", options.max_restarts, "0 for @ray_launch",
+                "max_restarts", restarts, "0 for @ray_launch",
                 "Ray retries its own tasks and actors; for training use Ray Train's FailureConfig",
             )
-        super().__init__(fn, resources, options, compute=compute, store=store)
+        super().__init__(fn, layer, compute=compute, store=store)
         self.ray_metrics_to_mlflow = bool(ray_metrics_to_mlflow)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         name = getattr(self.func, "__name__", "function")
         raise TypeError(
             f"{name} is a @ray_launch function: call {name}.distributed(...) to run it as the driver of a "
-            f"Ray cluster over {self.resources.gpus} GPU(s), or {name}.func(...) to call it here"
+            f"Ray cluster over {self.spec.gpus} GPU(s), or {name}.func(...) to call it here"
         )
 
     def __repr__(self) -> str:
-        return f"<RayLaunchFunction {getattr(self.func, '__qualname__', self.func)} {self.resources!r}>"
+        return f"<RayLaunchFunction {getattr(self.func, '__qualname__', self.func)} {self.layer.given()!r}>"
 
     def with_options(self, **changes: Any) -> "RayLaunchFunction[P, R]":
         metrics = changes.pop("ray_metrics_to_mlflow", self.ray_metrics_to_mlflow)
-        base = super().with_options(**changes)
-        return RayLaunchFunction(base.func, base.resources, base.options, compute=base.compute,
-                                 store=base.store, ray_metrics_to_mlflow=metrics)
+        layer, compute, store = self._changed(changes)
+        return RayLaunchFunction(self.func, layer, compute=compute, store=store, ray_metrics_to_mlflow=metrics)
 
     def job(self, *args: Any, cancel_event: threading.Event | None = None,
             sink: RankLogSink | None = None, **kwargs: Any) -> Job:
         job = super().job(*args, cancel_event=cancel_event, sink=sink, **kwargs)
-        if hasattr(job.compute, "execute"):
+        if not job.compute.runs_node_agents:
             raise SGPUConfigError(
                 "compute", type(job.compute).__name__, "a compute that provides nodes (local or EC2)",
                 "@ray_launch builds its own Ray cluster; on an existing cluster call ray.init(address) "
@@ -115,14 +117,14 @@ class RayLaunchFunction(DistributedFunction[P, R]):
 def ray_launch(
     fn: Callable[P, R] | None = None,
     *,
-    gpus: int = 1,
-    gpu_type: str | None = None,
-    remote: bool = False,
-    nodes: int | None = None,
-    timeout: Any = DEFAULT_TIMEOUT_S,
-    max_restarts: int = 0,
-    env: dict[str, str] | None = None,
-    mlflow: bool = True,
+    gpus: int = UNSET,
+    gpu_type: str | None = UNSET,
+    remote: bool = UNSET,
+    nodes: int | None = UNSET,
+    timeout: Any = UNSET,
+    max_restarts: int = UNSET,
+    env: dict[str, str] | None = UNSET,
+    mlflow: bool = UNSET,
     compute: Any | None = None,
     store: Any | None = None,
     ray_metrics_to_mlflow: bool = False,
@@ -134,11 +136,11 @@ def ray_launch(
     ``ray_metrics_to_mlflow=True`` samples the cluster's resources into the call's
     MLflow run as ``system/ray/...`` metrics.
     """
-    resources = make_resources(gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote)
-    options = make_options(timeout=timeout, max_restarts=max_restarts, env=env or {}, mlflow=mlflow)
+    layer = spec_mod.layer("call", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote, timeout=timeout,
+                           max_restarts=max_restarts, env=env, mlflow=mlflow)
 
     def wrap(f: Callable[P, R]) -> RayLaunchFunction[P, R]:
-        return RayLaunchFunction(f, resources, options, compute=compute, store=store,
+        return RayLaunchFunction(f, layer, compute=compute, store=store,
                                  ray_metrics_to_mlflow=ray_metrics_to_mlflow)
 
     return wrap(fn) if fn is not None else wrap

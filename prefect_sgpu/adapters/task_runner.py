@@ -21,58 +21,40 @@ from typing import Any, Callable, Iterable, TypeVar
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import Task
 
+from prefect_sgpu import payload as payload_mod
+from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.driver import Job, JobResult
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.logs import RankLogSink
-from prefect_sgpu import payload as payload_mod
-from prefect_sgpu.spec import DEFAULT_TIMEOUT_S, make_options, make_resources, plan_remote
+from prefect_sgpu.resolve import COMPUTE_ENV, STORE_ENV, as_compute, resolve
+from prefect_sgpu.spec import FIELDS, UNSET, JobSpec, SpecLayer
 from prefect_sgpu.store import LocalStore, Store
 
 R = TypeVar("R")
 
-STRATEGIES = ("ddp", "fsdp", "deepspeed")
-COMPUTE_ENV = "PREFECT_SGPU_COMPUTE"
-STORE_ENV = "PREFECT_SGPU_STORE"
-_RESOURCE_KEYS = ("gpus", "gpu_type", "nodes", "remote")
-_OPTION_KEYS = ("timeout", "max_restarts", "env", "mlflow")
-_SPEC_KEYS = (*_RESOURCE_KEYS, *_OPTION_KEYS, "strategy", "return_all")
-
-
-def _validate_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Check a (possibly partial) GPU spec now, so a bad one fails at decoration."""
-    unknown = set(spec) - set(_SPEC_KEYS)
-    if unknown:
-        name = sorted(unknown)[0]
-        raise SGPUConfigError(name, spec[name], "one of " + ", ".join(_SPEC_KEYS))
-    strategy = spec.get("strategy")
-    if strategy is not None and strategy not in STRATEGIES:
-        raise SGPUConfigError("strategy", strategy, "one of " + ", ".join(STRATEGIES) + " or None")
-    resources = make_resources(**{k: spec[k] for k in _RESOURCE_KEYS if spec.get(k) is not None})
-    make_options(**{k: spec[k] for k in _OPTION_KEYS if spec.get(k) is not None})
-    if resources.remote:
-        plan_remote(resources)
-    return spec
+__all__ = ["COMPUTE_ENV", "STORE_ENV", "GPUTask", "GPUTaskRunner", "gpu_task", "run_gpu_job"]
 
 
 class GPUTask(Task):  # type: ignore[type-arg]
     """A Prefect task that carries GPU resources (``task.sgpu``)."""
 
-    sgpu: dict[str, Any]
+    #: what the task itself gave (the task layer of its job spec)
+    sgpu: SpecLayer
 
     def with_options(self, **changes: Any) -> "GPUTask":  # type: ignore[override]
         """Prefect's options plus GPU ones: ``gpus``, ``gpu_type``, ``nodes``, ``strategy``, ..."""
-        gpu_changes = {k: changes.pop(k) for k in list(changes) if k in _SPEC_KEYS}
+        gpu_changes = {k: changes.pop(k) for k in list(changes) if k in FIELDS}
         new = super().with_options(**changes)
         new.task_key = self.task_key  # the same user function, whatever Prefect hashed
-        return _as_gpu_task(new, {**self.sgpu, **gpu_changes})
+        return _as_gpu_task(new, spec_mod.layer("task", **{**self.sgpu.given(), **gpu_changes}))
 
 
-def _as_gpu_task(task: Task, spec: dict[str, Any]) -> GPUTask:
+def _as_gpu_task(task: Task, layer: SpecLayer) -> GPUTask:
     new = copy.copy(task)
     new.__class__ = GPUTask
     if not getattr(new.fn, "__sgpu_launcher__", False):
         new.fn = _launcher(task.fn)
-    new.sgpu = _validate_spec(dict(spec))
+    new.sgpu = layer
     return new  # type: ignore[return-value]
 
 
@@ -84,8 +66,8 @@ def _launcher(fn: Callable[..., Any]) -> Callable[..., Any]:
         from prefect.context import TaskRunContext
 
         ctx = TaskRunContext.get()
-        spec = getattr(ctx.task, "sgpu", {}) if ctx else {}
-        return run_gpu_job(fn, args, kwargs, spec)
+        layer = getattr(ctx.task, "sgpu", None) if ctx else None
+        return run_gpu_job(fn, args, kwargs, layer)
 
     launch_distributed.__sgpu_launcher__ = True  # type: ignore[attr-defined]
     return launch_distributed
@@ -94,16 +76,16 @@ def _launcher(fn: Callable[..., Any]) -> Callable[..., Any]:
 def gpu_task(
     fn: Callable[..., R] | None = None,
     *,
-    gpus: int = 1,
-    gpu_type: str | None = None,
-    nodes: int | None = None,
-    remote: bool = False,
-    strategy: str | None = None,
-    timeout: Any = DEFAULT_TIMEOUT_S,
-    max_restarts: int = 0,
-    env: dict[str, str] | None = None,
-    mlflow: bool = True,
-    return_all: bool = False,
+    gpus: int = UNSET,
+    gpu_type: str | None = UNSET,
+    nodes: int | None = UNSET,
+    remote: bool = UNSET,
+    strategy: str | None = UNSET,
+    timeout: Any = UNSET,
+    max_restarts: int = UNSET,
+    env: dict[str, str] | None = UNSET,
+    mlflow: bool = UNSET,
+    return_all: bool = UNSET,
     **task_kwargs: Any,
 ) -> Any:
     """A Prefect task whose function runs on every rank of a multi-node job.
@@ -111,16 +93,17 @@ def gpu_task(
     Accepts every ``@task`` keyword (retries, cache_policy, persist_result, ...). The
     task's value is rank 0's result, or every rank's with ``return_all=True``.
     ``strategy`` is handed to the ranks as ``SGPU_STRATEGY`` for the training helpers.
+    What the task does not give comes from the task runner, then ``PREFECT_SGPU_<FIELD>``,
+    then the built-in defaults (see :mod:`prefect_sgpu.spec`).
     """
     from prefect import task as prefect_task
 
-    spec = {"gpus": gpus, "gpu_type": gpu_type, "nodes": nodes, "remote": remote, "strategy": strategy,
-            "timeout": timeout, "max_restarts": max_restarts, "env": env or {}, "mlflow": mlflow,
-            "return_all": return_all}
-    _validate_spec(spec)
+    layer = spec_mod.layer("task", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote, strategy=strategy,
+                           timeout=timeout, max_restarts=max_restarts, env=env, mlflow=mlflow,
+                           return_all=return_all)
 
     def wrap(f: Callable[..., R]) -> GPUTask:
-        return _as_gpu_task(prefect_task(f, **task_kwargs), spec)
+        return _as_gpu_task(prefect_task(f, **task_kwargs), layer)
 
     return wrap(fn) if fn is not None else wrap
 
@@ -166,20 +149,22 @@ def _digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return (hash_objects(args, kwargs) or "unhashable")[:12]
 
 
+def task_spec(layer: SpecLayer | None, runner: "GPUTaskRunner | None") -> JobSpec:
+    """The job spec of one GPU task run: task > runner > environment > built-in."""
+    return spec_mod.build(layer, runner.layer if runner else None)
+
+
 def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                spec: dict[str, Any]) -> Any:
+                layer: SpecLayer | None) -> Any:
     """Launch ``fn`` on the task's resources (merged over the runner's defaults) and wait."""
     from prefect.context import FlowRunContext, TaskRunContext
 
     runner = _current_runner()
-    merged = {**(runner.defaults if runner else {}), **{k: v for k, v in spec.items() if v is not None}}
-    resources = make_resources(**{k: merged[k] for k in _RESOURCE_KEYS if merged.get(k) is not None})
-    env = dict(merged.get("env") or {})
-    if merged.get("strategy"):
-        env["SGPU_STRATEGY"] = merged["strategy"]
-    compute, store = runner.compute_and_store() if runner else _default_compute_and_store(resources.remote)
-    env.update(_checkpoint_dir(store, env, _digest(args, kwargs)))
-    options = make_options(**{**{k: merged[k] for k in _OPTION_KEYS if merged.get(k) is not None}, "env": env})
+    spec = task_spec(layer, runner)
+    compute, store = runner.compute_and_store(spec) if runner else resolve(spec)
+    checkpoint = _checkpoint_dir(store, spec.env, _digest(args, kwargs))
+    if checkpoint:
+        spec = spec.replace(env={**spec.env, **checkpoint})
 
     task_ctx = TaskRunContext.get()
     flow_ctx = FlowRunContext.get()
@@ -189,7 +174,7 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     if flow_ctx is not None and flow_ctx.flow_run is not None:
         tags["prefect.flow_run_id"] = str(flow_ctx.flow_run.id)
     cancel = threading.Event()
-    job = Job(payload_mod.FunctionCall(fn, args, kwargs), resources, options, compute, store,
+    job = Job(payload_mod.FunctionCall(fn, args, kwargs), spec, compute, store,
               sink=RankLogSink(getattr(fn, "__name__", "task")), cancel_event=cancel, tags=tags)
     if runner is not None:
         runner._track(cancel)
@@ -199,26 +184,7 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
         if runner is not None:
             runner._untrack(cancel)
     _report(job, result)
-    return result.values if merged.get("return_all") else result.values[0]
-
-
-def _default_compute_and_store(remote: bool) -> tuple[Any, Store]:
-    from prefect_sgpu.decorator import resolve_compute, resolve_store
-
-    ref = os.environ.get(COMPUTE_ENV)
-    compute = _load_block(ref).get_compute() if ref and not remote else resolve_compute(remote, None)
-    return compute, resolve_store(compute, _env_store())
-
-
-def _env_store() -> Any | None:
-    ref = os.environ.get(STORE_ENV)
-    return _load_block(ref) if ref else None
-
-
-def _load_block(ref: str) -> Any:
-    from prefect.blocks.core import Block
-
-    return Block.load(ref)
+    return result.values if spec.return_all else result.values[0]
 
 
 def _report(job: Job, result: JobResult) -> None:
@@ -269,46 +235,45 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
         compute: Any | None = None,
         store: Any | None = None,
         *,
-        gpus: int | None = None,
-        gpu_type: str | None = None,
-        nodes: int | None = None,
-        remote: bool | None = None,
-        strategy: str | None = None,
-        timeout: Any = None,
-        max_restarts: int | None = None,
-        env: dict[str, str] | None = None,
-        mlflow: bool | None = None,
-        return_all: bool | None = None,
+        gpus: int = UNSET,
+        gpu_type: str | None = UNSET,
+        nodes: int | None = UNSET,
+        remote: bool = UNSET,
+        strategy: str | None = UNSET,
+        timeout: Any = UNSET,
+        max_restarts: int = UNSET,
+        env: dict[str, str] | None = UNSET,
+        mlflow: bool = UNSET,
+        return_all: bool = UNSET,
         distribute_all_tasks: bool = False,
         max_workers: int | None = None,
     ) -> None:
         super().__init__(max_workers=max_workers)
         self.compute = compute
         self.store = store
-        defaults = {"gpus": gpus, "gpu_type": gpu_type, "nodes": nodes, "remote": remote,
-                    "strategy": strategy, "timeout": timeout, "max_restarts": max_restarts, "env": env,
-                    "mlflow": mlflow, "return_all": return_all}
-        self.defaults = _validate_spec({k: v for k, v in defaults.items() if v is not None})
-        if distribute_all_tasks and not gpus:
-            raise SGPUConfigError("gpus", gpus, "a number of GPUs when distribute_all_tasks=True")
+        self.layer = spec_mod.layer("runner", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote,
+                                    strategy=strategy, timeout=timeout, max_restarts=max_restarts, env=env,
+                                    mlflow=mlflow, return_all=return_all)
+        if distribute_all_tasks and gpus is UNSET:
+            raise SGPUConfigError("gpus", None, "a number of GPUs when distribute_all_tasks=True")
         self.distribute_all_tasks = distribute_all_tasks
-        self._resolved: tuple[Any, Store] | None = None
+        self._compute: Any | None = None
         self._jobs: set[threading.Event] = set()
         self._jobs_lock = threading.Lock()
 
     def duplicate(self) -> "GPUTaskRunner":
         return type(self)(
             self.compute, self.store, distribute_all_tasks=self.distribute_all_tasks,
-            max_workers=self._max_workers, **self.defaults,
+            max_workers=self._max_workers, **self.layer.given(),
         )
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, GPUTaskRunner) and self.defaults == other.defaults
+        return (isinstance(other, GPUTaskRunner) and self.layer == other.layer
                 and self.compute == other.compute and self.distribute_all_tasks == other.distribute_all_tasks)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_jobs_lock", "_resolved", "_jobs"):
+        for key in ("_jobs_lock", "_compute", "_jobs"):
             state.pop(key, None)
         return state
 
@@ -316,20 +281,18 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
         super().__setstate__(state)
         self._jobs_lock = threading.Lock()
         self._jobs = set()
-        self._resolved = None
+        self._compute = None
 
-    def compute_and_store(self) -> tuple[Any, Store]:
-        """Resolve the compute (and its store) on first use, once per runner."""
+    def compute_and_store(self, spec: JobSpec) -> tuple[Any, Store]:
+        """The compute and store of one task's job: the runner's compute (or the work pool's,
+        ``PREFECT_SGPU_COMPUTE``) is loaded once per runner; the resolver checks it fits ``spec``."""
         with self._jobs_lock:
-            if self._resolved is None:
-                from prefect_sgpu.decorator import resolve_compute, resolve_store
-
-                compute = self.compute
-                if compute is None and os.environ.get(COMPUTE_ENV):
-                    compute = _load_block(os.environ[COMPUTE_ENV])
-                resolved = resolve_compute(bool(self.defaults.get("remote")), compute)
-                self._resolved = (resolved, resolve_store(resolved, self.store or _env_store()))
-            return self._resolved
+            if self._compute is None:
+                source = self.compute if self.compute is not None else os.environ.get(COMPUTE_ENV)
+                if source is not None:
+                    self._compute = as_compute(source, "compute" if self.compute is not None else COMPUTE_ENV)
+            compute = self._compute
+        return resolve(spec, compute, self.store)
 
     def _track(self, event: threading.Event) -> None:
         with self._jobs_lock:
@@ -342,7 +305,7 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
     def submit(self, task: Task, parameters: dict[str, Any], wait_for: Iterable[Any] | None = None,
                dependencies: dict[str, Any] | None = None) -> Any:
         if self.distribute_all_tasks and not isinstance(task, GPUTask):
-            task = _as_gpu_task(task, {})
+            task = _as_gpu_task(task, spec_mod.layer("task"))
         return super().submit(task, parameters, wait_for, dependencies)
 
     def cancel_all(self) -> None:
@@ -356,7 +319,6 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
         try:
             super().__exit__(exc_type, exc_value, traceback)  # cancels jobs, waits for their threads
         finally:
-            resolved, self._resolved = self._resolved, None
-            close = getattr(resolved[0], "close", None) if resolved else None
-            if callable(close):
-                close()
+            compute, self._compute = self._compute, None
+            if compute is not None:
+                compute.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flows"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "flows"))
 
 pytestmark = pytest.mark.e2e
 

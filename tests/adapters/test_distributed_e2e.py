@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import job_processes
+from support.processes import job_processes
 from prefect_sgpu import LaunchTimeout, RankFailedError, distributed, run_script, runtime
-from prefect_sgpu.compute.local import LocalCompute, namespaces_available
+from prefect_sgpu.compute.local import LocalProcessCompute, namespaces_available
 from prefect_sgpu.errors import JobCancelled
 
 pytestmark = pytest.mark.e2e
@@ -65,7 +65,7 @@ def test_two_nodes_two_ranks_each_world_of_four() -> None:
 
 @pytest.mark.skipif(not namespaces_available(), reason="needs root and util-linux unshare for namespaces")
 def test_simulated_nodes_have_their_own_dev_shm_and_proc() -> None:
-    @distributed(gpus=4, nodes=2, mlflow=False, compute=LocalCompute(isolation="namespaces"))
+    @distributed(gpus=4, nodes=2, mlflow=False, compute=LocalProcessCompute(isolation="namespaces"))
     def node_view() -> tuple[list[str], int, str | None]:
         import psutil
         import torch.distributed as dist

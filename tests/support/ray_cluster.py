@@ -15,7 +15,7 @@ from typing import Iterator
 
 from prefect_sgpu.ray.node_process import RayNodeProcess, RayNodeSpec, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DISABLE_DOCKER_CPU_WARNING", "1")

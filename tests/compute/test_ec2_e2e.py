@@ -22,11 +22,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from aws_fixtures import FAKE_CREDENTIALS, MotoAWS, Network, free_port, live_instances
-from ec2_simulator import REPO_ROOT, EC2Simulator
+from support.aws_fixtures import FAKE_CREDENTIALS, MotoAWS, Network, free_port, live_instances
+from support.ec2_simulator import REPO_ROOT, EC2Simulator
 from prefect_sgpu import LaunchTimeout, RankFailedError, distributed, runtime
-from prefect_sgpu.compute.ec2 import EC2Compute, payload_key_parameter
-from prefect_sgpu.compute.ec2_provision import RUN_ID_TAG
+from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute, payload_key_parameter
+from prefect_sgpu.compute.ec2.instances import RUN_ID_TAG
 from prefect_sgpu.store_s3 import S3Store
 
 pytestmark = pytest.mark.e2e
@@ -45,8 +45,8 @@ class EC2Env:
     simulator: EC2Simulator
     bucket: str
 
-    def compute(self, **overrides: Any) -> EC2Compute:
-        return EC2Compute.from_settings({**self.settings, **overrides}, session=self.aws.session())
+    def compute(self, **overrides: Any) -> EC2InstanceCompute:
+        return EC2InstanceCompute.from_settings({**self.settings, **overrides}, session=self.aws.session())
 
     def instances(self, run_id: str) -> list[dict[str, Any]]:
         ec2 = self.aws.client("ec2")
@@ -248,15 +248,15 @@ _DRIVER = textwrap.dedent(
     """
     import json, sys, time
     from prefect_sgpu import distributed
-    from prefect_sgpu.compute.ec2 import EC2Compute
-    from aws_fixtures import boto3_session
+    from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
+    from support.aws_fixtures import boto3_session
 
     def wait_forever() -> None:
         print("rank is up", flush=True)
         time.sleep(600)
 
     settings = json.loads(sys.argv[1])
-    compute = EC2Compute.from_settings(settings, session=boto3_session())
+    compute = EC2InstanceCompute.from_settings(settings, session=boto3_session())
     job = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False)(wait_forever)
     job.distributed()
     """
@@ -304,8 +304,8 @@ def test_killed_driver_nodes_terminate_themselves(ec2: EC2Env, tmp_path: Path) -
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait(timeout=10)
         if run_id:  # what a dead driver leaves besides instances: its groups (tagged; cleaned here)
-            from prefect_sgpu.compute.ec2_provision import EC2Provisioner
-            from prefect_sgpu.compute.ec2_settings import EC2Settings
+            from prefect_sgpu.compute.ec2.instances import EC2Provisioner
+            from prefect_sgpu.compute.ec2.settings import EC2Settings
 
             fields = EC2Settings.model_fields
             EC2Provisioner(EC2Settings(**{k: v for k, v in ec2.settings.items() if k in fields}),
@@ -354,7 +354,7 @@ def test_bootstrap_reads_its_identity_from_imdsv2(monkeypatch: pytest.MonkeyPatc
     import urllib.error
     import urllib.request
 
-    from ec2_simulator import FakeIMDS
+    from support.ec2_simulator import FakeIMDS
     from prefect_sgpu.launch.bootstrap import IMDS_ENV, fetch_identity, render_user_data
 
     imds = FakeIMDS({"instance-id": "i-0123456789abcdef0", "ami-launch-index": "3", "local-ipv4": "10.1.2.3"})
@@ -379,16 +379,16 @@ def test_block_builds_the_compute_and_checks_its_store(aws_env: MotoAWS) -> None
     block = EC2ComputeBlock(store_uri="s3://team-bucket/sgpu", subnet_ids=["subnet-0123456789abcdef0"],
                             instance_profile="sgpu-node", ttl_minutes=5, endpoint_url=aws_env.endpoint_url)
     compute = block.get_compute()
-    assert isinstance(compute, EC2Compute)
+    assert isinstance(compute, EC2InstanceCompute)
     assert compute.default_store().root_uri == "s3://team-bucket/sgpu"
     assert compute.heartbeat_ttl_s == 300
     assert "--heartbeat-ttl=300" in compute.user_data("run-1")
     with pytest.raises(SGPUConfigError, match="store_uri"):
         EC2ComputeBlock(store_uri="", subnet_ids=["subnet-0123456789abcdef0"]).get_compute()
     with pytest.raises(SGPUConfigError, match="subnet_ids"):
-        EC2Compute.from_settings({"store_uri": "s3://b/p", "subnet_ids": ["not-a-subnet"]})
+        EC2InstanceCompute.from_settings({"store_uri": "s3://b/p", "subnet_ids": ["not-a-subnet"]})
     with pytest.raises(SGPUConfigError, match="volume_size"):  # a misspelt setting is not ignored
-        EC2Compute.from_settings({"store_uri": "s3://b/p", "volume_size": 100})
+        EC2InstanceCompute.from_settings({"store_uri": "s3://b/p", "volume_size": 100})
 
 
 def _moto_instance(aws: MotoAWS, run_id: str) -> str:
@@ -422,7 +422,7 @@ def test_node_that_stops_reporting_fails_the_job(aws_env: MotoAWS, aws_network: 
 
     bucket = f"sgpu-silent-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
-    compute = EC2Compute.from_settings(
+    compute = EC2InstanceCompute.from_settings(
         {"store_uri": f"s3://{bucket}/jobs", "endpoint_url": aws_env.endpoint_url,
          "subnet_ids": aws_network.subnet_ids, "poll_interval_s": 0.05, "node_silence_s": 0.5},
         session=aws_env.session())

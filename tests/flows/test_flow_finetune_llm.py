@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from prefect_sgpu.errors import SGPUConfigError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flows"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "flows"))
 
 pytestmark = pytest.mark.e2e
 

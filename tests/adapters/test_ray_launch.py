@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_cluster import job_leftovers
+from support.ray_cluster import job_leftovers
 from prefect_sgpu import SGPUConfigError
 from prefect_sgpu.ray import RayCompute, ray_launch
 
@@ -106,10 +106,10 @@ def test_cancel_stops_every_ray_process_of_the_job_without_namespaces() -> None:
     import threading
     import time
 
-    from prefect_sgpu.compute.local import LocalCompute
+    from prefect_sgpu.compute.local import LocalProcessCompute
     from prefect_sgpu.errors import JobCancelled
 
-    @ray_launch(gpus=2, nodes=2, mlflow=False, compute=LocalCompute(isolation="none"))
+    @ray_launch(gpus=2, nodes=2, mlflow=False, compute=LocalProcessCompute(isolation="none"))
     def serve_forever() -> None:
         import time
 

@@ -13,7 +13,7 @@ from prefect.testing.standard_test_suites import BlockStandardTestSuite
 
 from prefect_sgpu.blocks import EC2Compute, LocalCompute, RayCompute, SGPUStore
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("block_class", [LocalCompute, EC2Compute, RayCompute, SGPUStore])

@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flows"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "flows"))
 
 
 def test_ray_digits_trains_logs_and_registers(prefect_server: None) -> None:
@@ -41,4 +41,4 @@ def test_flow_module_imports_light() -> None:
     code = ("import sys; sys.path.insert(0, 'flows'); import ray_digits; "
             "heavy = [m for m in ('torch', 'ray', 'mlflow', 'sklearn') if m in sys.modules]; "
             "assert not heavy, heavy")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

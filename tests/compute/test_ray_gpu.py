@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from ray_cluster import job_leftovers, ray_cluster
+from support.ray_cluster import job_leftovers, ray_cluster
 from prefect_sgpu import SGPUConfigError, distributed, runtime
 from prefect_sgpu.ray import RayCompute
 

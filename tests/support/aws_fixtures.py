@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aws_fault_proxy import AWSFaultProxy
+from support.aws_fault_proxy import AWSFaultProxy
 
 REGION = "us-east-1"
 FAKE_CREDENTIALS = {

@@ -35,10 +35,10 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError, WaiterError
 
 from prefect_sgpu import catalog
-from prefect_sgpu.compute.ec2_settings import EC2Settings
+from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 
-logger = logging.getLogger("prefect_sgpu.compute.ec2_provision")
+logger = logging.getLogger("prefect_sgpu.compute.ec2.instances")
 
 RUN_ID_TAG = "sgpu:run-id"
 OWNER_TAG = "sgpu:owner"

@@ -17,45 +17,18 @@ from pathlib import Path
 from typing import Any, Callable, Generic, ParamSpec, TypeVar, overload
 
 from prefect_sgpu import payload as payload_mod
-from prefect_sgpu.compute import Compute
+from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.driver import Job, JobResult
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.logs import RankLogSink
-from prefect_sgpu.spec import DEFAULT_TIMEOUT_S, JobOptions, Resources, make_options, make_resources, plan_remote
-from prefect_sgpu.store import LocalStore, Store
+from prefect_sgpu.resolve import REMOTE_COMPUTE_ENV, resolve
+from prefect_sgpu.spec import UNSET, JobSpec, SpecLayer
+from prefect_sgpu.store import Store
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-REMOTE_COMPUTE_ENV = "PREFECT_SGPU_REMOTE_COMPUTE"
-_RESOURCE_FIELDS = ("gpus", "gpu_type", "nodes", "remote")
-_OPTION_FIELDS = ("timeout", "max_restarts", "env", "mlflow")
-
-
-def resolve_compute(remote: bool, compute: Any | None) -> Compute:
-    """The compute to run on: given, a saved block for remote runs, or local processes."""
-    if compute is not None:
-        return compute.get_compute() if hasattr(compute, "get_compute") else compute
-    if not remote:
-        from prefect_sgpu.compute.local import LocalCompute
-
-        return LocalCompute()
-    ref = os.environ.get(REMOTE_COMPUTE_ENV)
-    if ref:
-        from prefect.blocks.core import Block
-
-        return Block.load(ref).get_compute()  # type: ignore[attr-defined,no-any-return]
-    raise SGPUConfigError(
-        "remote", True, "only with a remote compute",
-        f"pass compute=EC2Compute.load('NAME') (or RayCompute) or set {REMOTE_COMPUTE_ENV}="
-        "'<block-type-slug>/<block-name>'; remote=False runs on this machine",
-    )
-
-
-def resolve_store(compute: Compute, store: Store | None) -> Store:
-    if store is not None:
-        return store.get_store() if hasattr(store, "get_store") else store
-    return compute.default_store() or LocalStore()
+__all__ = ["REMOTE_COMPUTE_ENV", "DistributedFunction", "DistributedFuture", "distributed", "run_script"]
 
 
 class DistributedFuture(Generic[R]):
@@ -94,52 +67,56 @@ def _pool() -> cf.ThreadPoolExecutor:
         return _executor
 
 
+def _check_remote_fit(layer: SpecLayer, compute: Any | None) -> None:
+    """``remote=True`` without a compute: whole catalog instances must fit, checked at decoration."""
+    if layer.given().get("remote") and compute is None:
+        spec_mod.plan_remote(spec_mod.build(layer))
+
+
 class DistributedFunction(Generic[P, R]):
     """A function that runs on every rank; call ``.distributed(...)`` to run it."""
 
     def __init__(
         self,
         fn: Callable[P, R],
-        resources: Resources,
-        options: JobOptions,
+        layer: SpecLayer,
         compute: Any | None = None,
-        store: Store | None = None,
+        store: Store | Any | None = None,
     ) -> None:
         if not callable(fn):
             raise SGPUConfigError("fn", fn, "a function")
         self.func = fn
-        self.resources = resources
-        self.options = options
+        self.layer = layer
         self.compute = compute
         self.store = store
-        if resources.remote and compute is None:
-            plan_remote(resources)  # whole nodes of a known type, checked now
+        _check_remote_fit(layer, compute)
         functools.update_wrapper(self, fn)
+
+    @property
+    def spec(self) -> JobSpec:
+        """The job spec a call would run with now (the environment layer included)."""
+        return spec_mod.build(self.layer)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         name = getattr(self.func, "__name__", "function")
         raise TypeError(
             f"{name} is a distributed function: call {name}.distributed(...) to run it on "
-            f"{self.resources.gpus} rank(s), or {name}.func(...) to call the plain function here"
+            f"{self.spec.gpus} rank(s), or {name}.func(...) to call the plain function here"
         )
 
     def __repr__(self) -> str:
-        return f"<DistributedFunction {getattr(self.func, '__qualname__', self.func)} {self.resources!r}>"
+        return f"<DistributedFunction {getattr(self.func, '__qualname__', self.func)} {self.layer.given()!r}>"
+
+    def _changed(self, changes: dict[str, Any]) -> tuple[SpecLayer, Any, Any]:
+        compute = changes.pop("compute", self.compute)
+        store = changes.pop("store", self.store)
+        layer = spec_mod.layer("call", **{**self.layer.given(), **changes})
+        return layer, compute, store
 
     def with_options(self, **changes: Any) -> "DistributedFunction[P, R]":
         """A copy with some resources/options changed (validated like the decorator)."""
-        unknown = set(changes) - set(_RESOURCE_FIELDS) - set(_OPTION_FIELDS) - {"compute", "store"}
-        if unknown:
-            raise SGPUConfigError(
-                ", ".join(sorted(unknown)), changes[sorted(unknown)[0]],
-                "one of " + ", ".join((*_RESOURCE_FIELDS, *_OPTION_FIELDS, "compute", "store")),
-            )
-        res = {**self.resources.model_dump(), **{k: v for k, v in changes.items() if k in _RESOURCE_FIELDS}}
-        opt = {**self.options.model_dump(), **{k: v for k, v in changes.items() if k in _OPTION_FIELDS}}
-        return DistributedFunction(
-            self.func, make_resources(**res), make_options(**opt),
-            compute=changes.get("compute", self.compute), store=changes.get("store", self.store),
-        )
+        layer, compute, store = self._changed(changes)
+        return DistributedFunction(self.func, layer, compute=compute, store=store)
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
@@ -151,11 +128,10 @@ class DistributedFunction(Generic[P, R]):
             sink: RankLogSink | None = None, **kwargs: Any) -> Job:
         """The job a call would run (validated, nothing started)."""
         self._bind(args, kwargs)
-        compute = resolve_compute(self.resources.remote, self.compute)
-        return Job(
-            payload_mod.FunctionCall(self.func, args, kwargs), self.resources, self.options,
-            compute, resolve_store(compute, self.store), sink=sink, cancel_event=cancel_event,
-        )
+        spec = self.spec
+        compute, store = resolve(spec, self.compute, self.store)
+        return Job(payload_mod.FunctionCall(self.func, args, kwargs), spec, compute, store, sink=sink,
+                   cancel_event=cancel_event)
 
     def run(self, *args: P.args, **kwargs: P.kwargs) -> JobResult:
         """Run on every rank and return the full report (values, ranks, MLflow run)."""
@@ -173,7 +149,7 @@ class DistributedFunction(Generic[P, R]):
         return DistributedFuture(_pool().submit(job.run), cancel)
 
     def dry_run(self, *args: P.args, **kwargs: P.kwargs) -> dict[str, Any]:
-        """What ``.distributed()`` would start: plan and each node's command. Spends nothing."""
+        """What ``.distributed()`` would start: the request and each node's command. Spends nothing."""
         return self.job(*args, **kwargs).dry_run()
 
 
@@ -183,37 +159,39 @@ def distributed(fn: Callable[P, R]) -> DistributedFunction[P, R]: ...
 
 @overload
 def distributed(
-    fn: None = None, *, gpus: int = 1, gpu_type: str | None = None, remote: bool = False,
-    nodes: int | None = None, timeout: float = DEFAULT_TIMEOUT_S, max_restarts: int = 0,
-    env: dict[str, str] | None = None, mlflow: bool = True, compute: Any | None = None,
-    store: Store | None = None,
+    fn: None = None, *, gpus: int = ..., gpu_type: str | None = ..., remote: bool = ...,
+    nodes: int | None = ..., timeout: Any = ..., max_restarts: int = ...,
+    env: dict[str, str] | None = ..., mlflow: bool = ..., compute: Any | None = None,
+    store: Any | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]: ...
 
 
 def distributed(
     fn: Callable[P, R] | None = None,
     *,
-    gpus: int = 1,
-    gpu_type: str | None = None,
-    remote: bool = False,
-    nodes: int | None = None,
-    timeout: Any = DEFAULT_TIMEOUT_S,
-    max_restarts: int = 0,
-    env: dict[str, str] | None = None,
-    mlflow: bool = True,
+    gpus: int = UNSET,
+    gpu_type: str | None = UNSET,
+    remote: bool = UNSET,
+    nodes: int | None = UNSET,
+    timeout: Any = UNSET,
+    max_restarts: int = UNSET,
+    env: dict[str, str] | None = UNSET,
+    mlflow: bool = UNSET,
     compute: Any | None = None,
-    store: Store | None = None,
+    store: Any | None = None,
 ) -> Any:
     """Make ``fn`` run on ``gpus`` ranks (``nodes`` x GPUs per node) with torch elastic.
 
     ``remote=False`` runs on this machine (CPU ranks with gloo when it has no GPU);
     ``remote=True`` runs on the remote compute (an ``EC2Compute`` or ``RayCompute``).
+    Arguments not given come from ``PREFECT_SGPU_<FIELD>`` or the built-in defaults
+    (1 GPU, 3 h timeout; see :mod:`prefect_sgpu.spec`).
     """
-    resources = make_resources(gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote)
-    options = make_options(timeout=timeout, max_restarts=max_restarts, env=env or {}, mlflow=mlflow)
+    layer = spec_mod.layer("call", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote, timeout=timeout,
+                           max_restarts=max_restarts, env=env, mlflow=mlflow)
 
     def wrap(f: Callable[P, R]) -> DistributedFunction[P, R]:
-        return DistributedFunction(f, resources, options, compute=compute, store=store)
+        return DistributedFunction(f, layer, compute=compute, store=store)
 
     return wrap(fn) if fn is not None else wrap
 
@@ -222,25 +200,24 @@ def run_script(
     path: str | os.PathLike[str],
     args: list[str] | tuple[str, ...] = (),
     *,
-    gpus: int = 1,
-    gpu_type: str | None = None,
-    remote: bool = False,
-    nodes: int | None = None,
-    timeout: Any = DEFAULT_TIMEOUT_S,
-    max_restarts: int = 0,
-    env: dict[str, str] | None = None,
-    mlflow: bool = True,
+    gpus: int = UNSET,
+    gpu_type: str | None = UNSET,
+    remote: bool = UNSET,
+    nodes: int | None = UNSET,
+    timeout: Any = UNSET,
+    max_restarts: int = UNSET,
+    env: dict[str, str] | None = UNSET,
+    mlflow: bool = UNSET,
     compute: Any | None = None,
-    store: Store | None = None,
+    store: Any | None = None,
 ) -> JobResult:
     """Run an unmodified torchrun script on every rank; raise if any rank exits non-zero."""
     script = Path(path)
     if not script.is_file() or script.suffix != ".py":
         raise SGPUConfigError("path", str(path), "an existing Python file (*.py)")
-    resources = make_resources(gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote)
-    options = make_options(timeout=timeout, max_restarts=max_restarts, env=env or {}, mlflow=mlflow)
-    if remote and compute is None:
-        plan_remote(resources)
-    resolved = resolve_compute(remote, compute)
+    layer = spec_mod.layer("call", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote, timeout=timeout,
+                           max_restarts=max_restarts, env=env, mlflow=mlflow)
+    spec = spec_mod.build(layer)
+    resolved, resolved_store = resolve(spec, compute, store)
     call = payload_mod.ScriptCall(str(script.resolve()), script.read_bytes(), [str(a) for a in args])
-    return Job(call, resources, options, resolved, resolve_store(resolved, store)).run()
+    return Job(call, spec, resolved, resolved_store).run()

@@ -11,7 +11,7 @@ SSM SecureString parameter (``/prefect-sgpu/<run_id>/payload-key``) that the nod
 through their instance profile, and deletes it on release.
 
 Provisioning itself (subnets, markets, failover, tags, termination, prices) is
-:class:`~prefect_sgpu.compute.ec2_provision.EC2Provisioner`'s job; this class turns a
+:class:`~prefect_sgpu.compute.ec2.instances.EC2Provisioner`'s job; this class turns a
 job into provisioning calls and store messages.
 """
 
@@ -31,7 +31,7 @@ from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, 
 from prefect_sgpu.launch.bootstrap import STOP_KEY, alive_key, launch_key, render_user_data, status_key
 from prefect_sgpu.spec import Plan, Resources, plan_remote
 
-logger = logging.getLogger("prefect_sgpu.compute.ec2")
+logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
 
 DEFAULT_RENDEZVOUS_PORT = 29400
 MASKED_ENV = ("SGPU_PAYLOAD_KEY",)
@@ -60,7 +60,7 @@ class _Progress:
         self.console.print(f"[bold cyan]\\[ec2][/] [dim]{self.run_id}[/] [bold]{phase}[/] {detail}")
 
 
-class EC2Compute(Compute):
+class EC2InstanceCompute(Compute):
     """Whole EC2 GPU instances per job; the S3 store is the only channel to them."""
 
     def __init__(
@@ -99,9 +99,9 @@ class EC2Compute(Compute):
         self._lock = threading.RLock()
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any], session: Any | None = None) -> "EC2Compute":
+    def from_settings(cls, settings: dict[str, Any], session: Any | None = None) -> "EC2InstanceCompute":
         """Build from an ``EC2Compute`` block's fields (validated here, before anything is spent)."""
-        from prefect_sgpu.compute.ec2_provision import EC2Provisioner, EC2Settings
+        from prefect_sgpu.compute.ec2.instances import EC2Provisioner, EC2Settings
         from prefect_sgpu.store_s3 import S3Store
 
         store_uri = settings.get("store_uri") or ""

@@ -1,0 +1,194 @@
+"""Prefect blocks: saved compute and storage configuration for GPU jobs.
+
+A deployment names a block (``EC2Compute.load("h100-pool")``) instead of carrying
+cloud settings in code; the block builds the compute object the driver uses. Blocks
+hold configuration only: nothing is provisioned until a job runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+try:  # AWS credentials reuse prefect-aws's block when the aws extra is installed
+    from prefect_aws import AwsCredentials
+except ImportError:  # pragma: no cover - exercised only without the aws extra
+    AwsCredentials = None  # type: ignore[assignment,misc]
+
+_DOCS = "https://github.com/prefect-sgpu/prefect-sgpu#readme"
+_LOGO = "https://raw.githubusercontent.com/PrefectHQ/prefect/420d0d6a78bb6df1fc18bcf188fdad43c1d22ea9/assets/block-logos/process.png"
+
+
+def _example(name: str, body: str) -> str:
+    return f'```python\nfrom prefect_sgpu.adapters.blocks import {name}\n\ncompute = {name}.load("BLOCK_NAME")\n{body}\n```'
+
+
+class LocalCompute(Block):
+    """Run every node of a job as local processes on the machine that runs the flow."""
+
+    _block_type_name = "SGPU Local Compute"
+    _block_type_slug = "sgpu-local-compute"
+    _description = (
+        "Runs GPU jobs as local processes (one torch elastic agent per simulated node); "
+        "CPU ranks with gloo when the machine has no GPU."
+    )
+    _documentation_url = _DOCS
+    _logo_url = _LOGO  # type: ignore[assignment]
+    _code_example = _example(
+        "LocalCompute", "\n@flow(task_runner=GPUTaskRunner(compute=compute))\ndef pipeline(): ..."
+    )
+
+    isolation: Literal["auto", "namespaces", "none"] = Field(
+        default="auto",
+        description="Give each simulated node its own PID and mount namespace (private /dev/shm) when possible.",
+    )
+    shm_size: str = Field(default="2g", description="Size of each simulated node's private /dev/shm.")
+
+    def get_compute(self) -> Any:
+        from prefect_sgpu.compute.local import LocalProcessCompute as Local
+
+        return Local(isolation=self.isolation, shm_size=self.shm_size)
+
+
+class SGPUStore(Block):
+    """Where job payloads, per-rank logs, results and checkpoints go: a folder or S3."""
+
+    _block_type_name = "SGPU Store"
+    _block_type_slug = "sgpu-store"
+    _description = "The mailbox between a GPU job's driver and its nodes: a local folder or an s3:// prefix."
+    _documentation_url = _DOCS
+    _logo_url = _LOGO  # type: ignore[assignment]
+    _code_example = (
+        '```python\nfrom prefect_sgpu.adapters.blocks import SGPUStore\n\nstore = SGPUStore.load("BLOCK_NAME")\n'
+        "@flow(task_runner=GPUTaskRunner(store=store))\ndef pipeline(): ...\n```"
+    )
+
+    uri: str = Field(
+        default="", description="A local folder or s3://bucket/prefix; empty means $PREFECT_SGPU_HOME/jobs."
+    )
+    if AwsCredentials is not None:
+        aws_credentials: Optional[AwsCredentials] = Field(  # type: ignore[valid-type]
+            default=None, description="Credentials for an s3:// store."
+        )
+
+    def get_store(self) -> Any:
+        from prefect_sgpu.store import LocalStore
+
+        if self.uri.startswith("s3://"):
+            from prefect_sgpu.store_s3 import S3Store
+
+            creds = getattr(self, "aws_credentials", None)
+            return S3Store(self.uri, session=creds.get_boto3_session() if creds else None)
+        return LocalStore(self.uri or None)
+
+
+class EC2Compute(Block):
+    """GPU VMs on AWS EC2, provisioned per job with boto3 and always terminated."""
+
+    _block_type_name = "SGPU EC2 Compute"
+    _block_type_slug = "sgpu-ec2-compute"
+    _description = (
+        "Provisions GPU instances on EC2 for each job (spot, on-demand or a capacity reservation, "
+        "with AZ failover) and terminates them on every outcome."
+    )
+    _documentation_url = _DOCS
+    _logo_url = _LOGO  # type: ignore[assignment]
+    _code_example = _example(
+        "EC2Compute",
+        '\n@distributed(gpus=16, gpu_type="H100", remote=True, compute=compute)\ndef train(): ...',
+    )
+
+    region: str = Field(default="us-east-1", description="AWS region of the instances.")
+    subnet_ids: list[str] = Field(
+        default_factory=list, description="Subnets to try in order (one per availability zone) for failover."
+    )
+    security_group_id: Optional[str] = Field(
+        default=None, description="Security group; empty creates one that only admits itself."
+    )
+    instance_profile: Optional[str] = Field(
+        default=None, description="IAM instance profile name that grants the nodes access to the S3 store."
+    )
+    ami_id: Optional[str] = Field(default=None, description="AMI to boot; overrides ami_ssm_parameter.")
+    ami_ssm_parameter: str = Field(
+        default="/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
+        description="SSM parameter naming a Deep Learning AMI.",
+    )
+    instance_types: dict[str, str] = Field(
+        default_factory=dict,
+        description="Overrides of the catalog, GPU type to instance type (for example A10 to g5.48xlarge).",
+    )
+    market: Literal["spot", "on-demand", "reserved"] = Field(
+        default="on-demand", description="How instances are bought."
+    )
+    capacity_reservation_id: Optional[str] = Field(
+        default=None, description="An EC2 capacity reservation used by default when set."
+    )
+    fallback_to_on_demand: bool = Field(
+        default=False, description="After spot capacity errors in every subnet, try on-demand."
+    )
+    volume_size_gb: int = Field(default=200, ge=8, description="Root volume size in GiB.")
+    store_uri: str = Field(default="", description="s3://bucket/prefix the driver and nodes exchange files through.")
+    ttl_minutes: int = Field(
+        default=15, ge=1, description="Nodes terminate themselves when the driver's heartbeat is older than this."
+    )
+    tags: dict[str, str] = Field(default_factory=dict, description="Extra tags on every resource.")
+    owner: Optional[str] = Field(
+        default=None, description="Value of the sgpu:owner tag on every resource; empty uses the local user name."
+    )
+    python: str = Field(default="python3", description="Python on the node that can import prefect-sgpu.")
+    setup_commands: str = Field(
+        default="",
+        description=(
+            "Shell lines the node runs before its bootstrap, for an AMI without prefect-sgpu "
+            "(for example: python3 -m pip install 'prefect-sgpu[aws,torch]')."
+        ),
+    )
+    agent_timeout_s: float = Field(
+        default=900.0, gt=0, description="Seconds from launch until every node's agent must be up."
+    )
+    node_silence_s: float = Field(
+        default=120.0, gt=0, description="Seconds a running node may go without reporting before the job fails."
+    )
+    rendezvous_port: int = Field(
+        default=29400, ge=1024, le=65535, description="Port of the c10d rendezvous on node 0."
+    )
+    kms_key_id: Optional[str] = Field(
+        default=None, description="KMS key of the SSM parameter that carries the payload signing key."
+    )
+    endpoint_url: Optional[str] = Field(default=None, description="Custom AWS endpoint (tests, private links).")
+    if AwsCredentials is not None:
+        aws_credentials: Optional[AwsCredentials] = Field(  # type: ignore[valid-type]
+            default=None, description="Credentials of the driver; nodes use the instance profile."
+        )
+
+    def get_compute(self) -> Any:
+        from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute as EC2
+
+        settings = self.model_dump(exclude={"aws_credentials", "block_type_slug"})
+        creds = getattr(self, "aws_credentials", None)
+        return EC2.from_settings(settings, session=creds.get_boto3_session() if creds else None)
+
+
+class RayCompute(Block):
+    """An existing Ray cluster: jobs run as Ray Train TorchTrainer runs."""
+
+    _block_type_name = "SGPU Ray Compute"
+    _block_type_slug = "sgpu-ray-compute"
+    _description = "Runs GPU jobs on an existing Ray cluster as Ray Train TorchTrainer jobs."
+    _documentation_url = _DOCS
+    _logo_url = _LOGO  # type: ignore[assignment]
+    _code_example = _example(
+        "RayCompute", "\n@flow(task_runner=GPUTaskRunner(compute=compute))\ndef pipeline(): ..."
+    )
+
+    address: str = Field(default="auto", description="Ray cluster address (ray://host:10001, or auto).")
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime environment for the job.")
+    backend: Optional[Literal["nccl", "gloo"]] = Field(
+        default=None, description="torch.distributed backend; unset: nccl on GPU workers, gloo on CPU workers.")
+
+    def get_compute(self) -> Any:
+        from prefect_sgpu.compute.ray import RayTrainCompute as Ray
+
+        return Ray(address=self.address, runtime_env=self.runtime_env, backend=self.backend)

@@ -1,0 +1,279 @@
+"""The compute contract: what every place a job can run promises the driver.
+
+A compute turns a validated :class:`~prefect_sgpu.spec.JobSpec` into running ranks
+and gives everything back afterwards. Two kinds are first-class and speak the same
+contract, so the driver never asks which kind it holds:
+
+- **node computes** (local processes, EC2) acquire nodes and start one torch elastic
+  node agent per node from the commands in :class:`JobLaunch`;
+- **job computes** (an existing Ray cluster) run the whole job themselves from the
+  payload in the job folder and report it as one node.
+
+Both write rank logs and sealed result envelopes into the job folder, and both report
+through :meth:`Compute.poll` as typed events. The driver calls, in this order::
+
+    request = compute.plan(spec, run_id)          # spends nothing; dry_run prints this object
+    allocation = compute.acquire(request, folder, deadline, cancel)
+    compute.start(allocation, launch)
+    while ...: events = compute.poll(allocation)  # NodeUp / NodeExited / NodeLost
+    compute.stop(allocation, grace)               # on failure, cancel, timeout
+    released = compute.release(allocation)        # always, even after a failed acquire
+
+Adding a compute means one module implementing this class, registered in the
+conformance suite (``tests/compute/test_conformance.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from prefect_sgpu.spec import JobSpec, Plan
+
+if TYPE_CHECKING:
+    from prefect_sgpu.jobfolder import JobFolder, NodeStatus
+    from prefect_sgpu.store import Store
+
+
+#: never handed to a node: ranks do not need Prefect's API, and must not hold its key
+SECRET_ENV = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_CLOUD_API_KEY")
+#: shown as *** wherever a launch is printed
+MASKED_ENV = ("SGPU_PAYLOAD_KEY",)
+
+
+def node_base_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The caller's environment minus secrets that ranks must not see."""
+    return {k: v for k, v in environ.items() if k not in SECRET_ENV}
+
+
+def masked(env: dict[str, str]) -> dict[str, str]:
+    return {k: ("***" if k in MASKED_ENV else v) for k, v in env.items()}
+
+
+# --- what plan() returns and acquire() consumes ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """Everything ``acquire`` will ask for, decided before anything is spent.
+
+    Computes subclass it with their own typed fields (EC2: the ``run_instances``
+    request). ``describe()`` is what ``dry_run`` prints, so what users see is exactly
+    what is sent.
+    """
+
+    run_id: str
+    compute: str
+    plan: Plan
+    spec: JobSpec
+    #: seconds without a driver heartbeat after which this compute's nodes stop themselves
+    heartbeat_ttl_s: float
+
+    def describe(self) -> dict[str, Any]:
+        return {"compute": self.compute, "run_id": self.run_id, "plan": self.plan,
+                "heartbeat_ttl_s": self.heartbeat_ttl_s}
+
+
+# --- what acquire() returns ------------------------------------------------------------------
+
+
+@dataclass
+class AllocatedNode:
+    """One node of an allocation: where it is and what it runs on."""
+
+    index: int
+    #: the address other nodes reach it at (node 0's is the rendezvous host)
+    address: str
+    #: a name for messages (hostname, instance id)
+    host: str
+    #: the cloud instance behind it, when there is one
+    instance_id: str | None = None
+
+
+@dataclass
+class Allocation:
+    """The nodes a job holds, from ``acquire`` until ``release``.
+
+    Computes subclass it for their own state (processes, instances, a Ray run).
+    """
+
+    request: Request
+    folder: "JobFolder"
+    nodes: list[AllocatedNode]
+    released: bool = False
+
+    @property
+    def run_id(self) -> str:
+        return self.request.run_id
+
+    @property
+    def plan(self) -> Plan:
+        return self.request.plan
+
+
+# --- what start() consumes -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """The node agent one node runs (node computes)."""
+
+    node: int
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class JobLaunch:
+    """What to start: the same for every compute.
+
+    ``env`` is every rank's extra environment (no secrets: the job key travels
+    separately, through the job folder's own channel). Node computes run
+    ``commands``; job computes run the payload in ``folder`` directly.
+    """
+
+    env: dict[str, str]
+    commands: list[NodeCommand]
+    rendezvous: str
+
+    def describe(self, compute: "Compute", request: Request) -> list[dict[str, Any]]:
+        import shlex
+
+        return [{"index": c.node, "command": shlex.join(compute.command_line(request, c)), "env": masked(self.env)}
+                for c in self.commands]
+
+
+# --- what poll() reports ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeUp:
+    """A node's agent (or the job compute's run) is running."""
+
+    node: int
+    host: str
+
+
+@dataclass(frozen=True)
+class NodeExited:
+    """A node's agent ended; ``status`` is its sealed report, when it wrote one."""
+
+    node: int
+    exit_code: int
+    status: "NodeStatus | None" = None
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """A node went away before its ranks finished (instance gone, silent too long)."""
+
+    node: int
+    reason: str
+
+
+Event = NodeUp | NodeExited | NodeLost
+
+
+# --- what release() guarantees ---------------------------------------------------------------
+
+
+@dataclass
+class Released:
+    """What ``release`` removed, and what the job cost, for the result and the task's artifact."""
+
+    gone: list[str] = field(default_factory=list)
+    cost: dict[str, Any] | None = None
+
+
+class Compute(ABC):
+    """Where jobs run. Every method's promise is part of the contract.
+
+    Subclasses set ``name`` (``local``, ``ec2``, ``ray``), ``remote`` (True when the
+    compute runs on other machines, so ``remote=True`` jobs may use it) and
+    ``runs_node_agents`` (node compute or job compute).
+    """
+
+    name: ClassVar[str]
+    remote: ClassVar[bool]
+    #: True: a node compute (start runs ``JobLaunch.commands``, one node agent per node);
+    #: False: a job compute (start runs the payload itself; launchers that need nodes refuse it)
+    runs_node_agents: ClassVar[bool] = True
+
+    # -- before anything is spent -------------------------------------------------------------
+
+    def default_store(self) -> "Store | None":
+        """A store this compute's nodes can reach; None: the caller's default local store."""
+        return None
+
+    def check_store(self, store: "Store") -> None:
+        """Raise SGPUConfigError if this compute's nodes cannot use ``store``. Spends nothing."""
+
+    @abstractmethod
+    def plan(self, spec: JobSpec, run_id: str) -> Request:
+        """Resolve ``spec`` into a typed request, or raise SGPUConfigError naming the field.
+
+        Pure: no process, VM, connection or cloud call that costs money. The returned
+        object is exactly what ``acquire`` consumes and what ``dry_run`` prints.
+        """
+
+    # -- spending ------------------------------------------------------------------------
+
+    @abstractmethod
+    def acquire(self, request: Request, folder: "JobFolder", deadline: float,
+                cancel: threading.Event) -> Allocation:
+        """The job's nodes, ready for ``start``.
+
+        ``deadline`` is a ``time.monotonic()`` value (the job's own timeout): past it,
+        acquire gives back what it got and raises ``LaunchTimeout`` (phase says where).
+        Once ``cancel`` is set it gives back what it got and raises ``JobCancelled``.
+        On any exception nothing acquired is left behind. While it waits, it keeps the
+        driver's heartbeat in ``folder`` fresh.
+        """
+
+    @abstractmethod
+    def start(self, allocation: Allocation, launch: JobLaunch) -> None:
+        """Start the job: node computes run ``launch.commands`` (one agent per node);
+        job computes run the payload in the folder. Returns once started, not finished."""
+
+    @abstractmethod
+    def poll(self, allocation: Allocation) -> list[Event]:
+        """What happened since the last poll. Cheap enough to call every 50 ms (computes
+        rate-limit their own remote calls). Each node reports ``NodeExited`` or ``NodeLost``
+        exactly once; ranks' envelopes are in the folder before their node's ``NodeExited``."""
+
+    @abstractmethod
+    def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
+        """Stop every rank: ask, wait ``grace`` seconds, then force. Returns when no rank
+        runs any more (or its node is known gone). Safe to call more than once."""
+
+    @abstractmethod
+    def release(self, allocation: Allocation) -> Released:
+        """Give back everything ``acquire`` took. Idempotent; runs on every exit path.
+
+        Afterwards nothing of the job runs or is billed: no process (local), no
+        instance, security group, placement group or SSM parameter (EC2), no Ray Train
+        run or actor (Ray). ``Released.gone`` lists what was removed.
+        """
+
+    def command_line(self, request: Request, command: NodeCommand) -> list[str]:
+        """The exact argv a node runs for ``command`` (``dry_run`` prints this)."""
+        return list(command.argv)
+
+    def rendezvous_endpoint(self, allocation: Allocation) -> str:
+        """``host:port`` of node 0's c10d store for node computes (here: a free local port on
+        node 0's address); job computes, which rendezvous on their own, return ``""``."""
+        from prefect_sgpu.compute.ports import free_port
+
+        host = allocation.nodes[0].address
+        return f"{host}:{free_port(host)}"
+
+    def describe(self, allocation: Allocation) -> dict[str, Any]:
+        """The allocation for people: nodes, addresses, hosts, instances."""
+        return {"compute": self.name, "run_id": allocation.run_id,
+                "nodes": [{"index": n.index, "address": n.address, "host": n.host,
+                           **({"instance_id": n.instance_id} if n.instance_id else {})}
+                          for n in allocation.nodes]}
+
+    def close(self) -> None:
+        """Drop connections this compute opened (a Ray client); the task runner calls it at flow end."""

@@ -1,0 +1,363 @@
+"""The job folder protocol: every key and every document between a driver and its nodes.
+
+The store is the one mailbox between the driver and the nodes, and whoever can write
+to it (a shared bucket, a shared disk) must at most be able to *delay* a job, never
+run code in it or change its outcome. So every document that a node or the driver
+acts on is sealed: HMAC-SHA256 with the job's key over a header that binds it to
+
+- the job (``run_id``): a document copied from another job is refused;
+- its kind (payload, heartbeat, stop, launch, alive, status, result): a status cannot
+  stand in for a launch document;
+- its node index or rank (and on EC2 the instance id): node 1's launch document
+  cannot start node 0.
+
+Anything unsigned, foreign or rebound is refused with :class:`DocumentRefused`; a
+reader that cannot tell (the driver polling for a node's status) logs the refusal
+and treats the document as absent. Rank logs are the only unsigned files: they are
+shown, never acted on.
+
+The key itself never enters the store: locally it is in the node agent's
+environment, on EC2 in an SSM SecureString whose name derives from the run id.
+
+Layout of one job (``<store root>/<run_id>/...``)::
+
+    payload.bin                 sealed cloudpickle of the call           driver -> ranks
+    heartbeat                   sealed Heartbeat (seq, time)              driver -> nodes
+    stop                        sealed Stop                               driver -> nodes
+    nodes/node-<i>.launch       sealed LaunchDocument (argv, env)         driver -> node i
+    nodes/node-<i>.alive        sealed Alive (phase, seq)                 node i -> driver
+    nodes/node-<i>.status       sealed NodeStatus (exit code, failures)   node i -> driver
+    results/rank-<r>.bin        sealed result envelope                    rank r -> driver
+    logs/rank-<r>.log           rank r's stdout+stderr (kept after the job)
+    agent/node-<i>.out          node i's agent output
+    checkpoints/...             user checkpoints (runtime.checkpoint_dir())
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefect_sgpu.errors import DocumentRefused
+
+if TYPE_CHECKING:
+    from prefect_sgpu.store import Store
+
+logger = logging.getLogger("prefect_sgpu.jobfolder")
+
+MAGIC = b"SGPU2\n"
+_DIGEST = 32
+
+Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "status", "result"]
+
+# --- keys ------------------------------------------------------------------------------
+
+PAYLOAD = "payload.bin"
+HEARTBEAT = "heartbeat"
+STOP = "stop"
+LOGS = "logs"
+RESULTS = "results"
+NODES = "nodes"
+AGENT = "agent"
+CHECKPOINTS = "checkpoints"
+#: what the driver deletes when a job ends (logs and checkpoints stay)
+CONTROL = (PAYLOAD, RESULTS, STOP, NODES, HEARTBEAT)
+
+
+def launch_key(node: int) -> str:
+    return f"{NODES}/node-{node}.launch"
+
+
+def alive_key(node: int) -> str:
+    return f"{NODES}/node-{node}.alive"
+
+
+def status_key(node: int) -> str:
+    return f"{NODES}/node-{node}.status"
+
+
+def log_key(rank: int) -> str:
+    return f"{LOGS}/rank-{rank:05d}.log"
+
+
+def result_key(rank: int) -> str:
+    return f"{RESULTS}/rank-{rank:05d}.bin"
+
+
+def agent_output_key(node: int) -> str:
+    return f"{AGENT}/node-{node}.out"
+
+
+def rank_of_key(key: str) -> int:
+    """``logs/rank-00003.log`` -> 3."""
+    return int(Path(key).stem.split("-")[1])
+
+
+def ssm_key_parameter(run_id: str) -> str:
+    """Where an EC2 job's key lives: derived from the run id, never read from a document."""
+    return f"/prefect-sgpu/{run_id}/payload-key"
+
+
+def new_key() -> str:
+    return secrets.token_hex(32)
+
+
+# --- documents -------------------------------------------------------------------------
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Heartbeat(_Doc):
+    """The driver is alive. Nodes watch ``seq`` change on their own clock (no skew)."""
+
+    seq: int
+    time: float
+
+
+class Stop(_Doc):
+    """Stop every rank now (cancel, timeout, another node failed)."""
+
+    time: float
+    grace: float
+    reason: str = ""
+
+
+class LaunchDocument(_Doc):
+    """What an EC2 node runs: the node agent's argv and its environment."""
+
+    argv: list[str]
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class Alive(_Doc):
+    """A node's bootstrap is up (refreshed while it lives)."""
+
+    phase: str
+    seq: int
+    time: float
+    host: str = ""
+
+
+class RankExit(_Doc):
+    exit_code: int
+    signal: str | None = None
+    local_rank: int | None = None
+
+
+class NodeStatus(_Doc):
+    """How a node's agent ended: its exit code and every failed rank's."""
+
+    node: int
+    host: str = ""
+    exit_code: int
+    failures: dict[str, RankExit] = Field(default_factory=dict)
+    error: str | None = None
+    stopped: str | None = None
+
+
+D = TypeVar("D", bound=_Doc)
+
+
+# --- sealing ---------------------------------------------------------------------------
+
+
+def _header(kind: str, run_id: str, node: int | None, rank: int | None, instance_id: str | None) -> dict[str, Any]:
+    return {"v": 2, "kind": kind, "run_id": run_id, "node": node, "rank": rank, "instance_id": instance_id}
+
+
+def seal(key: str, kind: Kind, run_id: str, body: bytes, *, node: int | None = None, rank: int | None = None,
+         instance_id: str | None = None) -> bytes:
+    """``body`` signed with the job key and bound to job, kind, node/rank and instance."""
+    header = json.dumps(_header(kind, run_id, node, rank, instance_id), sort_keys=True).encode()
+    message = len(header).to_bytes(4, "big") + header + body
+    return MAGIC + hmac.new(bytes.fromhex(key), message, hashlib.sha256).digest() + message
+
+
+def unseal(blob: bytes, key: str, kind: Kind, run_id: str, *, node: int | None = None, rank: int | None = None,
+           instance_id: str | None = None, what: str | None = None) -> bytes:
+    """The body of a sealed document, or DocumentRefused saying why it is not this job's."""
+    what = what or kind
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + _DIGEST + 4:
+        raise DocumentRefused(f"{what} of job {run_id} is not a signed prefect-sgpu document: refused")
+    mac = blob[len(MAGIC): len(MAGIC) + _DIGEST]
+    message = blob[len(MAGIC) + _DIGEST:]
+    expected_mac = hmac.new(bytes.fromhex(key), message, hashlib.sha256).digest()
+    if not hmac.compare_digest(mac, expected_mac):
+        raise DocumentRefused(f"{what} of job {run_id}: signature does not match; it was not written by this "
+                              "job (forged, or from another job): refused")
+    size = int.from_bytes(message[:4], "big")
+    header = json.loads(message[4: 4 + size])
+    expected = _header(kind, run_id, node, rank, instance_id)
+    if header != expected:
+        raise DocumentRefused(f"{what} of job {run_id} is bound to {_binding(header)}, expected "
+                              f"{_binding(expected)} (replayed or moved): refused")
+    return message[4 + size:]
+
+
+def _binding(header: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={header.get(k)}" for k in ("kind", "run_id", "node", "rank", "instance_id")
+                     if header.get(k) is not None)
+
+
+# --- one job's folder --------------------------------------------------------------------
+
+
+class JobFolder:
+    """One job's folder in a store, read and written only as sealed, typed documents."""
+
+    def __init__(self, store: "Store", run_id: str, key: str) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.key = key
+        self._beat_seq = 0
+        self._refused: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"JobFolder({self.uri()!r})"
+
+    @classmethod
+    def local(cls, path: str | Path, key: str) -> "JobFolder":
+        """A folder on this machine (a node's job folder: ``<root>/<run_id>``)."""
+        from prefect_sgpu.store import LocalStore
+
+        path = Path(path)
+        return cls(LocalStore(path.parent), path.name, key)
+
+    def uri(self, key: str = "") -> str:
+        return self.store.uri(self.run_id, key)
+
+    def path(self, key: str = "") -> Path:
+        """A local path in the folder (only for folders on this machine)."""
+        local = self.store.local_dir(self.run_id)
+        if local is None:
+            raise TypeError(f"{self.uri()} is not a folder on this machine")
+        return local / key if key else local
+
+    # -- typed, sealed reads and writes ----------------------------------------------
+
+    def _put(self, key: str, kind: Kind, body: bytes, **binding: Any) -> None:
+        self.store.put(self.run_id, key, seal(self.key, kind, self.run_id, body, **binding))
+
+    def _get(self, key: str, kind: Kind, **binding: Any) -> bytes | None:
+        blob = self.store.get(self.run_id, key)
+        if blob is None:
+            return None
+        return unseal(blob, self.key, kind, self.run_id, what=key, **binding)
+
+    def _put_doc(self, key: str, kind: Kind, doc: _Doc, **binding: Any) -> None:
+        self._put(key, kind, doc.model_dump_json().encode(), **binding)
+
+    def _get_doc(self, key: str, kind: Kind, model: type[D], **binding: Any) -> D | None:
+        body = self._get(key, kind, **binding)
+        return None if body is None else model.model_validate_json(body)
+
+    def _get_doc_or_none(self, key: str, kind: Kind, model: type[D], **binding: Any) -> D | None:
+        """For pollers: a refused document is logged once and counts as absent."""
+        try:
+            return self._get_doc(key, kind, model, **binding)
+        except DocumentRefused as exc:
+            self._note_refused(key, exc)
+            return None
+
+    def _note_refused(self, key: str, exc: Exception) -> None:
+        with self._lock:
+            if key in self._refused:
+                return
+            self._refused.add(key)
+        logger.warning("%s", exc)
+
+    # payload ---------------------------------------------------------------------------
+
+    def put_payload(self, body: bytes) -> None:
+        self._put(PAYLOAD, "payload", body)
+
+    def payload(self) -> bytes:
+        body = self._get(PAYLOAD, "payload")
+        if body is None:
+            raise FileNotFoundError(f"{self.uri(PAYLOAD)} is missing")
+        return body
+
+    # heartbeat and stop (driver -> nodes) --------------------------------------------
+
+    def beat(self) -> Heartbeat:
+        with self._lock:
+            self._beat_seq += 1
+            doc = Heartbeat(seq=self._beat_seq, time=time.time())
+        self._put_doc(HEARTBEAT, "heartbeat", doc)
+        return doc
+
+    def heartbeat(self) -> Heartbeat | None:
+        return self._get_doc_or_none(HEARTBEAT, "heartbeat", Heartbeat)
+
+    def put_stop(self, grace: float, reason: str = "") -> None:
+        self._put_doc(STOP, "stop", Stop(time=time.time(), grace=grace, reason=reason))
+
+    def stop(self) -> Stop | None:
+        return self._get_doc_or_none(STOP, "stop", Stop)
+
+    # launch documents (driver -> node) -------------------------------------------------
+
+    def put_launch(self, node: int, doc: LaunchDocument, instance_id: str | None = None) -> None:
+        self._put_doc(launch_key(node), "launch", doc, node=node, instance_id=instance_id)
+
+    def launch(self, node: int, instance_id: str | None = None) -> LaunchDocument | None:
+        """This node's launch document; DocumentRefused if what is there is not the driver's."""
+        return self._get_doc(launch_key(node), "launch", LaunchDocument, node=node, instance_id=instance_id)
+
+    # node reports (node -> driver) -----------------------------------------------------
+
+    def put_alive(self, node: int, doc: Alive, instance_id: str | None = None) -> None:
+        self._put_doc(alive_key(node), "alive", doc, node=node, instance_id=instance_id)
+
+    def alive(self, node: int, instance_id: str | None = None) -> Alive | None:
+        return self._get_doc_or_none(alive_key(node), "alive", Alive, node=node, instance_id=instance_id)
+
+    def put_status(self, node: int, doc: NodeStatus, instance_id: str | None = None) -> None:
+        self._put_doc(status_key(node), "status", doc, node=node, instance_id=instance_id)
+
+    def status(self, node: int, instance_id: str | None = None) -> NodeStatus | None:
+        return self._get_doc_or_none(status_key(node), "status", NodeStatus, node=node, instance_id=instance_id)
+
+    # results (rank -> driver) ----------------------------------------------------------
+
+    def put_result(self, rank: int, body: bytes) -> None:
+        self._put(result_key(rank), "result", body, rank=rank)
+
+    def results(self) -> dict[int, bytes]:
+        """Every rank's sealed envelope body that is really this job's, by rank."""
+        found: dict[int, bytes] = {}
+        for key in self.store.list(self.run_id, RESULTS):
+            try:
+                rank = rank_of_key(key)
+            except (IndexError, ValueError):
+                continue
+            try:
+                body = self._get(key, "result", rank=rank)
+            except DocumentRefused as exc:
+                self._note_refused(key, exc)
+                continue
+            if body is not None:
+                found[rank] = body
+        return found
+
+    # housekeeping ----------------------------------------------------------------------
+
+    def log_keys(self) -> list[str]:
+        return self.store.list(self.run_id, LOGS)
+
+    def delete_control_files(self) -> None:
+        """Everything but logs and checkpoints: payload, results, node documents, stop, heartbeat."""
+        for key in CONTROL:
+            self.store.delete(self.run_id, key)
