@@ -283,8 +283,8 @@ def test_prepare_mds_second_run_is_cached_and_reports_progress(prefect_server: N
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterTaskRunId, ArtifactFilterType
 
-    monkeypatch.setattr(mds, "ARTIFACT_AFTER_S", 0.0)
-    monkeypatch.setattr(mds, "ARTIFACT_EVERY_S", 0.0)
+    monkeypatch.setattr(mds.progress, "ARTIFACT_AFTER_S", 0.0)
+    monkeypatch.setattr(mds.progress, "ARTIFACT_EVERY_S", 0.0)
     source = tmp_path / "src.parquet"
     frame(3000).to_parquet(source)
 
