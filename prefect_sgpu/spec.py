@@ -246,7 +246,7 @@ def plan_remote(spec: JobSpec, instance_type: str | None = None) -> Plan:
     """Whole instances of one type: the catalog's for ``gpu_type``, or ``instance_type`` when given."""
     if spec.gpu_type is None:
         raise SGPUConfigError(
-            "gpu_type", None, "remote GPU instances need a gpu_type: one of " + ", ".join(catalog.known_gpu_types())
+            "gpu_type", None, "remote=True needs a gpu_type: one of " + ", ".join(catalog.known_gpu_types())
         )
     if instance_type:
         itype = catalog.instance_type_by_name(instance_type)

@@ -40,7 +40,7 @@ def test_unpicklable_captured_variable_is_named(tmp_path) -> None:
 
 def test_unpicklable_global_is_named() -> None:
     with pytest.raises(PayloadError, match=r"global 'LOCK' used by _uses_global_lock"):
-        payload.build(payload.FunctionCall(_uses_global_lock), payload.new_key())
+        payload.build(payload.FunctionCall(_uses_global_lock))
 
 
 def test_too_large_payload_says_to_load_data_inside(tmp_path) -> None:
@@ -51,28 +51,14 @@ def test_too_large_payload_says_to_load_data_inside(tmp_path) -> None:
         return len(data)
 
     with pytest.raises(PayloadError) as info:
-        payload.build(payload.FunctionCall(train.func, (big,)), payload.new_key(), limit=1024 * 1024)
+        payload.build(payload.FunctionCall(train.func, (big,)), limit=1024 * 1024)
     text = str(info.value)
     assert "over the 1 MiB limit" in text
     assert "load data inside the function" in text
     assert "argument 'data'" in text or "argument 0" in text
 
 
-def test_signed_payload_rejects_tampering() -> None:
-    key = payload.new_key()
-    blob = payload.build(payload.FunctionCall(len, ("abc",)), key)
-    call = payload.load(blob, key)
-    assert call.fn(*call.args) == 3
-    tampered = blob[:-1] + bytes([blob[-1] ^ 1])
-    with pytest.raises(PayloadError, match="signature"):
-        payload.load(tampered, key)
-    with pytest.raises(PayloadError, match="signature"):
-        payload.load(blob, payload.new_key())
-
-
 def test_envelope_keeps_traceback_when_exception_cannot_be_unpickled() -> None:
-    key = payload.new_key()
-
     class Local(Exception):
         pass
 
@@ -82,6 +68,6 @@ def test_envelope_keeps_traceback_when_exception_cannot_be_unpickled() -> None:
         env = payload.failure_envelope({"rank": 1, "node": 0, "local_rank": 1, "host": "h"},
                                        exc, "Traceback: boom", 1)
     env.exception_blob = b"not a pickle"
-    back = payload.load_envelope(payload.dump_envelope(env, key), key)
+    back = payload.load_envelope(payload.dump_envelope(env))
     assert back.exception() is None
     assert back.traceback == "Traceback: boom" and back.exc_message == "boom"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from prefect_sgpu import SGPUConfigError, catalog, distributed, run_script
-from prefect_sgpu.spec import make_resources, plan_local
+from prefect_sgpu import spec as spec_mod
+from prefect_sgpu.spec import plan_local
 
 
 def _noop() -> None:
@@ -43,14 +44,16 @@ def test_unknown_gpu_type_lists_the_known_ones() -> None:
         assert name in str(info.value)
 
 
-def test_gpus_must_split_evenly_over_local_nodes() -> None:
+def test_gpus_must_split_evenly_over_nodes() -> None:
     with pytest.raises(SGPUConfigError, match=r"gpus=3 .*multiple of nodes=2"):
-        plan_local(make_resources(gpus=3, nodes=2), local_gpus=0)
+        spec_mod.layer("call", gpus=3, nodes=2)
+    with pytest.raises(SGPUConfigError, match=r"gpus=3 .*multiple of nodes=2"):  # from two layers
+        spec_mod.merge(spec_mod.layer("task", gpus=3), spec_mod.layer("runner", nodes=2))
 
 
 def test_local_gpus_beyond_the_machine_are_rejected() -> None:
     with pytest.raises(SGPUConfigError, match="at most 2 on this machine"):
-        plan_local(make_resources(gpus=4), local_gpus=2)
+        plan_local(spec_mod.JobSpec(gpus=4), local_gpus=2)
 
 
 @pytest.mark.parametrize(
@@ -88,4 +91,48 @@ def test_timedelta_timeout_is_accepted() -> None:
     import datetime as dt
 
     fn = distributed(timeout=dt.timedelta(minutes=2))(_noop)
-    assert fn.options.timeout == 120.0
+    assert fn.spec.timeout == 120.0
+
+
+# --- one JobSpec, merged from layers ------------------------------------------------------
+
+
+def test_layers_merge_call_over_task_over_runner_over_environment_over_defaults() -> None:
+    call = spec_mod.layer("call", timeout=30)
+    task = spec_mod.layer("task", gpus=2, timeout=60)
+    runner = spec_mod.layer("runner", gpus=4, nodes=2, strategy="fsdp", timeout=90)
+    environ = {"PREFECT_SGPU_GPU_TYPE": "A10", "PREFECT_SGPU_MAX_RESTARTS": "3", "PREFECT_SGPU_GPUS": "16"}
+    spec = spec_mod.build(call, task, runner, environ=environ)
+    assert (spec.timeout, spec.gpus, spec.nodes, spec.strategy) == (30, 2, 2, "fsdp")
+    assert (spec.gpu_type, spec.max_restarts, spec.mlflow) == ("A10", 3, True)
+    assert spec.rank_env() == {"SGPU_STRATEGY": "fsdp"}
+
+
+def test_not_given_differs_from_given_the_default() -> None:
+    runner = spec_mod.layer("runner", gpus=4, nodes=2, mlflow=False)
+    bare = spec_mod.layer("task")
+    assert spec_mod.build(bare, runner, environ={}).gpus == 4
+    explicit = spec_mod.layer("task", gpus=1, nodes=None, mlflow=True)
+    spec = spec_mod.build(explicit, runner, environ={})
+    assert (spec.gpus, spec.nodes, spec.mlflow) == (1, None, True)
+
+
+def test_environment_layer_is_validated_with_the_variable_named() -> None:
+    with pytest.raises(SGPUConfigError, match="PREFECT_SGPU_GPUS"):
+        spec_mod.build(environ={"PREFECT_SGPU_GPUS": "zero"})
+    assert spec_mod.build(environ={"PREFECT_SGPU_ENV": '{"A": 1}'}).env == {"A": "1"}
+
+
+def test_a_layer_checks_only_what_it_was_given() -> None:
+    assert spec_mod.layer("runner", nodes=2).given() == {"nodes": 2}  # gpus comes from another layer
+    with pytest.raises(SGPUConfigError) as info:
+        spec_mod.layer("task", strategy="zero3")
+    assert info.value.field == "strategy" and "fsdp" in str(info.value)
+    with pytest.raises(SGPUConfigError, match="one of gpus"):
+        spec_mod.layer("task", gpu=2)
+
+
+def test_decorator_without_arguments_takes_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFECT_SGPU_GPUS", "3")
+    assert distributed(_noop).spec.gpus == 3
+    assert distributed(gpus=1)(_noop).spec.gpus == 1, "given explicitly, the default value wins"

@@ -26,8 +26,8 @@ def test_func_is_the_plain_function() -> None:
 
 def test_with_options_returns_a_validated_copy() -> None:
     wider = run_train.with_options(gpus=8, nodes=4, timeout=60)
-    assert (wider.resources.gpus, wider.resources.nodes, wider.options.timeout) == (8, 4, 60)
-    assert (run_train.resources.gpus, run_train.options.timeout) == (4, 3 * 3600)
+    assert (wider.spec.gpus, wider.spec.nodes, wider.spec.timeout) == (8, 4, 60)
+    assert (run_train.spec.gpus, run_train.spec.timeout) == (4, 3 * 3600)
     with pytest.raises(SGPUConfigError, match="gpus=0"):
         run_train.with_options(gpus=0)
     with pytest.raises(SGPUConfigError, match="gpu=.*one of gpus"):
@@ -44,13 +44,15 @@ def test_arguments_are_checked_against_the_signature_before_launch(tmp_path) -> 
 
 
 def test_dry_run_shows_every_node_command_without_secrets(tmp_path) -> None:
-    plan = run_train.with_options(store=LocalStore(tmp_path)).dry_run(1)
+    job = run_train.with_options(store=LocalStore(tmp_path)).job(1)
+    plan = job.dry_run()
     assert plan["plan"].nodes == 2 and plan["plan"].procs_per_node == 2
     assert [n["index"] for n in plan["nodes"]] == [0, 1]
     for node in plan["nodes"]:
         assert "prefect_sgpu.launch.node_agent" in node["command"]
         assert "--nproc-per-node=2" in node["command"] and "--nnodes=2" in node["command"]
-        assert node["env"]["SGPU_PAYLOAD_KEY"] == "***"
+        assert "SGPU_PAYLOAD_KEY" not in node["env"], "the job key travels apart from the launch"
+    assert job.prepare()[2] not in repr(plan)
     assert not any(tmp_path.iterdir()), "a dry run writes nothing"
 
 

@@ -82,6 +82,11 @@ def test_retry_relaunches_the_whole_gang(prefect_server: None, tmp_path: Path) -
         with open(f"{path}.{runtime.rank()}", "a") as fh:
             fh.write("x")
         if runtime.rank() == 1 and len(Path(f"{path}.1").read_text()) == 1:
+            # fail only once rank 0 has written: on a loaded machine rank 0 may still be loading
+            # its payload when rank 1 fails, and the stopped gang would then not show the relaunch
+            deadline = time.monotonic() + 120
+            while not Path(f"{path}.0").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
             raise RuntimeError("first attempt fails")
         return len(Path(f"{path}.{runtime.rank()}").read_text())
 
@@ -123,6 +128,52 @@ def test_map_wait_for_and_runner_defaults(prefect_server: None) -> None:
         return [first.result(), *mapped.result()]
 
     assert pipeline() == [2, 6, 8]
+
+
+def test_runner_defaults_fill_what_the_task_did_not_give(prefect_server: None) -> None:
+    from prefect_sgpu.adapters.task_runner import task_spec
+
+    @gpu_task(mlflow=False)
+    def world() -> tuple[int, int]:
+        return runtime.world_size(), runtime.node_rank()
+
+    runner = GPUTaskRunner(gpus=4, nodes=2, timeout=60, return_all=True)
+    spec = task_spec(world.sgpu, runner)
+    assert (spec.gpus, spec.nodes, spec.timeout, spec.return_all) == (4, 2, 60, True)
+
+    @flow(task_runner=runner)
+    def pipeline() -> list:
+        return world()
+
+    assert pipeline() == [(4, 0), (4, 0), (4, 1), (4, 1)]
+
+
+def test_remote_gpu_task_without_a_remote_compute_is_refused(prefect_server: None,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PREFECT_SGPU_COMPUTE", "PREFECT_SGPU_REMOTE_COMPUTE"):
+        monkeypatch.delenv(name, raising=False)
+
+    @gpu_task(gpus=8, gpu_type="H100", remote=True, mlflow=False)
+    def big() -> int:
+        return runtime.world_size()
+
+    @flow(task_runner=GPUTaskRunner())
+    def pipeline() -> int:
+        return big()
+
+    before = _job_dirs()
+    with pytest.raises(SGPUConfigError, match="remote=True"):
+        pipeline()
+    assert _job_dirs() == before, "nothing was launched, not even CPU ranks"
+
+    from prefect_sgpu.compute.local import LocalProcessCompute
+
+    @flow(task_runner=GPUTaskRunner(compute=LocalProcessCompute()))
+    def on_local() -> int:
+        return big()
+
+    with pytest.raises(SGPUConfigError, match="runs on this machine"):
+        on_local()
 
 
 def test_bad_task_resources_fail_at_decoration() -> None:

@@ -1,0 +1,156 @@
+"""One set of behaviours every compute must show, run against each of them.
+
+The cases (how to run on a compute, what it may leave behind) are in
+``tests/support/conformance.py`` and listed in ``tests/compute/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefect_sgpu import JobCancelled, LaunchTimeout, distributed, runtime
+from prefect_sgpu.compute.base import Released
+from support.conformance import CASES, STALLABLE
+
+pytestmark = pytest.mark.e2e
+
+
+class DivergedOnPurpose(Exception):
+    """Raised in one rank; the caller must get this very class back."""
+
+
+@pytest.fixture(params=CASES)
+def case(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_case")
+
+
+@pytest.fixture(params=STALLABLE)
+def stallable_case(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_case")
+
+
+def _rank_and_world(tag: str) -> tuple[int, int, str]:
+    return runtime.rank(), runtime.world_size(), tag
+
+
+def _mlflow_status(run_id: str | None) -> str | None:
+    if run_id is None:
+        return None
+    import mlflow
+
+    return mlflow.MlflowClient().get_run(run_id).info.status
+
+
+def _wait_for(path_prefix: str, count: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(1 for i in range(count) if Path(f"{path_prefix}{i}").exists()) < count:
+        assert time.monotonic() < deadline, "ranks never started"
+        time.sleep(0.2)
+
+
+def test_values_come_back_in_rank_order_and_release_is_idempotent(case: Any) -> None:
+    fn = distributed(**case.options(mlflow=True))(_rank_and_world)
+    job = fn.job("conformance")
+    shown = job.dry_run()
+    result = job.run()
+    world = result.plan.world_size
+    assert result.values == [(r, world, "conformance") for r in range(world)]
+    assert [r.rank for r in result.ranks] == list(range(world))
+    assert result.released, "release says what it removed"
+    case.check_sent(job, shown)
+    again = job.compute.release(job.allocation)
+    assert isinstance(again, Released)
+    assert _mlflow_status(result.mlflow_run_id) == "FINISHED"
+    assert case.leftovers(job.run_id) == []
+
+
+def test_a_failing_rank_raises_its_own_exception(case: Any) -> None:
+    def fails_on_last_rank() -> int:
+        if runtime.rank() == runtime.world_size() - 1:
+            raise DivergedOnPurpose(f"rank {runtime.rank()} diverged")
+        time.sleep(1)
+        return runtime.rank()
+
+    job = distributed(**case.options(mlflow=True))(fails_on_last_rank).job()
+    with pytest.raises(DivergedOnPurpose, match="diverged") as info:
+        job.run()
+    failure = info.value.sgpu_failure  # type: ignore[attr-defined]
+    assert failure.rank == job.plan.world_size - 1
+    assert "DivergedOnPurpose" in (failure.remote_traceback or "")
+    assert _mlflow_status(job.tracked.run_id if job.tracked else None) in (None, "FAILED")
+    assert case.leftovers(job.run_id) == []
+
+
+def test_timeout_while_running_stops_every_rank(case: Any) -> None:
+    def forever() -> None:
+        time.sleep(600)
+
+    job = distributed(**case.options(timeout=25))(forever).job()
+    with pytest.raises(LaunchTimeout) as info:
+        job.run()
+    assert info.value.timeout == 25
+    assert case.leftovers(job.run_id) == []
+
+
+def test_cancel_while_running_stops_every_rank(case: Any, tmp_path: Path) -> None:
+    marker = str(tmp_path / "started-")
+
+    def slow(prefix: str) -> None:
+        Path(f"{prefix}{runtime.rank()}").write_text("1")
+        time.sleep(600)
+
+    fn = distributed(**case.options(mlflow=True))(slow)
+    job = fn.job(marker, cancel_event=threading.Event())
+    outcome: list[BaseException | None] = []
+    runner = threading.Thread(target=_run_into, args=(job, outcome))
+    runner.start()
+    _wait_for(marker, job.prepare()[0].plan.world_size)
+    job.cancel_event.set()
+    runner.join(timeout=120)
+    assert not runner.is_alive()
+    assert outcome and isinstance(outcome[0], JobCancelled), outcome
+    assert _mlflow_status(job.tracked.run_id if job.tracked else None) in (None, "KILLED")
+    assert case.leftovers(job.run_id) == []
+
+
+def _run_into(job: Any, outcome: list[BaseException | None]) -> None:
+    """Run a job (in a thread) and keep its exception for the test."""
+    try:
+        job.run()
+        outcome.append(None)
+    except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        outcome.append(exc)
+
+
+def test_timeout_during_acquire_gives_everything_back(stallable_case: Any) -> None:
+    def never_runs() -> None:
+        raise AssertionError("no rank should start")
+
+    job = distributed(**stallable_case.options(timeout=20))(never_runs).job()
+    started = time.monotonic()
+    with stallable_case.stalled_acquire(), pytest.raises(LaunchTimeout) as info:
+        job.run()
+    assert info.value.phase != "run", "the deadline was enforced while acquiring"
+    assert time.monotonic() - started < 20 + 60, "acquire honoured the job's timeout, not its own"
+    assert stallable_case.leftovers(job.run_id) == []
+
+
+def test_cancel_during_acquire_gives_everything_back(stallable_case: Any) -> None:
+    def never_runs() -> None:
+        raise AssertionError("no rank should start")
+
+    job = distributed(**stallable_case.options())(never_runs).job(cancel_event=threading.Event())
+    with stallable_case.stalled_acquire():
+        timer = threading.Timer(4.0, job.cancel_event.set)
+        timer.start()
+        try:
+            with pytest.raises(JobCancelled):
+                job.run()
+        finally:
+            timer.cancel()
+    assert stallable_case.leftovers(job.run_id) == []

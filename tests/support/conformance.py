@@ -1,0 +1,74 @@
+"""What the compute conformance suite needs from each compute: one ``ComputeCase`` per compute.
+
+A case says how to run a job on its compute with ``@distributed`` (``options``), what a
+job may have left behind (``leftovers``: processes, instances, groups, parameters, Ray
+actors, control files), how to make ``acquire`` wait (``stalled_acquire``, for the
+timeout and cancel behaviours during acquire; None when acquire never waits), and how to
+check that what ``dry_run`` showed is what was sent (``check_sent``).
+Adding a compute means writing one case and listing it in ``tests/compute/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from support.processes import job_processes
+
+#: the computes the suite runs against (fixtures ``<name>_case`` in tests/compute/conftest.py)
+CASES = ["local"]
+#: those whose acquire can be made to wait (timeout and cancel during acquire)
+STALLABLE: list[str] = []
+
+
+class ComputeCase(Protocol):
+    name: str
+
+    def options(self, **overrides: Any) -> dict[str, Any]:
+        """Keyword arguments for ``@distributed`` (resources, compute, store) on this compute."""
+
+    def leftovers(self, run_id: str) -> list[str]:
+        """Everything of job ``run_id`` that still exists and should not: empty after every outcome."""
+
+    stalled_acquire: Callable[[], AbstractContextManager[None]] | None
+
+    def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
+        """Assert that what ``job.dry_run()`` showed (``shown``) is what the compute sent."""
+
+
+def control_files(store_uri_of_job: Path) -> list[str]:
+    """Control files left in a local job folder (logs, agent output and checkpoints may stay)."""
+    from prefect_sgpu import jobfolder
+
+    left = []
+    for name in jobfolder.CONTROL:
+        path = store_uri_of_job / name
+        if path.exists() and (path.is_file() or any(path.iterdir())):
+            left.append(str(path))
+    return left
+
+
+class LocalCase:
+    """Local processes: the embedded default."""
+
+    name = "local"
+    stalled_acquire = None  # acquiring local processes never waits
+
+    def options(self, **overrides: Any) -> dict[str, Any]:
+        return {"gpus": 4, "nodes": 2, "mlflow": False, **overrides}
+
+    def leftovers(self, run_id: str) -> list[str]:
+        job_dir = Path(os.environ["PREFECT_SGPU_HOME"]) / "jobs" / run_id
+        return job_processes(run_id) + control_files(job_dir)
+
+    def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
+        allocation = job.allocation
+        sent = [list(allocation.processes[i].args) for i in sorted(allocation.processes)]
+        endpoint = next(a.split("=", 1)[1] for a in sent[0] if a.startswith("--rdzv-endpoint="))
+        places = {"<node-0>:<port>": endpoint, **{f"<node-{n.index}>": n.address for n in allocation.nodes}}
+        expected = [[places.get(arg.split("=", 1)[1], arg.split("=", 1)[1]).join([arg.split("=", 1)[0] + "=", ""])
+                     if "=<node-" in arg else arg for arg in shlex.split(n["command"])] for n in shown["nodes"]]
+        assert sent == expected
