@@ -1,0 +1,90 @@
+"""The driver against a fake compute: the contract's calls, deadlines, failures and cleanup."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from prefect_sgpu import jobfolder, payload, spec as spec_mod
+from prefect_sgpu.driver import Job
+from prefect_sgpu.errors import JobCancelled, LaunchTimeout, RankFailedError
+from prefect_sgpu.store import LocalStore
+from support.fake_compute import FakeCompute
+
+
+def _job(fn, compute: FakeCompute, tmp_path: Path, *args, cancel: threading.Event | None = None,
+         **given) -> Job:
+    spec = spec_mod.merge(spec_mod.layer("call", mlflow=False, **given))
+    return Job(payload.FunctionCall(fn, args), spec, compute, LocalStore(tmp_path), cancel_event=cancel)
+
+
+def _identity(x: int) -> int:
+    return x
+
+
+def test_values_in_rank_order_and_everything_released(tmp_path: Path) -> None:
+    compute = FakeCompute(nodes=2)
+    job = _job(_identity, compute, tmp_path, 7, gpus=4, timeout=30)
+    before = time.monotonic()
+    result = job.run()
+    assert result.values == [7, 7, 7, 7]
+    assert [r.rank for r in result.ranks] == [0, 1, 2, 3]
+    assert result.released == ["2 fake node(s)"] and compute.releases == 1
+    (_, deadline), = [c for c in compute.calls if c[0] == "acquire"]
+    assert before + 30 - 1 < deadline <= time.monotonic() + 30, "acquire got the job's own deadline"
+    left = sorted(p.name for p in (tmp_path / job.run_id).iterdir())
+    assert "payload.bin" not in left and "results" not in left and "nodes" not in left
+
+
+def test_timeout_while_acquiring_is_a_launch_timeout_and_releases_nothing(tmp_path: Path) -> None:
+    compute = FakeCompute(acquire_blocks=True)
+    job = _job(_identity, compute, tmp_path, 1, timeout=1)
+    with pytest.raises(LaunchTimeout) as info:
+        job.run()
+    assert info.value.phase == "acquire"
+    assert compute.releases == 0, "acquire gives back what it got; nothing was allocated"
+    assert not (tmp_path / job.run_id / jobfolder.PAYLOAD).exists()
+
+
+def test_cancel_while_acquiring(tmp_path: Path) -> None:
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    job = _job(_identity, FakeCompute(acquire_blocks=True), tmp_path, 1, cancel=cancel)
+    with pytest.raises(JobCancelled):
+        job.run()
+
+
+def _boom() -> None:
+    raise KeyError("missing column")
+
+
+def test_a_failing_rank_raises_its_own_exception(tmp_path: Path) -> None:
+    job = _job(_boom, FakeCompute(), tmp_path, gpus=2)
+    with pytest.raises(KeyError, match="missing column") as info:
+        job.run()
+    assert info.value.sgpu_failure.rank in (0, 1)  # type: ignore[attr-defined]
+    assert ("stop", 10.0) in job.compute.calls  # type: ignore[attr-defined]
+
+
+def test_a_lost_node_fails_the_job_naming_it(tmp_path: Path) -> None:
+    compute = FakeCompute(nodes=2, lose_node=1, node_exit={1: 137})
+    with pytest.raises(RankFailedError, match="node 1 vanished") as info:
+        _job(_identity, compute, tmp_path, 1, gpus=2).run()
+    assert info.value.node == 1
+
+
+def test_a_forged_result_is_ignored(tmp_path: Path) -> None:
+    """A rank's place filled with an envelope sealed by someone else is not a result."""
+
+    class ForgingCompute(FakeCompute):
+        def _node(self, allocation, node):  # type: ignore[no-untyped-def]
+            super()._node(allocation, node)
+            forger = jobfolder.JobFolder(allocation.folder.store, allocation.run_id, jobfolder.new_key())
+            env = payload.success_envelope({"rank": 1, "node": 0, "local_rank": 1, "host": "evil"}, "forged")
+            forger.put_result(1, payload.dump_envelope(env))
+
+    with pytest.raises(RankFailedError, match=r"rank\(s\) \[1\] exited without a result"):
+        _job(_identity, ForgingCompute(), tmp_path, 1, gpus=2).run()
