@@ -36,33 +36,30 @@ def _load_block(ref: str, what: str) -> Any:
     return Block.load(ref)
 
 
+def _materialize(value: Any, kind: type, getter: str, field: str, allowed: str) -> Any:
+    """``value`` itself, or what its block's ``getter`` builds (a saved block named ``slug/name`` is loaded)."""
+    if isinstance(value, str):
+        value = _load_block(value, field)
+    if isinstance(value, kind):
+        return value
+    get = getattr(type(value), getter, None)  # a block of prefect_sgpu.blocks
+    if get is None:
+        raise SGPUConfigError(field, repr(value), allowed)
+    result = get(value)
+    assert isinstance(result, kind)
+    return result
+
+
 def as_compute(compute: Any, field: str = "compute") -> Compute:
     """A compute object from a compute, a compute block, or a saved block's ``slug/name``."""
-    if isinstance(compute, str):
-        compute = _load_block(compute, field)
-    if isinstance(compute, Compute):
-        return compute
-    get = getattr(type(compute), "get_compute", None)  # a compute block (prefect_sgpu.blocks)
-    if get is None:
-        raise SGPUConfigError(field, repr(compute), "a compute block (LocalCompute, EC2Compute, RayCompute), "
-                              "a saved block's '<slug>/<name>', or a prefect_sgpu.compute.Compute")
-    result = get(compute)
-    assert isinstance(result, Compute)
-    return result
+    return _materialize(compute, Compute, "get_compute", field, "a compute block (LocalCompute, EC2Compute, "
+                        "RayCompute), a saved block's '<slug>/<name>', or a prefect_sgpu.compute.Compute")
 
 
 def as_store(store: Any, field: str = "store") -> Store:
-    if isinstance(store, str):
-        store = _load_block(store, field)
-    if isinstance(store, Store):
-        return store
-    get = getattr(type(store), "get_store", None)
-    if get is None:
-        raise SGPUConfigError(field, repr(store), "an SGPUStore block, a saved block's '<slug>/<name>', "
-                              "or a prefect_sgpu.store.Store")
-    result = get(store)
-    assert isinstance(result, Store)
-    return result
+    """A store object from a store, an ``SGPUStore`` block, or a saved block's ``slug/name``."""
+    return _materialize(store, Store, "get_store", field, "an SGPUStore block, a saved block's '<slug>/<name>', "
+                        "or a prefect_sgpu.store.Store")
 
 
 def resolve_compute(spec: JobSpec, compute: Any | None = None) -> Compute:

@@ -26,6 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Mapping
 
+from typing_extensions import TypedDict
+
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -42,29 +44,6 @@ from prefect_sgpu.errors import SGPUConfigError
 DEFAULT_TIMEOUT_S = 3 * 60 * 60.0
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 ENV_PREFIX = "PREFECT_SGPU_"
-
-
-class _Unset:
-    """The value of an argument the caller did not give (distinct from None and from defaults)."""
-
-    _instance: "_Unset | None" = None
-
-    def __new__(cls) -> "_Unset":
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __reduce__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
 
 
 def _gpu_type(value: str | None) -> str | None:
@@ -90,6 +69,27 @@ Timeout = Annotated[float, BeforeValidator(_seconds), Field(gt=0, description="S
 Restarts = Annotated[int, Field(ge=0, description="Worker-group restarts torch elastic may do.")]
 Env = Annotated[dict[str, str], BeforeValidator(_env_strings), Field(description="Extra environment for every rank.")]
 Strategy = Literal["ddp", "fsdp", "deepspeed"] | None
+
+class JobArgs(TypedDict, total=False):
+    """The keyword arguments of ``@distributed``, ``run_script`` and ``@ray_launch``: a key left
+    out is *not given* (the layers below decide), which a default value could not express."""
+
+    gpus: int
+    gpu_type: str | None
+    nodes: int | None
+    remote: bool
+    timeout: float | _dt.timedelta
+    max_restarts: int
+    env: dict[str, str] | None
+    mlflow: bool
+
+
+class TaskArgs(JobArgs, total=False):
+    """``@gpu_task`` and ``GPUTaskRunner`` take two more."""
+
+    strategy: Literal["ddp", "fsdp", "deepspeed"] | None
+    return_all: bool
+
 
 #: every field of a job spec, in the order users meet them
 FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "mlflow", "strategy",
@@ -173,13 +173,12 @@ def _config_error(exc: ValidationError) -> SGPUConfigError:
 
 
 def layer(source: str, **given: Any) -> SpecLayer:
-    """One source's settings; arguments left ``UNSET`` are not given. Raises SGPUConfigError."""
+    """One source's settings: only the keywords passed count as given. Raises SGPUConfigError."""
     unknown = sorted(set(given) - set(FIELDS))
     if unknown:
         raise SGPUConfigError(unknown[0], given[unknown[0]], "one of " + ", ".join(FIELDS))
-    values = {k: v for k, v in given.items() if v is not UNSET}
     try:
-        return SpecLayer(source=source, **values)
+        return SpecLayer(source=source, **given)
     except ValidationError as exc:
         raise _config_error(exc) from None
 

@@ -16,13 +16,15 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Generic, ParamSpec, TypeVar, overload
 
+from typing_extensions import Unpack
+
 from prefect_sgpu import payload as payload_mod
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.driver import Job, JobResult
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.logs import RankLogSink
 from prefect_sgpu.resolve import REMOTE_COMPUTE_ENV, resolve
-from prefect_sgpu.spec import UNSET, JobSpec, SpecLayer
+from prefect_sgpu.spec import JobArgs, JobSpec, SpecLayer
 from prefect_sgpu.store import Store
 
 P = ParamSpec("P")
@@ -159,26 +161,16 @@ def distributed(fn: Callable[P, R]) -> DistributedFunction[P, R]: ...
 
 @overload
 def distributed(
-    fn: None = None, *, gpus: int = ..., gpu_type: str | None = ..., remote: bool = ...,
-    nodes: int | None = ..., timeout: Any = ..., max_restarts: int = ...,
-    env: dict[str, str] | None = ..., mlflow: bool = ..., compute: Any | None = None,
-    store: Any | None = None,
+    fn: None = None, *, compute: Any | None = None, store: Any | None = None, **given: Unpack[JobArgs]
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]: ...
 
 
 def distributed(
     fn: Callable[P, R] | None = None,
     *,
-    gpus: int = UNSET,
-    gpu_type: str | None = UNSET,
-    remote: bool = UNSET,
-    nodes: int | None = UNSET,
-    timeout: Any = UNSET,
-    max_restarts: int = UNSET,
-    env: dict[str, str] | None = UNSET,
-    mlflow: bool = UNSET,
     compute: Any | None = None,
     store: Any | None = None,
+    **given: Unpack[JobArgs],
 ) -> Any:
     """Make ``fn`` run on ``gpus`` ranks (``nodes`` x GPUs per node) with torch elastic.
 
@@ -187,8 +179,7 @@ def distributed(
     Arguments not given come from ``PREFECT_SGPU_<FIELD>`` or the built-in defaults
     (1 GPU, 3 h timeout; see :mod:`prefect_sgpu.spec`).
     """
-    layer = spec_mod.layer("call", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote, timeout=timeout,
-                           max_restarts=max_restarts, env=env, mlflow=mlflow)
+    layer = spec_mod.layer("call", **given)
 
     def wrap(f: Callable[P, R]) -> DistributedFunction[P, R]:
         return DistributedFunction(f, layer, compute=compute, store=store)
@@ -200,24 +191,15 @@ def run_script(
     path: str | os.PathLike[str],
     args: list[str] | tuple[str, ...] = (),
     *,
-    gpus: int = UNSET,
-    gpu_type: str | None = UNSET,
-    remote: bool = UNSET,
-    nodes: int | None = UNSET,
-    timeout: Any = UNSET,
-    max_restarts: int = UNSET,
-    env: dict[str, str] | None = UNSET,
-    mlflow: bool = UNSET,
     compute: Any | None = None,
     store: Any | None = None,
+    **given: Unpack[JobArgs],
 ) -> JobResult:
     """Run an unmodified torchrun script on every rank; raise if any rank exits non-zero."""
     script = Path(path)
     if not script.is_file() or script.suffix != ".py":
         raise SGPUConfigError("path", str(path), "an existing Python file (*.py)")
-    layer = spec_mod.layer("call", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote, timeout=timeout,
-                           max_restarts=max_restarts, env=env, mlflow=mlflow)
-    spec = spec_mod.build(layer)
+    spec = spec_mod.build(spec_mod.layer("call", **given))
     resolved, resolved_store = resolve(spec, compute, store)
     call = payload_mod.ScriptCall(str(script.resolve()), script.read_bytes(), [str(a) for a in args])
     return Job(call, spec, resolved, resolved_store).run()

@@ -12,12 +12,14 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, ParamSpec, TypeVar
 
+from typing_extensions import Unpack
+
 from prefect_sgpu.adapters.decorator import DistributedFunction, DistributedFuture
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.driver import Job, Launcher
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.logs import RankLogSink
-from prefect_sgpu.spec import UNSET, SpecLayer
+from prefect_sgpu.spec import JobArgs, SpecLayer
 
 if TYPE_CHECKING:
     from prefect_sgpu.compute.base import Request
@@ -117,17 +119,10 @@ class RayLaunchFunction(DistributedFunction[P, R]):
 def ray_launch(
     fn: Callable[P, R] | None = None,
     *,
-    gpus: int = UNSET,
-    gpu_type: str | None = UNSET,
-    remote: bool = UNSET,
-    nodes: int | None = UNSET,
-    timeout: Any = UNSET,
-    max_restarts: int = UNSET,
-    env: dict[str, str] | None = UNSET,
-    mlflow: bool = UNSET,
     compute: Any | None = None,
     store: Any | None = None,
     ray_metrics_to_mlflow: bool = False,
+    **given: Unpack[JobArgs],
 ) -> Any:
     """Run ``fn`` once as the driver of a Ray cluster spanning ``gpus`` GPUs on ``nodes`` nodes.
 
@@ -136,8 +131,7 @@ def ray_launch(
     ``ray_metrics_to_mlflow=True`` samples the cluster's resources into the call's
     MLflow run as ``system/ray/...`` metrics.
     """
-    layer = spec_mod.layer("call", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote, timeout=timeout,
-                           max_restarts=max_restarts, env=env, mlflow=mlflow)
+    layer = spec_mod.layer("call", **given)
 
     def wrap(f: Callable[P, R]) -> RayLaunchFunction[P, R]:
         return RayLaunchFunction(f, layer, compute=compute, store=store,

@@ -18,6 +18,8 @@ import re
 import threading
 from typing import Any, Callable, Iterable, TypeVar
 
+from typing_extensions import Unpack
+
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import Task
 
@@ -27,7 +29,7 @@ from prefect_sgpu.driver import Job, JobResult
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.logs import RankLogSink
 from prefect_sgpu.resolve import COMPUTE_ENV, STORE_ENV, as_compute, resolve
-from prefect_sgpu.spec import FIELDS, UNSET, JobSpec, SpecLayer
+from prefect_sgpu.spec import FIELDS, JobSpec, SpecLayer, TaskArgs
 from prefect_sgpu.store import LocalStore, Store
 
 R = TypeVar("R")
@@ -73,24 +75,12 @@ def _launcher(fn: Callable[..., Any]) -> Callable[..., Any]:
     return launch_distributed
 
 
-def gpu_task(
-    fn: Callable[..., R] | None = None,
-    *,
-    gpus: int = UNSET,
-    gpu_type: str | None = UNSET,
-    nodes: int | None = UNSET,
-    remote: bool = UNSET,
-    strategy: str | None = UNSET,
-    timeout: Any = UNSET,
-    max_restarts: int = UNSET,
-    env: dict[str, str] | None = UNSET,
-    mlflow: bool = UNSET,
-    return_all: bool = UNSET,
-    **task_kwargs: Any,
-) -> Any:
+def gpu_task(fn: Callable[..., R] | None = None, **options: Any) -> Any:
     """A Prefect task whose function runs on every rank of a multi-node job.
 
-    Accepts every ``@task`` keyword (retries, cache_policy, persist_result, ...). The
+    GPU keywords are those of :class:`~prefect_sgpu.spec.TaskArgs` (``gpus``, ``gpu_type``,
+    ``nodes``, ``remote``, ``strategy``, ``timeout``, ``max_restarts``, ``env``, ``mlflow``,
+    ``return_all``). Accepts every ``@task`` keyword (retries, cache_policy, persist_result, ...). The
     task's value is rank 0's result, or every rank's with ``return_all=True``.
     ``strategy`` is handed to the ranks as ``SGPU_STRATEGY`` for the training helpers.
     What the task does not give comes from the task runner, then ``PREFECT_SGPU_<FIELD>``,
@@ -98,9 +88,8 @@ def gpu_task(
     """
     from prefect import task as prefect_task
 
-    layer = spec_mod.layer("task", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote, strategy=strategy,
-                           timeout=timeout, max_restarts=max_restarts, env=env, mlflow=mlflow,
-                           return_all=return_all)
+    layer = spec_mod.layer("task", **{k: options.pop(k) for k in list(options) if k in FIELDS})
+    task_kwargs = options
 
     def wrap(f: Callable[..., R]) -> GPUTask:
         return _as_gpu_task(prefect_task(f, **task_kwargs), layer)
@@ -235,26 +224,15 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
         compute: Any | None = None,
         store: Any | None = None,
         *,
-        gpus: int = UNSET,
-        gpu_type: str | None = UNSET,
-        nodes: int | None = UNSET,
-        remote: bool = UNSET,
-        strategy: str | None = UNSET,
-        timeout: Any = UNSET,
-        max_restarts: int = UNSET,
-        env: dict[str, str] | None = UNSET,
-        mlflow: bool = UNSET,
-        return_all: bool = UNSET,
         distribute_all_tasks: bool = False,
         max_workers: int | None = None,
+        **defaults: Unpack[TaskArgs],
     ) -> None:
         super().__init__(max_workers=max_workers)
         self.compute = compute
         self.store = store
-        self.layer = spec_mod.layer("runner", gpus=gpus, gpu_type=gpu_type, nodes=nodes, remote=remote,
-                                    strategy=strategy, timeout=timeout, max_restarts=max_restarts, env=env,
-                                    mlflow=mlflow, return_all=return_all)
-        if distribute_all_tasks and gpus is UNSET:
+        self.layer = spec_mod.layer("runner", **defaults)
+        if distribute_all_tasks and "gpus" not in self.layer.given():
             raise SGPUConfigError("gpus", None, "a number of GPUs when distribute_all_tasks=True")
         self.distribute_all_tasks = distribute_all_tasks
         self._compute: Any | None = None
