@@ -89,7 +89,7 @@ def test_options_are_validated_like_distributed() -> None:
     with pytest.raises(SGPUConfigError, match="gpu_type"):
         ray_launch(gpus=8, remote=True)(lambda: None)  # remote needs whole nodes of a known type
     with pytest.raises(SGPUConfigError, match="compute"):
-        ray_launch(gpus=2, compute=RayCompute("ray://127.0.0.1:1"))(lambda: None).job()
+        ray_launch(gpus=2, compute=RayCompute(address="ray://127.0.0.1:1"))(lambda: None).job()
 
     fn = ray_launch(gpus=4, nodes=2)(_spread_over_nodes)
     with pytest.raises(TypeError, match=r"\.distributed\(\.\.\.\)"):
