@@ -187,8 +187,15 @@ class RayCompute(Block):
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime environment for the job.")
     backend: Optional[Literal["nccl", "gloo"]] = Field(
         default=None, description="torch.distributed backend; unset: nccl on GPU workers, gloo on CPU workers.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict, description='Merged into every worker\'s Ray resources, e.g. {"CPU": 4} for data loading.')
 
     def get_compute(self) -> Any:
         from prefect_sgpu.compute.ray import RayTrainCompute as Ray
 
-        return Ray(address=self.address, runtime_env=self.runtime_env, backend=self.backend)
+        return Ray(address=self.address, runtime_env=self.runtime_env, backend=self.backend,
+                   resources_per_worker=self.resources_per_worker)
+
+    def close(self) -> None:
+        """Leave the cluster if a job of this process joined it (the Ray connection is per process)."""
+        self.get_compute().close()

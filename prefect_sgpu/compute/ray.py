@@ -3,62 +3,100 @@
 The same ``@distributed`` function or GPU task that runs under torchrun runs here:
 one Ray Train worker per rank, with torch's environment variables, the process
 group already initialised by Ray Train (gloo on CPU, nccl on GPU), the job's MLflow
-run and environment. Ray schedules the workers, so this compute implements the
-driver's whole-job hook (``execute``) instead of acquiring nodes; the driver still
-validates, opens and ends the MLflow run, and turns envelopes into values or the
-failing rank's own exception.
+run and environment.
+
+Ray places the workers itself, so this is a *job compute*: it speaks the same
+contract as the node computes but reports the whole run as one node (node 0).
+``acquire`` joins the cluster and waits until it can hold the job, ``start`` submits
+the run with the sealed payload, ``poll`` copies the workers' output into the job
+folder's rank logs and, once the run ends, seals every rank's envelope into the
+folder before reporting ``NodeExited(0)``. The driver reads the folder exactly as it
+does for torchrun nodes, so values and the failing rank's own exception come back
+the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefect_sgpu.compute import Allocation, Compute, NodeLaunch
+from prefect_sgpu import jobfolder
+from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand,
+                                       NodeExited, NodeLost, NodeUp, Released, Request)
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, SGPUConfigError
-from prefect_sgpu.spec import Plan, Resources
-from prefect_sgpu.store import rank_key
+from prefect_sgpu.jobfolder import NodeStatus
+from prefect_sgpu.spec import JobSpec, Plan
 
 if TYPE_CHECKING:
-    from prefect_sgpu.driver import Job, JobResult
+    from prefect_sgpu.jobfolder import JobFolder
 
+logger = logging.getLogger("prefect_sgpu.compute.ray")
 
-POLL_INTERVAL_S = 0.2
+#: seconds between two reads of the collector (poll() itself is called every 50 ms)
+DRAIN_INTERVAL_S = 0.2
+#: seconds between two looks at the cluster while acquire waits for resources
+ACQUIRE_INTERVAL_S = 1.0
+#: seconds acquire keeps the driver's heartbeat fresh at while it waits
+BEAT_INTERVAL_S = 2.0
+#: the least time a graceful cancel gets before the run is killed (see RayTrainCompute._cancel)
 CANCEL_GRACE_S = 30.0
+TRAINER = "ray.train.torch.TorchTrainer"
 
 #: Ray's accelerator_type names for the catalog's GPU types (``accelerator_type:<name>`` resources)
 RAY_ACCELERATOR_NAMES = {"A10": ("A10G", "A10"), "A100-80GB": ("A100-80G", "A100"), "L40S": ("L40S", "L40")}
 
+#: process-group backends a RayTrainCompute may pin (None: Ray Train's choice, nccl on GPU, gloo on CPU)
+BACKENDS = ("nccl", "gloo")
 
-def scaling_options(resources: Resources, plan: Plan, cluster: dict[str, float]) -> dict[str, Any]:
-    """``ScalingConfig`` arguments for a job's resources on a cluster with ``cluster`` resources.
 
-    GPUs are used when the resources name a GPU type and the cluster has GPUs; the
-    accelerator type is pinned when the cluster advertises it; ``nodes`` chooses the
-    placement (one node: STRICT_PACK, several: SPREAD, unset: PACK).
+def placement_strategy(nodes: int | None) -> str:
+    """One node: STRICT_PACK, several: SPREAD, unset: PACK (Ray's choice of nodes)."""
+    if nodes is None:
+        return "PACK"
+    return "STRICT_PACK" if nodes == 1 else "SPREAD"
+
+
+def scaling_options(spec: JobSpec, plan: Plan, cluster: dict[str, float] | None,
+                    extra: dict[str, float] | None = None) -> dict[str, Any]:
+    """``ScalingConfig`` arguments for a job on a cluster with ``cluster`` resources.
+
+    ``cluster=None`` (planning, nothing connected yet) gives the intent: GPU workers
+    when the job names a GPU type. With the cluster's resources, GPUs are used only
+    when it has some, and the accelerator type is pinned when it advertises it.
+    ``extra`` is merged into every worker's resources (``{"CPU": 4}`` for data loading).
     """
-    use_gpu = resources.gpu_type is not None and cluster.get("GPU", 0) > 0
+    use_gpu = spec.gpu_type is not None and (cluster is None or cluster.get("GPU", 0) > 0)
     options: dict[str, Any] = {
         "num_workers": plan.world_size,
         "use_gpu": use_gpu,
-        "resources_per_worker": {"GPU": 1} if use_gpu else {"CPU": 1},
-        "placement_strategy": "PACK" if resources.nodes is None
-        else ("STRICT_PACK" if resources.nodes == 1 else "SPREAD"),
+        "resources_per_worker": {**({"GPU": 1} if use_gpu else {"CPU": 1}), **(extra or {})},
+        "placement_strategy": placement_strategy(spec.nodes),
     }
-    if use_gpu:
-        assert resources.gpu_type is not None
-        for name in RAY_ACCELERATOR_NAMES.get(resources.gpu_type, (resources.gpu_type,)):
+    if use_gpu and cluster is not None:
+        assert spec.gpu_type is not None
+        for name in RAY_ACCELERATOR_NAMES.get(spec.gpu_type, (spec.gpu_type,)):
             if cluster.get(f"accelerator_type:{name}", 0) > 0:
                 options["accelerator_type"] = name
                 break
     return options
 
 
-#: process-group backends a RayTrainCompute may pin (None: Ray Train's choice, nccl on GPU, gloo on CPU)
-BACKENDS = ("nccl", "gloo")
+def fits(scaling: dict[str, Any], nodes: list[dict[str, float]]) -> bool:
+    """Can nodes with these resources hold every worker's bundle (STRICT_PACK: all on one node)?"""
+    bundle = dict(scaling["resources_per_worker"])
+    if "accelerator_type" in scaling:
+        bundle[f"accelerator_type:{scaling['accelerator_type']}"] = 0.001  # as Ray Train asks for it
+    per_node = []
+    for resources in nodes:
+        counts = [int(resources.get(name, 0.0) // amount) for name, amount in bundle.items() if amount > 0]
+        per_node.append(min(counts) if counts else scaling["num_workers"])
+    if scaling["placement_strategy"] == "STRICT_PACK":
+        return max(per_node, default=0) >= scaling["num_workers"]
+    return sum(per_node) >= scaling["num_workers"]
 
 
 def _fit(config: dict[str, Any], scaling: dict[str, Any], name: str, max_failures: int,
@@ -76,11 +114,60 @@ def _fit(config: dict[str, Any], scaling: dict[str, Any], name: str, max_failure
     ).fit()
 
 
+@dataclass(frozen=True)
+class RayRequest(Request):
+    """One Ray Train run: the cluster, the ``ScalingConfig`` and how workers are set up.
+
+    From ``plan`` the scaling is the intent (GPU workers when a GPU type is named);
+    after ``acquire`` it is exactly what is sent (GPUs confirmed, accelerator pinned).
+    """
+
+    address: str = "auto"
+    scaling: dict[str, Any] = field(default_factory=dict)
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None
+    max_failures: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        # no heartbeat: Ray ends the run's task when the driver that owns it goes away
+        described = {k: v for k, v in super().describe().items() if k != "heartbeat_ttl_s"}
+        return {**described, "address": self.address, "trainer": TRAINER,
+                "num_workers": self.scaling.get("num_workers"), "scaling_config": dict(self.scaling),
+                "use_gpu_if_available": bool(self.scaling.get("use_gpu")), "runtime_env": dict(self.runtime_env),
+                "backend": self.backend or "nccl on GPU workers, gloo on CPU workers",
+                "max_failures": self.max_failures}
+
+
+@dataclass
+class RayAllocation(Allocation):
+    """A Ray Train run from ``start`` to ``release``: its task, its collector and what was read."""
+
+    fit: Any = None
+    collector: Any = None
+    started: bool = False
+    announced: bool = False
+    finished: bool = False
+    stopped: bool = False
+    last_drain: float = 0.0
+    #: everything written to each rank's log so far (stores without append get the whole file again)
+    logs: dict[int, bytearray] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# one Ray connection per process: which cluster prefect-sgpu joined, so any compute for it may leave it
+_joined: str | None = None
+_join_lock = threading.Lock()
+
+
 class RayTrainCompute(Compute):
     """Run jobs on an existing Ray cluster (``address="auto"``, ``"ray://host:10001"``, ``"host:6379"``)."""
 
+    name = "ray"
+    remote = True
+    runs_node_agents = False
+
     def __init__(self, address: str = "auto", runtime_env: dict[str, Any] | None = None,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, resources_per_worker: dict[str, float] | None = None) -> None:
         if not isinstance(address, str) or not address.strip():
             raise SGPUConfigError("address", address, "'auto', 'ray://host:port' or 'host:port'")
         if backend is not None and backend not in BACKENDS:
@@ -89,48 +176,52 @@ class RayTrainCompute(Compute):
         self.address = address.strip()
         self.runtime_env = dict(runtime_env or {})
         self.backend = backend
-        self._connected_here = False
-        self._lock = threading.Lock()
+        #: merged into every worker's Ray resources ({"CPU": 4}: four cores for data loading)
+        self.resources_per_worker = dict(resources_per_worker or {})
 
     def __repr__(self) -> str:
         return f"RayTrainCompute(address={self.address!r})"
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, RayTrainCompute) and other.address == self.address
-                and other.runtime_env == self.runtime_env and other.backend == self.backend)
+                and other.runtime_env == self.runtime_env and other.backend == self.backend
+                and other.resources_per_worker == self.resources_per_worker)
 
     __hash__ = None  # type: ignore[assignment]
 
     # -- planning (nothing spent) -------------------------------------------------
 
-    def plan(self, resources: Resources) -> Plan:
-        nodes = resources.nodes or 1
-        if resources.gpus % nodes:
-            raise SGPUConfigError("gpus", resources.gpus,
-                                  f"must be a multiple of nodes={nodes} (each node runs the same number of ranks)")
-        # GPUs only when asked for by type; confirmed against the cluster when the job starts
-        device = "cuda" if resources.gpu_type else "cpu"
-        return Plan(nodes=nodes, procs_per_node=resources.gpus // nodes, device=device)
+    def plan(self, spec: JobSpec, run_id: str) -> RayRequest:
+        nodes = spec.nodes or 1
+        # GPUs only when asked for by type; confirmed against the cluster in acquire
+        plan = Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cuda" if spec.gpu_type else "cpu")
+        return RayRequest(run_id=run_id, compute=self.name, plan=plan, spec=spec, heartbeat_ttl_s=0.0,
+                          address=self.address, scaling=scaling_options(spec, plan, None, self.resources_per_worker),
+                          runtime_env=dict(self.runtime_env), backend=self.backend,
+                          max_failures=spec.max_restarts)
 
-    def dry_run(self, run_id: str, plan: Plan, launches: list[NodeLaunch]) -> dict[str, Any]:
-        return {"compute": "ray", "address": self.address, "run_id": run_id,
-                "trainer": "ray.train.torch.TorchTrainer", "num_workers": plan.world_size,
-                "use_gpu_if_available": plan.device == "cuda", "runtime_env": self.runtime_env,
-                "backend": self.backend or "nccl on GPU workers, gloo on CPU workers"}
+    def command_line(self, request: Request, command: NodeCommand) -> list[str]:
+        """What node 0 stands for: one Ray Train run (``dry_run`` prints this, not a torchrun agent)."""
+        assert isinstance(request, RayRequest)
+        return [TRAINER, f"--address={request.address}", f"--num-workers={request.plan.world_size}"]
 
-    # -- the whole job ------------------------------------------------------------
+    def rendezvous_endpoint(self, allocation: Allocation) -> str:
+        return ""  # Ray Train sets up the process group itself
+
+    # -- the connection -------------------------------------------------------------
 
     def connect(self) -> None:
         """Join the cluster once per process (reusing a connection the caller already made)."""
+        global _joined
         import ray
 
-        with self._lock:
+        with _join_lock:
             if ray.is_initialized():
                 self._check_same_cluster()
                 return
             ray.init(address=self.address, runtime_env=self.runtime_env or None, log_to_driver=False,
                      logging_level="WARNING")
-            self._connected_here = True
+            _joined = self.address
 
     def _check_same_cluster(self) -> None:
         """A process holds one Ray connection: refuse to run on it when it is another cluster's."""
@@ -149,115 +240,233 @@ class RayTrainCompute(Compute):
                 "call ray.shutdown() first or run the job from another process")
 
     def close(self) -> None:
-        """Leave the cluster if this compute joined it (the task runner calls this at flow end)."""
-        if self._connected_here:
-            import ray
+        """Leave the cluster if prefect-sgpu joined it for this address (the task runner calls this at flow end).
 
-            ray.shutdown()
-            self._connected_here = False
+        The connection is the process's, not this object's: a block builds a new compute
+        for every call, and any of them may end the connection the first one made.
+        """
+        global _joined
+        with _join_lock:
+            if _joined is not None and _joined == self.address:
+                import ray
 
-    def execute(self, job: "Job") -> "JobResult":
+                ray.shutdown()
+                _joined = None
+
+    # -- acquire: the cluster can hold the job ---------------------------------------
+
+    def acquire(self, request: Request, folder: "JobFolder", deadline: float,
+                cancel: threading.Event) -> RayAllocation:
+        """Join the cluster and wait until its nodes can hold every worker.
+
+        An autoscaling cluster grows when asked (``request_resources``); a fixed one that
+        is too small waits until the job's timeout. Nothing is reserved: Ray Train's own
+        placement group takes the workers in ``start``.
+        """
+        import ray
+
+        assert isinstance(request, RayRequest)
+        self.connect()
+        spec, plan = request.spec, request.plan
+        scaling = scaling_options(spec, plan, ray.cluster_resources(), self.resources_per_worker)
+        if spec.gpu_type and not scaling["use_gpu"]:
+            logger.warning("the Ray cluster at %s has no GPUs: running %d CPU worker(s)",
+                           self.address, plan.world_size)
+        asked = False
+        last_beat = time.monotonic()
+        try:
+            while not fits(scaling, _alive_node_resources()):
+                if not asked:
+                    asked = True
+                    logger.warning("job %s: the Ray cluster at %s cannot hold %d worker(s) of %s yet; waiting",
+                                   request.run_id, self.address, plan.world_size, scaling["resources_per_worker"])
+                    _ask_autoscaler(scaling)
+                if cancel.wait(ACQUIRE_INTERVAL_S):
+                    raise JobCancelled(f"job {request.run_id} was cancelled while waiting for Ray resources")
+                if time.monotonic() > deadline:
+                    raise LaunchTimeout(request.run_id, spec.timeout, phase="acquire")
+                if time.monotonic() - last_beat > BEAT_INTERVAL_S:
+                    folder.beat()
+                    last_beat = time.monotonic()
+        finally:
+            if asked:
+                _ask_autoscaler(None)
+        if cancel.is_set():
+            raise JobCancelled(f"job {request.run_id} was cancelled")
+        refined = dataclasses.replace(request, scaling=scaling, plan=dataclasses.replace(
+            plan, device="cuda" if scaling["use_gpu"] else "cpu"))
+        return RayAllocation(request=refined, folder=folder,
+                             nodes=[AllocatedNode(index=0, address=self.address, host=self.address)])
+
+    # -- start, poll, stop, release -----------------------------------------------------
+
+    def start(self, allocation: Allocation, launch: JobLaunch) -> None:
+        """Submit the TorchTrainer run (a Ray task) with the sealed payload, the key and the run id."""
         import ray
 
         from prefect_sgpu.ray.train_worker import Collector
 
-        plan, blob, key = job.prepare()
-        self.connect()
-        scaling = scaling_options(job.resources, plan, ray.cluster_resources())
-        plan = dataclasses.replace(plan, device="cuda" if scaling["use_gpu"] else "cpu")
-        if job.resources.gpu_type and not scaling["use_gpu"]:
-            job.sink.warning(f"the Ray cluster at {self.address} has no GPUs: running "
-                             f"{plan.world_size} CPU worker(s)")
-        job.plan = plan
-        env = {**job.options.env, "SGPU_RUN_ID": job.run_id, "SGPU_JOB_DIR": job.store.uri(job.run_id),
-               "SGPU_DEVICE": plan.device, "PYTHONUNBUFFERED": "1", **(job.tracked.env if job.tracked else {})}
-        collector = ray.remote(num_cpus=0)(Collector).remote()
-        config = {"payload": blob, "key": key, "env": env, "collector": collector}
-        fit = ray.remote(num_cpus=0, max_retries=0)(_fit).remote(
-            config, scaling, job.run_id, job.options.max_restarts, self.backend)
-        logs: dict[int, list[str]] = {}
-        finished = False
+        assert isinstance(allocation, RayAllocation)
+        request = allocation.request
+        assert isinstance(request, RayRequest)
+        folder = allocation.folder
+        sealed = folder.store.get(folder.run_id, jobfolder.PAYLOAD)
+        if sealed is None:
+            raise FileNotFoundError(f"{folder.uri(jobfolder.PAYLOAD)} is missing")
+        env = {**launch.env, "SGPU_DEVICE": allocation.plan.device}
+        with allocation.lock:
+            if allocation.released:
+                return
+            allocation.collector = ray.remote(num_cpus=0)(Collector).options(
+                name=collector_name(allocation.run_id)).remote()
+            config = {"payload": sealed, "key": folder.key, "run_id": folder.run_id, "env": env,
+                      "collector": allocation.collector}
+            allocation.fit = ray.remote(num_cpus=0, max_retries=0)(_fit).remote(
+                config, request.scaling, allocation.run_id, request.max_failures, request.backend)
+            allocation.started = True
+
+    def poll(self, allocation: Allocation) -> list[Event]:
+        import ray
+
+        assert isinstance(allocation, RayAllocation)
+        if not allocation.started or allocation.finished:
+            return []
+        events: list[Event] = []
+        if not allocation.announced:
+            allocation.announced = True
+            events.append(NodeUp(0, f"Ray Train run on {self.address}"))
+        if not ray.is_initialized():  # close() ran meanwhile: never let ray auto-start a local instance
+            allocation.finished = True
+            return [*events, NodeLost(0, f"this process left the Ray cluster at {self.address}")]
+        now = time.monotonic()
+        if now - allocation.last_drain < DRAIN_INTERVAL_S:
+            return events
+        allocation.last_drain = now
+        ready, _ = ray.wait([allocation.fit], timeout=0)
+        self._drain(allocation)
+        if not ready:
+            return events
+        allocation.finished = True
+        error = _run_error(allocation.fit)
+        self._drain(allocation)
+        for rank, body in ray.get(allocation.collector.results.remote()).items():
+            allocation.folder.put_result(rank, body)
+        status = None
+        if error is not None:
+            status = NodeStatus(node=0, host=self.address, exit_code=1, error=error)
+            allocation.folder.put_status(0, status)
+        return [*events, NodeExited(0, 0 if error is None else 1, status)]
+
+    def _drain(self, allocation: RayAllocation) -> None:
+        """Append the lines the workers sent since the last drain to ``logs/rank-<r>.log``."""
+        import ray
+
+        if allocation.collector is None or not ray.is_initialized():
+            return
+        by_rank: dict[int, list[str]] = {}
+        for rank, _node, text in ray.get(allocation.collector.drain.remote()):
+            by_rank.setdefault(rank, []).append(text)
+        for rank, lines in by_rank.items():
+            _append_log(allocation, rank, ("\n".join(lines) + "\n").encode())
+
+    def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
+        """Cancel the run gracefully if it still runs; safe to call again."""
+        import ray
+
+        assert isinstance(allocation, RayAllocation)
+        with allocation.lock:
+            if allocation.fit is None or allocation.stopped or not ray.is_initialized():
+                return
+            allocation.stopped = True
+        if not ray.wait([allocation.fit], timeout=0)[0]:
+            self._cancel(allocation.fit, grace)
         try:
-            error = self._wait(job, fit, collector, logs)
-            finished = True
-            self._drain(job, collector, logs)
-            for rank, envelope in ray.get(collector.results.remote()).items():
-                job.store.put(job.run_id, rank_key("results", rank), envelope)
-            if error is not None:
-                job.store.put(job.run_id, "nodes/node-0.json", json.dumps(
-                    {"node": 0, "host": self.address, "exit_code": 1, "failures": {}, "error": error}).encode())
-            return job.collect(plan, {0: 1 if error is not None else 0})
-        finally:
-            connected = ray.is_initialized()
-            if not finished and connected:  # cancelled, timed out or interrupted: stop the run
-                self._cancel(fit)
-            try:
-                self._drain(job, collector, logs)
-            except Exception:  # noqa: BLE001 - the collector may be gone with a failed run
-                pass
-            for rank, lines in logs.items():
-                job.store.put(job.run_id, rank_key("logs", rank), ("\n".join(lines) + "\n").encode())
-            if connected:
-                ray.kill(collector)
+            self._drain(allocation)
+        except Exception:  # noqa: BLE001 - the collector may be gone with a failed run
+            logger.debug("could not read the last lines of job %s", allocation.run_id, exc_info=True)
 
     @staticmethod
-    def _cancel(fit: Any) -> None:
+    def _cancel(fit: Any, grace: float) -> None:
         """Abort the run gracefully, so Ray Train releases its workers and placement group.
 
         A plain cancel interrupts ``fit()`` the way Ctrl-C does, and Ray Train answers by
         aborting its controller and worker group. Killing the task outright would leave the
         run's placement group reserved until this driver disconnects (clusters with a
-        dashboard clean it up later); that is only the fallback.
+        dashboard clean it up later); that is only the fallback, after at least
+        ``CANCEL_GRACE_S`` because Ray Train's abort takes longer than a process's SIGTERM.
         """
         import ray
 
         ray.cancel(fit, force=False)
-        ready, _ = ray.wait([fit], timeout=CANCEL_GRACE_S)
+        ready, _ = ray.wait([fit], timeout=max(grace, CANCEL_GRACE_S))
         if not ready:
             ray.cancel(fit, force=True)
 
-    def _wait(self, job: "Job", fit: Any, collector: Any, logs: dict[int, list[str]]) -> str | None:
-        """Stream lines until the run ends; its error text, or None when it succeeded."""
+    def release(self, allocation: Allocation) -> Released:
+        """Stop the run if it still runs and kill the collector. Idempotent."""
         import ray
 
-        deadline = job.started_at + job.options.timeout
-        while True:
-            ready, _ = ray.wait([fit], timeout=POLL_INTERVAL_S)
-            self._drain(job, collector, logs)
-            if ready:
-                try:
-                    ray.get(fit)
-                    return None
-                except Exception as exc:  # noqa: BLE001 - the ranks' envelopes say what failed
-                    cause = getattr(exc, "cause", None) or exc
-                    return f"{type(cause).__name__}: {cause}".strip()[:4000]
-            if job.cancel_event.is_set():
-                raise JobCancelled(f"job {job.run_id} was cancelled; the Ray Train run was stopped")
-            if time.monotonic() > deadline:
-                raise LaunchTimeout(job.run_id, job.options.timeout)
+        assert isinstance(allocation, RayAllocation)
+        with allocation.lock:
+            if allocation.released:
+                return Released()
+            allocation.released = True
+        self.stop(allocation, grace=0.0)
+        gone = []
+        if allocation.fit is not None:
+            gone.append(f"Ray Train run {allocation.run_id} (its workers and placement group)")
+        if allocation.collector is not None and ray.is_initialized():
+            ray.kill(allocation.collector)
+            gone.append(f"collector actor {collector_name(allocation.run_id)}")
+        return Released(gone=gone)
 
-    def _drain(self, job: "Job", collector: Any, logs: dict[int, list[str]]) -> None:
-        import ray
 
-        if not ray.is_initialized():  # close() ran meanwhile: never let ray auto-start a local instance
-            raise JobCancelled(f"job {job.run_id}: this process left the Ray cluster at {self.address}")
-        for rank, node, text in ray.get(collector.drain.remote()):
-            logs.setdefault(rank, []).append(text)
-            job.sink.line(rank, node, text)
+def collector_name(run_id: str) -> str:
+    """The named actor that holds a job's output lines and envelopes until the driver reads them."""
+    return f"sgpu-collector-{run_id}"
 
-    # -- the node protocol does not apply: Ray places the workers ---------------------
 
-    def acquire(self, run_id: str, plan: Plan, cancel: Any = None) -> Allocation:
-        raise NotImplementedError("RayTrainCompute runs whole jobs through execute(); Ray places the workers")
+def _run_error(fit: Any) -> str | None:
+    """The run's error text, or None when it succeeded (the ranks' envelopes say more)."""
+    import ray
 
-    def start(self, allocation: Allocation, launch: NodeLaunch) -> None:
-        raise NotImplementedError("RayTrainCompute runs whole jobs through execute()")
-
-    def poll(self, allocation: Allocation, node: Any) -> int | None:
-        raise NotImplementedError("RayTrainCompute runs whole jobs through execute()")
-
-    def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
+    try:
+        ray.get(fit)
         return None
+    except Exception as exc:  # noqa: BLE001 - reported through the node status
+        cause = getattr(exc, "cause", None) or exc
+        return f"{type(cause).__name__}: {cause}".strip()[:4000]
 
-    def release(self, allocation: Allocation) -> None:
-        return None
+
+def _append_log(allocation: RayAllocation, rank: int, data: bytes) -> None:
+    """Append to a rank's log: in place on a local folder, else the whole file again (S3 has no append)."""
+    store, run_id, key = allocation.folder.store, allocation.run_id, jobfolder.log_key(rank)
+    local = store.local_dir(run_id)
+    if local is not None:
+        path = local / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as fh:
+            fh.write(data)
+        return
+    written = allocation.logs.setdefault(rank, bytearray())
+    written += data
+    store.put(run_id, key, bytes(written))
+
+
+def _alive_node_resources() -> list[dict[str, float]]:
+    import ray
+
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+
+
+def _ask_autoscaler(scaling: dict[str, Any] | None) -> None:
+    """Ask an autoscaler for the workers' bundles (None: withdraw); a no-op on fixed clusters."""
+    try:
+        from ray.autoscaler.sdk import request_resources
+
+        if scaling is None:
+            request_resources(bundles=[])
+        else:
+            request_resources(bundles=[dict(scaling["resources_per_worker"])] * scaling["num_workers"])
+    except Exception:  # noqa: BLE001 - a client connection or an old Ray without the call: just wait
+        logger.debug("could not ask the Ray autoscaler for resources", exc_info=True)

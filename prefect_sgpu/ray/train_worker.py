@@ -2,10 +2,11 @@
 
 The same contract as a torchrun rank (``launch/rank_main.py``): torch's environment
 variables (RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, ...) so ``prefect_sgpu.runtime``
-works, the job's environment and MLflow run, the verified payload, and one signed
-envelope with the value or the exception. Ray's object store replaces the job
-folder as the channel: output lines and the envelope go to the job's collector
-actor, which the driver reads (a ``ray://`` client cannot see the workers' disks).
+works, the job's environment and MLflow run, the payload verified with the job's
+key and run id before it is unpickled, and one envelope with the value or the
+exception. Ray's object store replaces the job folder as the channel: output lines
+and the envelope go to the job's collector actor, which the driver reads (a
+``ray://`` client cannot see the workers' disks) and seals into the job folder.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ FLUSH_INTERVAL_S = 0.2
 
 
 class Collector:
-    """A resource-free actor holding a job's output lines and result envelopes until read."""
+    """A resource-free actor holding a job's output lines and envelope bodies until the driver reads them."""
 
     def __init__(self) -> None:
         self._lines: list[tuple[int, int, str]] = []
@@ -156,12 +157,12 @@ def run_rank(config: dict[str, Any]) -> None:
     from prefect_sgpu.launch.rank_main import run_payload
 
     rank, node, local = _set_rank_env(config)
-    key = config["key"]
     base = {"rank": rank, "node": node, "local_rank": local, "host": socket.gethostname()}
     with OutputToCollector(config["collector"], rank, node):
-        envelope, _ = run_payload(config["payload"], key, base)
+        envelope, _ = run_payload(config["payload"], config["key"], config["run_id"], base)
     import ray
 
-    ray.get(config["collector"].put_result.remote(rank, payload.dump_envelope(envelope, key)))
+    # the body travels through Ray's object store; the driver seals it into the job folder
+    ray.get(config["collector"].put_result.remote(rank, payload.dump_envelope(envelope)))
     if not envelope.ok:  # fail the Ray Train run, so the other workers are stopped
         raise RuntimeError(f"rank {rank} failed: {envelope.exc_type}: {envelope.exc_message}")

@@ -1,4 +1,9 @@
-"""RayCompute: ``@distributed`` functions and GPU tasks as Ray Train jobs on an existing cluster."""
+"""RayCompute: ``@distributed`` functions and GPU tasks as Ray Train jobs on an existing cluster.
+
+The cluster (a head and a worker started with ``ray start``, one CPU each) is the
+session's ``ray_address`` from ``tests/compute/conftest.py``, shared with the
+conformance suite because a process joins one Ray cluster.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +12,18 @@ from typing import Iterator
 
 import pytest
 
-from support.ray_cluster import job_leftovers, ray_cluster
+from support.ray_cluster import job_leftovers
 from prefect_sgpu import RankFailedError, distributed, runtime
+from prefect_sgpu.compute.base import Released
+from prefect_sgpu.compute.ray import RayAllocation, RayRequest, RayTrainCompute, fits, scaling_options
 from prefect_sgpu.ray import RayCompute
-from prefect_sgpu.compute.ray import scaling_options
-from prefect_sgpu.spec import make_resources
+from prefect_sgpu.spec import JobSpec
 
 pytestmark = pytest.mark.e2e
 
 
 class GradientExploded(Exception):
     """Defined in the caller's module, raised inside a Ray Train worker."""
-
-
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    """A head and a worker node started with ``ray start``, one CPU each, shared by this module."""
-    with ray_cluster(cpus_per_node=1) as address:
-        yield address
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +70,8 @@ def test_two_workers_return_values_in_rank_order_with_tagged_logs(
     assert [r.rank for r in result.ranks] == [0, 1]
     out = capfd.readouterr().out
     assert "ray: rank 0 of 2 sum=1" in out and "ray: rank 1 of 2 sum=1" in out
-    for v in result.values:
-        assert f"[rank {v['rank']} node {v['node']}] ray: rank {v['rank']} of 2 sum=1" in out
+    for v in result.values:  # tagged by the driver's log tailer, from the job folder's rank logs
+        assert f"[rank {v['rank']} node 0] ray: rank {v['rank']} of 2 sum=1" in out
     assert "rank 1 of 2" in (Path(result.logs_uri) / "rank-00001.log").read_text()
 
     from mlflow.tracking import MlflowClient
@@ -181,31 +180,70 @@ def test_gpu_task_runs_as_a_ray_train_job(compute: RayCompute, prefect_server: N
     assert on_ray() == [(0, 2, "ddp"), (1, 2, "ddp")]
 
 
+def _scaling(spec: JobSpec, cluster: dict[str, float] | None) -> dict:
+    compute = RayTrainCompute("ray://head:10001")
+    return scaling_options(spec, compute.plan(spec, "r").plan, cluster)
+
+
 def test_scaling_config_follows_the_resources() -> None:
     cpu_cluster = {"CPU": 8.0}
     gpu_cluster = {"CPU": 96.0, "GPU": 8.0, "accelerator_type:A10G": 1.0}
-    compute = RayCompute("ray://head:10001")
 
-    res = make_resources(gpus=4, gpu_type="A10", nodes=2)
-    opts = scaling_options(res, compute.plan(res), gpu_cluster)
-    assert opts == {"num_workers": 4, "use_gpu": True, "resources_per_worker": {"GPU": 1},
-                    "placement_strategy": "SPREAD", "accelerator_type": "A10G"}
-
-    opts = scaling_options(res, compute.plan(res), cpu_cluster)
+    spec = JobSpec(gpus=4, gpu_type="A10", nodes=2)
+    assert _scaling(spec, gpu_cluster) == {"num_workers": 4, "use_gpu": True, "resources_per_worker": {"GPU": 1},
+                                           "placement_strategy": "SPREAD", "accelerator_type": "A10G"}
+    opts = _scaling(spec, cpu_cluster)
     assert opts["use_gpu"] is False and opts["resources_per_worker"] == {"CPU": 1}
+    assert _scaling(spec, None)["use_gpu"] is True, "planning (not connected): the intent"
 
-    res = make_resources(gpus=2)
-    assert scaling_options(res, compute.plan(res), gpu_cluster)["use_gpu"] is False, "no gpu_type: CPU workers"
-    assert scaling_options(res, compute.plan(res), gpu_cluster)["placement_strategy"] == "PACK"
-    res = make_resources(gpus=2, nodes=1, gpu_type="H100")
-    opts = scaling_options(res, compute.plan(res), gpu_cluster)
+    spec = JobSpec(gpus=2)
+    assert _scaling(spec, gpu_cluster)["use_gpu"] is False, "no gpu_type: CPU workers"
+    assert _scaling(spec, gpu_cluster)["placement_strategy"] == "PACK"
+    spec = JobSpec(gpus=2, nodes=1, gpu_type="H100")
+    opts = _scaling(spec, gpu_cluster)
     assert opts["placement_strategy"] == "STRICT_PACK" and "accelerator_type" not in opts
 
 
-def test_the_block_builds_this_compute() -> None:
-    from prefect_sgpu.blocks import RayCompute as RayComputeBlock
+def test_fits_packs_bundles_per_node() -> None:
+    two_one_cpu_nodes = [{"CPU": 1.0}, {"CPU": 1.0}]
+    pack = {"num_workers": 2, "resources_per_worker": {"CPU": 1}, "placement_strategy": "PACK"}
+    assert fits(pack, two_one_cpu_nodes)
+    assert not fits({**pack, "placement_strategy": "STRICT_PACK"}, two_one_cpu_nodes), "one node holds one"
+    assert not fits({**pack, "resources_per_worker": {"CPU": 2}}, two_one_cpu_nodes)
+    gpu = {"num_workers": 2, "resources_per_worker": {"GPU": 1}, "placement_strategy": "SPREAD",
+           "accelerator_type": "A10G"}
+    assert fits(gpu, [{"GPU": 1.0, "accelerator_type:A10G": 1.0}] * 2)
+    assert not fits(gpu, [{"GPU": 1.0}] * 2), "the pinned accelerator is not there"
 
-    block = RayComputeBlock(address="ray://head:10001", runtime_env={"env_vars": {"A": "1"}})
-    assert block.get_compute() == RayCompute("ray://head:10001", runtime_env={"env_vars": {"A": "1"}})
+
+def test_plan_spends_nothing_and_shows_the_scaling_config() -> None:
+    compute = RayTrainCompute("ray://head:10001", runtime_env={"pip": ["x"]}, backend="gloo",
+                              resources_per_worker={"CPU": 4})
+    request = compute.plan(JobSpec(gpus=4, nodes=2, max_restarts=1), "run-1")
+    assert isinstance(request, RayRequest) and request.plan.world_size == 4
+    shown = request.describe()
+    assert shown["scaling_config"] == {"num_workers": 4, "use_gpu": False, "resources_per_worker": {"CPU": 4},
+                                       "placement_strategy": "SPREAD"}
+    assert (shown["address"], shown["backend"], shown["max_failures"]) == ("ray://head:10001", "gloo", 1)
+    assert "heartbeat_ttl_s" not in shown, "a Ray run ends with its driver's connection, not a heartbeat"
+
+
+def test_the_driver_drives_ray_through_the_contract(compute: RayCompute) -> None:
+    assert not hasattr(RayTrainCompute, "execute"), "no whole-job escape hatch"
+    job = distributed(gpus=2, compute=compute, mlflow=False)(runtime.rank).job()
+    shown = job.dry_run()
+    assert shown["nodes"][0]["command"].startswith("ray.train.torch.TorchTrainer")
+    result = job.run()
+    assert result.values == [0, 1]
+    assert isinstance(job.allocation, RayAllocation) and job.allocation.released
+    assert job.allocation.request.scaling == shown["scaling_config"], "what dry_run showed was sent"
+    assert any("Ray Train run" in gone for gone in result.released)
+    assert job.compute.release(job.allocation) == Released(), "release twice: nothing more to give back"
+    job.compute.stop(job.allocation)  # and stop after release is harmless
+
+
+def test_the_block_builds_this_compute() -> None:
+    block = RayCompute(address="ray://head:10001", runtime_env={"env_vars": {"A": "1"}})
+    assert block.get_compute() == RayTrainCompute("ray://head:10001", runtime_env={"env_vars": {"A": "1"}})
     dry = distributed(gpus=2, compute=block)(_all_reduce).dry_run("x")
     assert dry["compute"] == "ray" and dry["num_workers"] == 2 and dry["runtime_env"] == {"env_vars": {"A": "1"}}

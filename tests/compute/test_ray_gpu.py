@@ -14,6 +14,7 @@ import pytest
 
 from support.ray_cluster import job_leftovers, ray_cluster
 from prefect_sgpu import SGPUConfigError, distributed, runtime
+from prefect_sgpu.compute.ray import RayTrainCompute
 from prefect_sgpu.ray import RayCompute
 
 pytestmark = pytest.mark.e2e
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def gpu_compute() -> Iterator[RayCompute]:
+    import ray
+
+    if ray.is_initialized():  # a process joins one cluster: leave the session's CPU cluster first
+        ray.shutdown()
     with ray_cluster(cpus_per_node=1, gpus_per_node=1, resources='{"accelerator_type:A10G": 1}') as address:
         compute = RayCompute(address=address, backend="gloo")
         yield compute
@@ -65,5 +70,5 @@ def test_a_second_cluster_in_the_same_process_is_refused(gpu_compute: RayCompute
 
 def test_backend_is_checked() -> None:
     with pytest.raises(SGPUConfigError) as info:
-        RayCompute(address="auto", backend="mpi")
+        RayTrainCompute(address="auto", backend="mpi")
     assert info.value.field == "backend" and "nccl" in str(info.value)
