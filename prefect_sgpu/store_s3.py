@@ -1,8 +1,8 @@
 """The job mailbox on S3: what lets a driver behind NAT run nodes on EC2.
 
 Same key layout as :class:`~prefect_sgpu.store.LocalStore` (``<prefix>/<run_id>/<key>``).
-Every call goes through one boto3 client whose retries are botocore's own
-(``standard`` or ``adaptive`` mode), so throttling and transient 5xx errors are
+Every call goes through one boto3 client from :func:`prefect_sgpu.aws.client`, whose retries
+are botocore's own (``standard`` or ``adaptive`` mode), so throttling and transient 5xx errors are
 retried with backoff rather than failing a job. Log tailing reads only the new
 bytes of a rank log with a ranged GET.
 """
@@ -13,10 +13,11 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
+from prefect_sgpu import aws
+from prefect_sgpu.aws import error_code as _error_code
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.store import Store
 
-RETRY_MODES = ("standard", "adaptive", "legacy")
 BODY_ATTEMPTS = 3
 
 
@@ -26,34 +27,6 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     if parsed.scheme != "s3" or not parsed.netloc:
         raise SGPUConfigError("store_uri", uri, "an s3://bucket[/prefix] URI")
     return parsed.netloc, parsed.path.strip("/")
-
-
-def s3_client(
-    session: Any | None = None,
-    region: str | None = None,
-    endpoint_url: str | None = None,
-    retry_mode: str = "standard",
-    max_attempts: int = 8,
-    service: str = "s3",
-) -> Any:
-    """A boto3 client with botocore's retry mode (no hand-written retry loops)."""
-    import boto3
-    from botocore.config import Config
-
-    if retry_mode not in RETRY_MODES:
-        raise SGPUConfigError("retry_mode", retry_mode, "one of " + ", ".join(RETRY_MODES))
-    config = Config(
-        retries={"mode": retry_mode, "max_attempts": max_attempts},
-        connect_timeout=10,
-        read_timeout=60,
-    )
-    session = session or boto3.session.Session()
-    return session.client(service, region_name=region, endpoint_url=endpoint_url or None, config=config)
-
-
-def _error_code(exc: Exception) -> str:
-    response = getattr(exc, "response", None) or {}
-    return str(response.get("Error", {}).get("Code", ""))
 
 
 class S3Store(Store):
@@ -71,7 +44,7 @@ class S3Store(Store):
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.region = region
         self.endpoint_url = endpoint_url
-        self.client = client or s3_client(session, region, endpoint_url, retry_mode)
+        self.client = client or aws.client("s3", session, region, endpoint_url, retry_mode)
 
     def __repr__(self) -> str:
         return f"S3Store({self.root_uri!r})"

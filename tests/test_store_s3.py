@@ -87,3 +87,20 @@ def test_adaptive_retry_mode_and_bad_settings(aws_env: MotoAWS) -> None:
         S3Store("some-bucket/prefix")
     with pytest.raises(SGPUConfigError, match="retry_mode"):
         S3Store("s3://some-bucket", retry_mode="sometimes")
+
+
+def test_store_and_provisioner_build_clients_in_one_place(aws_env: MotoAWS) -> None:
+    """Both go through prefect_sgpu.aws.client: botocore retries and the same timeouts."""
+    from prefect_sgpu import aws
+    from prefect_sgpu.compute.ec2.instances import EC2Provisioner
+    from prefect_sgpu.compute.ec2.settings import EC2Settings
+
+    store = S3Store("s3://any-bucket/jobs", session=aws_env.session(), endpoint_url=aws_env.endpoint_url)
+    ec2 = EC2Provisioner(EC2Settings(endpoint_url=aws_env.endpoint_url, max_attempts=3),
+                         session=aws_env.session()).client("ec2")
+    for client, attempts in ((store.client, aws.DEFAULT_MAX_ATTEMPTS), (ec2, 3)):
+        config = client.meta.config
+        assert config.retries["mode"] == "standard"
+        assert config.retries["total_max_attempts"] == attempts + 1  # botocore counts the first call too
+        assert (config.connect_timeout, config.read_timeout) == (aws.CONNECT_TIMEOUT_S, aws.READ_TIMEOUT_S)
+        assert aws.USER_AGENT in (config.user_agent_extra or "")

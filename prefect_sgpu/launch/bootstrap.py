@@ -2,33 +2,38 @@
 
 The instance's user-data is a few lines of shell that start this program; it holds
 no credentials (the instance profile grants S3, SSM and ``ec2:TerminateInstances``
-on itself) and no payload key. The program:
+on itself) and no key. The program:
 
 1. learns who it is from IMDSv2 (instance id, AMI launch index = node index, private IP;
    ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` points it elsewhere, as botocore honours it);
-2. announces itself (``nodes/node-<i>.alive``, refreshed while it lives) and waits for
-   its launch document (``nodes/node-<i>.launch.json``), written by the driver once
-   every node is up: the node agent's argv and environment;
-3. reads the payload signing key from the SSM SecureString parameter the document
-   names (the key is never at rest in S3 in plain text), downloads the payload into a
-   local job folder and runs the unchanged node agent against that folder;
-4. in a loop, uploads rank logs (each grown log is re-uploaded whole: S3 objects cannot
-   be appended to), result envelopes and finally the node's status, and copies the
-   driver's heartbeat down;
-5. obeys a ``stop`` marker from the driver, and when the driver's heartbeat has not
-   changed for ``--heartbeat-ttl`` seconds (the driver died) stops the agent and
-   terminates its own instance, so a dead driver cannot leak paid VMs.
+2. reads the job key from the SSM SecureString whose name it derives from its own
+   ``--run-id`` (:func:`prefect_sgpu.jobfolder.ssm_key_parameter`; never from a
+   document), waiting for it at most ``--heartbeat-ttl`` seconds;
+3. announces itself (a sealed ``nodes/node-<i>.alive``, refreshed while it lives) and
+   waits for its launch document, written by the driver once every node is up. Only a
+   document sealed with the job key *and bound to this node index and this instance
+   id* is run; anything else (unsigned, another job's, node 1's copied to node 0's key,
+   bound to no instance) is refused with a log line and waited past: whoever can write
+   the store can delay a node, never run code on it;
+4. copies the payload into a local job folder (the ranks verify it) and runs the
+   node agent against that folder, with the job key in its environment;
+5. in a loop, uploads rank logs (each grown log is re-uploaded whole: S3 objects cannot
+   be appended to) and sealed result envelopes, copies the driver's sealed heartbeat
+   down verbatim (the agent verifies it too), and finally re-seals the agent's status
+   bound to this instance;
+6. obeys a sealed ``stop`` from the driver, and when no *new* heartbeat (a higher
+   sequence number under a valid seal) has arrived for ``--heartbeat-ttl`` seconds
+   (the driver died) stops the agent and terminates its own instance, so a dead driver
+   cannot leak paid VMs.
 
-Staleness is measured on this node's monotonic clock (how long the heartbeat *value*
-has not changed), so clock skew between the driver and the node does not matter.
+Staleness is measured on this node's monotonic clock, so clock skew between the driver
+and the node does not matter, and a forged or replayed heartbeat keeps nothing alive.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -38,52 +43,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefect_sgpu import aws
+from prefect_sgpu.errors import DocumentRefused
+from prefect_sgpu.jobfolder import (
+    HEARTBEAT,
+    LOGS,
+    PAYLOAD,
+    RESULTS,
+    Alive,
+    JobFolder,
+    LaunchDocument,
+    NodeStatus,
+    agent_output_key,
+    ssm_key_parameter,
+    unseal,
+)
 from prefect_sgpu.launch.processes import kill_and_reap
 
 DEFAULT_IMDS = "http://169.254.169.254/"
 IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
 NODE_DIR_ENV = "PREFECT_SGPU_NODE_DIR"
-STOP_KEY = "stop"
-
-
-def alive_key(index: int) -> str:
-    return f"nodes/node-{index}.alive"
-
-
-def launch_key(index: int) -> str:
-    return f"nodes/node-{index}.launch.json"
-
-
-def status_key(index: int) -> str:
-    return f"nodes/node-{index}.json"
-
-
-def render_user_data(
-    store_uri: str,
-    run_id: str,
-    region: str,
-    heartbeat_ttl: float,
-    endpoint_url: str | None = None,
-    python: str = "python3",
-    setup: str = "",
-) -> str:
-    """The instance's user-data: a short shell script, with no credential in it.
-
-    ``setup`` (shell lines, e.g. installing prefect-sgpu into the AMI's Python) runs first.
-    """
-    argv = [python, "-m", "prefect_sgpu.launch.bootstrap", f"--store={store_uri}", f"--run-id={run_id}",
-            f"--region={region}", f"--heartbeat-ttl={heartbeat_ttl:g}"]
-    if endpoint_url:
-        argv.append(f"--endpoint-url={endpoint_url}")
-    lines = [
-        "#!/bin/bash",
-        "# prefect-sgpu node: S3 access comes from the instance profile; nothing secret here",
-        "set -euo pipefail",
-        "export PYTHONUNBUFFERED=1",
-        *([setup.strip()] if setup.strip() else []),
-        "exec " + shlex.join(argv),
-    ]
-    return "\n".join(lines) + "\n"
+KEY_ENV = "SGPU_PAYLOAD_KEY"
 
 
 # --- identity from IMDSv2 ----------------------------------------------------------
@@ -142,7 +122,7 @@ def _log(message: str) -> None:
 
 
 class NodeBootstrap:
-    """One node's life: announce, wait for the launch document, run the agent, sync, clean up."""
+    """One node's life: read the key, announce, wait for a verified launch, run the agent, sync, clean up."""
 
     def __init__(
         self,
@@ -155,6 +135,7 @@ class NodeBootstrap:
         endpoint_url: str | None = None,
         interval: float = 1.0,
         grace: float = 10.0,
+        key: str | None = None,
     ) -> None:
         self.store = store
         self.run_id = run_id
@@ -167,32 +148,72 @@ class NodeBootstrap:
         self.interval = interval
         self.grace = grace
         self.phase = "waiting"
+        self.key: str | None = None
+        self.folder: JobFolder | None = None
+        self.local: JobFolder | None = None
+        self._clients: dict[str, Any] = {}
         self._uploaded: dict[str, tuple[int, int]] = {}
-        self._beat_value: bytes | None = None
+        self._beat_seq = -1
         self._beat_seen = time.monotonic()
         self._alive_seq = 0
         self._alive_at = 0.0
-        self._key_parameter: str | None = None
         self._agent: subprocess.Popen[bytes] | None = None
         self._error_logged = 0.0
+        self._refusals: set[str] = set()
+        if key is not None:
+            self.use_key(key)
+
+    # -- the key and the folders ------------------------------------------------------
+
+    def _client(self, service: str) -> Any:
+        if service not in self._clients:
+            self._clients[service] = aws.client(service, region=self.region, endpoint_url=self.endpoint_url)
+        return self._clients[service]
+
+    def use_key(self, key: str) -> None:
+        """From now on every document is read and written sealed with ``key``."""
+        self.key = key
+        self.folder = JobFolder(self.store, self.run_id, key)
+        self.local = JobFolder.local(self.job_dir, key)
+
+    def read_key(self) -> str | None:
+        """The job key from SSM, under the name this node derives from its own run id.
+
+        The driver writes it before launching, so it is normally there at once; a read
+        that keeps failing for a whole heartbeat TTL means the driver is gone (None).
+        """
+        name = ssm_key_parameter(self.run_id)
+        deadline = time.monotonic() + (self.heartbeat_ttl if self.heartbeat_ttl > 0 else 900.0)
+        while True:
+            try:
+                response = self._client("ssm").get_parameter(Name=name, WithDecryption=True)
+                return str(response["Parameter"]["Value"])
+            except Exception as exc:  # noqa: BLE001 - not there yet, or SSM unreachable for a while
+                if time.monotonic() > deadline:
+                    _log(f"no job key in SSM parameter {name} after {self.heartbeat_ttl:g}s: "
+                         f"{aws.error_code(exc) or type(exc).__name__}")
+                    return None
+                self._store_error(f"reading the job key from SSM parameter {name}", exc)
+            time.sleep(self.interval)
+
+    def _refused(self, exc: Exception) -> None:
+        """A document that is not the driver's: say so once, act as if it were absent."""
+        text = str(exc)
+        if text not in self._refusals:
+            self._refusals.add(text)
+            _log(f"ignoring a document that is not this job's driver's, still waiting: {text}")
 
     # -- store helpers ----------------------------------------------------------
 
-    def _client(self, service: str) -> Any:
-        from prefect_sgpu.store_s3 import s3_client
-
-        return s3_client(region=self.region, endpoint_url=self.endpoint_url, service=service)
-
     def publish_alive(self, force: bool = False) -> None:
+        assert self.folder is not None
         now = time.monotonic()
         if not force and now - self._alive_at < max(self.interval * 2, 1.0):
             return
         self._alive_at = now
         self._alive_seq += 1
-        doc = {"instance_id": self.identity.instance_id, "private_ip": self.identity.private_ip,
-               "node": self.index, "phase": self.phase, "seq": self._alive_seq, "time": time.time(),
-               "host": socket.gethostname()}
-        self.store.put(self.run_id, alive_key(self.index), json.dumps(doc).encode())
+        doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname())
+        self.folder.put_alive(self.index, doc, instance_id=self.identity.instance_id)
 
     def _store_error(self, what: str, exc: Exception) -> None:
         """Store calls in the loop may fail for a while (botocore already retried): try again next
@@ -203,47 +224,55 @@ class NodeBootstrap:
             _log(f"{what} failed, retrying: {type(exc).__name__}: {exc}")
 
     def heartbeat_stale(self) -> bool:
-        """Has the driver's heartbeat not changed for ``heartbeat_ttl`` seconds (node clock)?"""
+        """Has no new sealed driver heartbeat arrived for ``heartbeat_ttl`` seconds (node clock)?
+
+        A new one (higher sequence number, valid seal) is copied down verbatim, so the
+        agent's own watch verifies the very same document.
+        """
+        from prefect_sgpu.jobfolder import Heartbeat
+        from prefect_sgpu.store import atomic_write
+
+        assert self.key is not None
+        blob = None
         try:
-            value = self.store.get(self.run_id, "heartbeat")
+            blob = self.store.get(self.run_id, HEARTBEAT)
         except Exception as exc:  # noqa: BLE001 - no news is not a change
             self._store_error("reading the driver's heartbeat", exc)
-            value = self._beat_value
         now = time.monotonic()
-        if value != self._beat_value:
-            self._beat_value = value
-            self._beat_seen = now
-            if value is not None:  # the agent's own watch reads this file, in this node's clock
-                from prefect_sgpu.store import atomic_write
-
-                atomic_write(self.job_dir / "heartbeat", f"{time.time():.3f}".encode())
+        if blob is not None:
+            try:
+                beat = Heartbeat.model_validate_json(unseal(blob, self.key, "heartbeat", self.run_id, what=HEARTBEAT))
+            except (DocumentRefused, ValueError) as exc:
+                self._refused(exc)
+                beat = None
+            if beat is not None and beat.seq > self._beat_seq:
+                self._beat_seq, self._beat_seen = beat.seq, now
+                atomic_write(self.job_dir / HEARTBEAT, blob)
         return self.heartbeat_ttl > 0 and now - self._beat_seen > self.heartbeat_ttl
 
     def stop_requested(self) -> bool:
+        assert self.folder is not None
         try:
-            return self.store.get(self.run_id, STOP_KEY) is not None
+            return self.folder.stop() is not None
         except Exception as exc:  # noqa: BLE001
-            self._store_error("reading the stop marker", exc)
+            self._store_error("reading the stop document", exc)
             return False
 
     # -- phases -----------------------------------------------------------------
 
-    def wait_for_launch(self) -> dict[str, Any] | None:
-        """The launch document, or None when the driver stopped the job or went away."""
+    def wait_for_launch(self) -> LaunchDocument | None:
+        """This node's verified launch document, or None when the driver stopped the job or went away."""
+        assert self.folder is not None
         while True:
-            raw = None
+            doc = None
             try:
                 self.publish_alive()
-                raw = self.store.get(self.run_id, launch_key(self.index))
+                doc = self.folder.launch(self.index, instance_id=self.identity.instance_id)
+            except DocumentRefused as exc:
+                self._refused(exc)
             except Exception as exc:  # noqa: BLE001
                 self._store_error("reading the launch document", exc)
-            if raw:
-                doc: dict[str, Any] = json.loads(raw)
-                if doc.get("instance_id") not in (None, self.identity.instance_id):
-                    raise RuntimeError(
-                        f"launch document for node {self.index} names instance {doc['instance_id']}, "
-                        f"this is {self.identity.instance_id}"
-                    )
+            if doc is not None:
                 return doc
             if self.stop_requested():
                 return None
@@ -251,36 +280,26 @@ class NodeBootstrap:
                 return None
             time.sleep(self.interval)
 
-    def payload_key(self, doc: dict[str, Any]) -> str | None:
-        name = doc.get("payload_key_parameter")
-        if not name:
-            return None
-        self._key_parameter = name
-        response = self._client("ssm").get_parameter(Name=name, WithDecryption=True)
-        return str(response["Parameter"]["Value"])
-
-    def prepare(self, doc: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
-        """Local job folder with the payload; the agent's argv and env pointed at it."""
-        self.job_dir.mkdir(parents=True, exist_ok=True)
-        blob = self.store.get(self.run_id, "payload.bin")
-        if blob is None:
-            raise RuntimeError(f"payload.bin of job {self.run_id} is not in the store")
+    def prepare(self, doc: LaunchDocument) -> tuple[list[str], dict[str, str]]:
+        """Local job folder with the payload; the agent's argv and env pointed at it, the key added."""
         from prefect_sgpu.store import atomic_write
 
-        atomic_write(self.job_dir / "payload.bin", blob)
+        assert self.key is not None
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        blob = self.store.get(self.run_id, PAYLOAD)
+        if blob is None:
+            raise RuntimeError(f"{PAYLOAD} of job {self.run_id} is not in the store")
+        atomic_write(self.job_dir / PAYLOAD, blob)  # sealed: the ranks verify it
         self.heartbeat_stale()
-        argv = [f"--job-dir={self.job_dir}" if a.startswith("--job-dir=") else a for a in doc["argv"]]
+        argv = [f"--job-dir={self.job_dir}" if a.startswith("--job-dir=") else a for a in doc.argv]
         if len(argv) > 2 and argv[1] == "-m":  # the driver's interpreter path means nothing here
             argv[0] = sys.executable
-        env = {**os.environ, **{str(k): str(v) for k, v in doc.get("env", {}).items()},
-               "SGPU_JOB_DIR": str(self.job_dir), "SGPU_RUN_ID": self.run_id}
-        key = self.payload_key(doc)
-        if key is not None:
-            env["SGPU_PAYLOAD_KEY"] = key
+        env = {**os.environ, **{k: v for k, v in doc.env.items() if k != KEY_ENV},
+               "SGPU_JOB_DIR": str(self.job_dir), "SGPU_RUN_ID": self.run_id, KEY_ENV: self.key}
         return argv, env
 
     def start_agent(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        out = self.job_dir / "agent" / f"node-{self.index}.out"
+        out = self.job_dir / agent_output_key(self.index)
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "ab") as fh:
             return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fh,
@@ -300,26 +319,24 @@ class NodeBootstrap:
         self._uploaded[key] = mark
 
     def sync_up(self) -> None:
-        """Logs first, then envelopes: a reader that sees an envelope also sees its log."""
-        for kind, pattern in (("logs", "rank-*.log"), ("results", "rank-*.bin")):
+        """Logs first, then envelopes (sealed by their ranks): a reader that sees an envelope sees its log."""
+        for kind, pattern in ((LOGS, "rank-*.log"), (RESULTS, "rank-*.bin")):
             folder = self.job_dir / kind
             if folder.is_dir():
                 for path in sorted(folder.glob(pattern)):
                     self._upload_if_changed(path, f"{kind}/{path.name}")
-        self._upload_if_changed(self.job_dir / "agent" / f"node-{self.index}.out",
-                                f"agent/node-{self.index}.out")
+        self._upload_if_changed(self.job_dir / agent_output_key(self.index), agent_output_key(self.index))
 
     def finish(self, code: int | None, reason: str | None = None) -> None:
-        """Final sync, then the node's status (last: the driver reads results once it sees it)."""
+        """Final sync, then the node's status, re-sealed bound to this instance (last: the driver
+        reads results once it sees it)."""
+        assert self.folder is not None and self.local is not None
         self.sync_up()
-        path = self.job_dir / status_key(self.index)
-        if path.is_file():
-            status = json.loads(path.read_text())
-        else:
-            status = {"node": self.index, "host": socket.gethostname(), "exit_code": code or 1,
-                      "failures": {}, "error": reason or f"node agent exited with code {code} and no status"}
-        status.setdefault("instance_id", self.identity.instance_id)
-        self.store.put(self.run_id, status_key(self.index), json.dumps(status).encode())
+        status = self.local.status(self.index) if (self.job_dir / "nodes").is_dir() else None
+        if status is None:
+            status = NodeStatus(node=self.index, host=socket.gethostname(), exit_code=code or 1,
+                                error=reason or f"node agent exited with code {code} and no status")
+        self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
 
     def sync_quietly(self) -> None:
         """One tick's uploads (logs, envelopes, alive); a failure waits for the next tick."""
@@ -360,16 +377,17 @@ class NodeBootstrap:
             pass
 
     def terminate_self(self, reason: str) -> int:
-        """The driver is gone: delete the job's key parameter and terminate this instance."""
+        """The driver is gone: node 0 deletes the job's key parameter; every node terminates its instance."""
         _log(f"{reason}: terminating instance {self.identity.instance_id}")
         self.phase = "terminating"
-        try:
-            self.publish_alive(force=True)
-        except Exception:  # noqa: BLE001 - termination matters more than the notice
-            pass
-        if self._key_parameter and self.index == 0:
+        if self.folder is not None:
             try:
-                self._client("ssm").delete_parameter(Name=self._key_parameter)
+                self.publish_alive(force=True)
+            except Exception:  # noqa: BLE001 - termination matters more than the notice
+                pass
+        if self.key is not None and self.index == 0:
+            try:
+                self._client("ssm").delete_parameter(Name=ssm_key_parameter(self.run_id))
             except Exception:  # noqa: BLE001 - the parameter may already be gone
                 pass
         self._client("ec2").terminate_instances(InstanceIds=[self.identity.instance_id])
@@ -382,13 +400,13 @@ class NodeBootstrap:
         _log(f"bootstrap failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         if self._agent is not None:
             self.stop_agent(self._agent)
-        try:
-            status = {"node": self.index, "host": socket.gethostname(), "exit_code": 2, "failures": {},
-                      "error": f"node bootstrap failed: {type(exc).__name__}: {exc}",
-                      "instance_id": self.identity.instance_id}
-            self.store.put(self.run_id, status_key(self.index), json.dumps(status).encode())
-        except Exception:  # noqa: BLE001 - the store may be what failed
-            pass
+        if self.folder is not None:  # without the key nothing this node writes would be believed
+            try:
+                status = NodeStatus(node=self.index, host=socket.gethostname(), exit_code=2,
+                                    error=f"node bootstrap failed: {type(exc).__name__}: {exc}")
+                self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
+            except Exception:  # noqa: BLE001 - the store may be what failed
+                pass
         try:
             return self.terminate_self("node bootstrap failed") or 2
         except Exception:  # noqa: BLE001 - the driver's release terminates the instance
@@ -399,13 +417,19 @@ class NodeBootstrap:
     def run(self) -> int:
         me = self.identity
         _log(f"node {self.index} ({me.instance_id}, {me.private_ip}) of job {self.run_id}")
+        if self.key is None:
+            key = self.read_key()
+            if key is None:
+                return self.terminate_self("the job key never appeared")
+            self.use_key(key)
+        self.job_dir.mkdir(parents=True, exist_ok=True)
         self.publish_alive(force=True)
         doc = self.wait_for_launch()
         if doc is None:
             if self.stop_requested():
                 _log("the driver stopped the job before this node was started")
                 return self.watch_until_gone()
-            return self.terminate_self(f"driver heartbeat unchanged for {self.heartbeat_ttl:g}s")
+            return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
         argv, env = self.prepare(doc)
         self.phase = "running"
         proc = self._agent = self.start_agent(argv, env)
@@ -416,7 +440,7 @@ class NodeBootstrap:
             if code is not None:
                 _log(f"node agent exited with code {code}")
                 if not self.finish_reliably(code):
-                    return self.terminate_self(f"driver heartbeat unchanged for {self.heartbeat_ttl:g}s")
+                    return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
                 self.phase = "finished"
                 return self.watch_until_gone()
             self.sync_quietly()
@@ -424,7 +448,7 @@ class NodeBootstrap:
                 _log("stop requested by the driver")
                 self.stop_agent(proc)
                 if not self.finish_reliably(proc.poll(), "stopped by the driver"):
-                    return self.terminate_self(f"driver heartbeat unchanged for {self.heartbeat_ttl:g}s")
+                    return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
                 self.phase = "stopped"
                 return self.watch_until_gone()
             if self.heartbeat_stale():
@@ -433,7 +457,7 @@ class NodeBootstrap:
                     self.finish(proc.poll(), "driver heartbeat went stale")
                 except Exception as exc:  # noqa: BLE001
                     self._store_error("uploading the node's outcome", exc)
-                return self.terminate_self(f"driver heartbeat unchanged for {self.heartbeat_ttl:g}s")
+                return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
             time.sleep(self.interval)
 
     def watch_until_gone(self) -> int:
@@ -444,7 +468,7 @@ class NodeBootstrap:
             except Exception as exc:  # noqa: BLE001
                 self._store_error("announcing this node", exc)
             if self.heartbeat_stale():
-                return self.terminate_self(f"driver heartbeat unchanged for {self.heartbeat_ttl:g}s")
+                return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
             time.sleep(self.interval)
 
 

@@ -2,10 +2,46 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Iterator
+
 import pytest
 
 from support.conformance import LocalCase
 
+if TYPE_CHECKING:
+    from support.conformance_ec2 import EC2Case
+    from support.conformance_ray import RayCase
+
 @pytest.fixture
 def local_case() -> LocalCase:
     return LocalCase()
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> "Iterator[str]":
+    """One two-node loopback Ray cluster (one CPU a node: two workers) for every Ray test of the session.
+
+    A process joins one Ray cluster, so the Ray tests share it; this process leaves it at the end.
+    """
+    from prefect_sgpu.compute.ray import RayTrainCompute
+    from support.ray_cluster import ray_cluster
+
+    with ray_cluster(cpus_per_node=1) as address:
+        yield address
+        RayTrainCompute(address=address).close()
+
+
+@pytest.fixture
+def ray_case(ray_address: str) -> "RayCase":
+    from support.conformance_ray import RayCase
+
+    return RayCase(ray_address)
+
+
+@pytest.fixture
+def ec2_case(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Case]":
+    """EC2 on moto (through the recording proxy), each instance booted by the simulator."""
+    from support.conformance_ec2 import EC2Case, ec2_environment
+
+    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
+        yield EC2Case(env)

@@ -22,85 +22,27 @@ from typing import Any, Iterator
 
 import pytest
 
-from support.aws_fixtures import FAKE_CREDENTIALS, MotoAWS, Network, free_port, live_instances
-from support.ec2_simulator import REPO_ROOT, EC2Simulator
+from support.aws_fixtures import FAKE_CREDENTIALS, MotoAWS, Network
+from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env, ec2_environment
+from support.ec2_simulator import REPO_ROOT
 from prefect_sgpu import LaunchTimeout, RankFailedError, distributed, runtime
-from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute, payload_key_parameter
-from prefect_sgpu.compute.ec2.instances import RUN_ID_TAG
+from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
+from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
+from prefect_sgpu.errors import DocumentRefused, SGPUConfigError
+from prefect_sgpu.jobfolder import Alive, JobFolder, LaunchDocument, launch_key, new_key, ssm_key_parameter
 from prefect_sgpu.store_s3 import S3Store
 
 pytestmark = pytest.mark.e2e
-
-HEARTBEAT_TTL_S = 10.0
 
 
 class TrainingDiverged(Exception):
     """Raised inside a rank; the caller gets this very type back."""
 
 
-@dataclass
-class EC2Env:
-    aws: MotoAWS
-    settings: dict[str, Any]
-    simulator: EC2Simulator
-    bucket: str
-
-    def compute(self, **overrides: Any) -> EC2InstanceCompute:
-        return EC2InstanceCompute.from_settings({**self.settings, **overrides}, session=self.aws.session())
-
-    def instances(self, run_id: str) -> list[dict[str, Any]]:
-        ec2 = self.aws.client("ec2")
-        found = []
-        for page in ec2.get_paginator("describe_instances").paginate(
-            Filters=[{"Name": f"tag:{RUN_ID_TAG}", "Values": [run_id]}]
-        ):
-            for reservation in page["Reservations"]:
-                found += reservation["Instances"]
-        return found
-
-    def objects(self, run_id: str) -> dict[str, bytes]:
-        """Every object the job left in the store, by full key."""
-        store = S3Store(f"s3://{self.bucket}/jobs", session=self.aws.session(),
-                        endpoint_url=self.aws.endpoint_url)
-        out = {}
-        for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                            Prefix=f"jobs/{run_id}/"):
-            for obj in page.get("Contents", []):
-                out[obj["Key"]] = store.get(run_id, obj["Key"][len(f"jobs/{run_id}/"):]) or b""
-        return out
-
-
 @pytest.fixture
-def ec2(aws_env: MotoAWS, aws_network: Network, tmp_path: Path) -> Iterator[EC2Env]:
-    bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
-    aws_env.client("s3").create_bucket(Bucket=bucket)
-    settings = {
-        "region": aws_env.region,
-        "subnet_ids": aws_network.subnet_ids,
-        "instance_profile": aws_env.instance_profile(),
-        "ami_id": aws_env.image_id(),
-        "store_uri": f"s3://{bucket}/jobs",
-        "endpoint_url": aws_env.endpoint_url,
-        "heartbeat_ttl_s": HEARTBEAT_TTL_S,
-        "agent_timeout_s": 90.0,
-        "rendezvous_port": free_port(),
-        "running_timeout_s": 60.0,
-        "waiter_delay_s": 0.5,
-    }
-    # what an instance profile would give the nodes; the user-data itself carries no key
-    node_env = {k: v for k, v in aws_env.env.items() if k != "AWS_ENDPOINT_URL"}
-    node_env.pop("AWS_SECURITY_TOKEN", None)
-    node_env.pop("AWS_SESSION_TOKEN", None)
-    simulator = EC2Simulator(aws_env.client("ec2"), node_env, tmp_path / "nodes").start()
-    env = EC2Env(aws_env, settings, simulator, bucket)
-    try:
+def ec2(aws_env: MotoAWS, aws_network: Network, aws_faults: Any, tmp_path: Path) -> Iterator[EC2Env]:
+    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
         yield env
-        leaked = [i["InstanceId"] for i in live_instances(aws_env.client("ec2"))]
-        assert not leaked, f"instances left running: {leaked}"
-        assert simulator.wait_powered_off(list(simulator.nodes), timeout=20), simulator.describe()
-        assert not simulator.errors, simulator.errors
-    finally:
-        simulator.close()
 
 
 def _all_reduce(tag: str) -> dict[str, Any]:
@@ -136,15 +78,13 @@ def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.Cap
     assert all(i["State"]["Name"] == "terminated" for i in instances), "release terminated every instance"
     assert result.cost and result.cost["instance_hours"] > 0 and result.cost["usd"] > 0
 
-    # the rendezvous ran on node 0's own address (as its IMDS reported it)
+    # the rendezvous ran on node 0's address as EC2 reports it (DescribeInstances)
     node0 = next(i for i in instances if i["AmiLaunchIndex"] == 0)
     moto_ip, address = ec2.simulator.address_of(node0["InstanceId"])
-    assert moto_ip == node0["PrivateIpAddress"]
+    assert moto_ip == address == node0["PrivateIpAddress"] == job.allocation.nodes[0].address
     objects = ec2.objects(result.run_id)
-    launch0 = json.loads(objects[f"jobs/{result.run_id}/nodes/node-0.launch.json"])
-    assert f"--rdzv-endpoint={address}:{ec2.settings['rendezvous_port']}" in launch0["argv"]
 
-    # no secret in the user-data, and the payload key never at rest in S3
+    # no secret in the user-data, and the job key never at rest in S3
     key = job.prepare()[2]
     secrets = [key, *{v for v in FAKE_CREDENTIALS.values()}]
     for iid, node in ec2.simulator.nodes.items():
@@ -152,12 +92,12 @@ def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.Cap
         assert not any(s in node.user_data for s in secrets), f"secret in the user-data of {iid}"
         assert "AWS_" not in node.user_data and "SGPU_PAYLOAD_KEY" not in node.user_data
     for name, blob in objects.items():
-        assert key.encode() not in blob, f"payload key in {name}"
-    assert "SGPU_PAYLOAD_KEY" not in launch0["env"]
-    assert launch0["payload_key_parameter"] == payload_key_parameter(result.run_id)
+        assert key.encode() not in blob, f"job key in {name}"
     ssm = ec2.aws.client("ssm")
     with pytest.raises(ssm.exceptions.ParameterNotFound):
-        ssm.get_parameter(Name=payload_key_parameter(result.run_id))
+        ssm.get_parameter(Name=ssm_key_parameter(result.run_id))
+    assert f"SSM parameter {ssm_key_parameter(result.run_id)}" in result.released
+    assert {i["InstanceId"] for i in instances} <= set(result.released)
     # rank logs stay in the store; payload and results are cleaned up
     assert b"rank 1 of 2" in objects[f"jobs/{result.run_id}/logs/rank-00001.log"]
     assert not any("/results/" in k or k.endswith("payload.bin") for k in objects)
@@ -171,7 +111,8 @@ def test_dry_run_spends_nothing(ec2: EC2Env) -> None:
     assert request["InstanceType"] == "g5.xlarge" and request["MinCount"] == request["MaxCount"] == 2
     assert "prefect_sgpu.launch.bootstrap" in request["UserData"]
     assert [n["index"] for n in plan["nodes"]] == [0, 1]
-    assert all(n["env"]["SGPU_PAYLOAD_KEY"] == "***" for n in plan["nodes"])
+    assert all("SGPU_PAYLOAD_KEY" not in n["env"] for n in plan["nodes"]), "the key travels through SSM only"
+    assert plan["payload_key"].startswith(f"SSM SecureString {ssm_key_parameter(plan['run_id'])} ")
     assert plan["estimated_usd_per_hour"] == pytest.approx(2 * 1.006)
     assert len(ec2.aws.client("ec2").describe_instances()["Reservations"]) == before
 
@@ -298,7 +239,7 @@ def test_killed_driver_nodes_terminate_themselves(ec2: EC2Env, tmp_path: Path) -
         assert ec2.simulator.wait_powered_off(ids, timeout=20)
         ssm = ec2.aws.client("ssm")
         with pytest.raises(ssm.exceptions.ParameterNotFound):  # node 0 deleted the key on its way out
-            ssm.get_parameter(Name=payload_key_parameter(run_id))
+            ssm.get_parameter(Name=ssm_key_parameter(run_id))
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
@@ -355,7 +296,8 @@ def test_bootstrap_reads_its_identity_from_imdsv2(monkeypatch: pytest.MonkeyPatc
     import urllib.request
 
     from support.ec2_simulator import FakeIMDS
-    from prefect_sgpu.launch.bootstrap import IMDS_ENV, fetch_identity, render_user_data
+    from prefect_sgpu.compute.ec2.request import render_user_data
+    from prefect_sgpu.launch.bootstrap import IMDS_ENV, fetch_identity
 
     imds = FakeIMDS({"instance-id": "i-0123456789abcdef0", "ami-launch-index": "3", "local-ipv4": "10.1.2.3"})
     try:
@@ -400,25 +342,27 @@ def _moto_instance(aws: MotoAWS, run_id: str) -> str:
 
 
 def test_crashed_bootstrap_reports_and_powers_off(aws_env: MotoAWS, tmp_path: Path) -> None:
-    from prefect_sgpu.launch.bootstrap import NodeBootstrap, NodeIdentity, status_key
+    from prefect_sgpu.launch.bootstrap import NodeBootstrap, NodeIdentity
 
     bucket = f"sgpu-crash-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
     store = S3Store(f"s3://{bucket}/jobs", endpoint_url=aws_env.endpoint_url)
     iid = _moto_instance(aws_env, "crash-run")
+    key = new_key()
     node = NodeBootstrap(store, "crash-run", NodeIdentity(iid, 0, "10.0.0.5"), tmp_path, heartbeat_ttl=60,
-                         region=aws_env.region, endpoint_url=aws_env.endpoint_url)
+                         region=aws_env.region, endpoint_url=aws_env.endpoint_url, key=key)
     node.crashed(RuntimeError("disk full"))
-    status = json.loads(store.get("crash-run", status_key(0)) or b"{}")
-    assert status["exit_code"] == 2 and "disk full" in status["error"] and status["instance_id"] == iid
+    status = JobFolder(store, "crash-run", key).status(0, instance_id=iid)
+    assert status is not None and status.exit_code == 2 and "disk full" in (status.error or "")
     found = aws_env.client("ec2").describe_instances(InstanceIds=[iid])["Reservations"][0]["Instances"]
     assert found[0]["State"]["Name"] in ("shutting-down", "terminated")
 
 
 def test_node_that_stops_reporting_fails_the_job(aws_env: MotoAWS, aws_network: Network) -> None:
-    from prefect_sgpu.compute import Allocation, Node
-    from prefect_sgpu.launch.bootstrap import alive_key, status_key
-    from prefect_sgpu.spec import make_resources
+    from prefect_sgpu.compute.base import AllocatedNode, NodeLost
+    from prefect_sgpu.compute.ec2.compute import EC2Allocation
+    from prefect_sgpu.compute.ec2.instances import Instance
+    from prefect_sgpu.spec import JobSpec
 
     bucket = f"sgpu-silent-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
@@ -426,37 +370,38 @@ def test_node_that_stops_reporting_fails_the_job(aws_env: MotoAWS, aws_network: 
         {"store_uri": f"s3://{bucket}/jobs", "endpoint_url": aws_env.endpoint_url,
          "subnet_ids": aws_network.subnet_ids, "poll_interval_s": 0.05, "node_silence_s": 0.5},
         session=aws_env.session())
-    plan = compute.plan(make_resources(gpus=1, gpu_type="A10", remote=True))
+    request = compute.plan(JobSpec(gpus=1, gpu_type="A10", remote=True), "silent-run")
     iid = _moto_instance(aws_env, "silent-run")
     try:
-        node = Node(0, "10.0.0.5", info={"instance_id": iid})
-        allocation = Allocation("silent-run", plan, [node])
-        compute.store.put("silent-run", alive_key(0), json.dumps({"seq": 7}).encode())  # then nothing more
+        folder = JobFolder(compute.store, "silent-run", new_key())
+        allocation = EC2Allocation(
+            request=request, folder=folder, nodes=[AllocatedNode(0, "10.0.0.5", iid, iid)],
+            instances=[Instance(iid, "10.0.0.5", "", "", 0, "g5.xlarge", "on-demand")], launched=True)
+        folder.put_alive(0, Alive(phase="running", seq=7, time=time.time()), instance_id=iid)  # then nothing more
         deadline = time.monotonic() + 30
-        code = None
-        while code is None and time.monotonic() < deadline:
-            code = compute.poll(allocation, node)
+        lost: list[NodeLost] = []
+        while not lost and time.monotonic() < deadline:
+            lost = [e for e in compute.poll(allocation) if isinstance(e, NodeLost)]
             time.sleep(0.05)
-        assert code == 137
-        status = json.loads(compute.store.get("silent-run", status_key(0)) or b"{}")
-        assert "has not reported" in status["error"]
+        assert lost and lost[0].node == 0 and "has not reported" in lost[0].reason
     finally:
         aws_env.client("ec2").terminate_instances(InstanceIds=[iid])
 
 
 def test_bootstrap_rides_out_store_errors_until_the_ttl(aws_env: MotoAWS, aws_faults: Any,
                                                         tmp_path: Path) -> None:
+    from prefect_sgpu import aws
     from prefect_sgpu.launch.bootstrap import NodeBootstrap, NodeIdentity
-    from prefect_sgpu.store_s3 import s3_client
 
     bucket = f"sgpu-flaky-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
-    client = s3_client(endpoint_url=aws_env.endpoint_url, max_attempts=1)
+    client = aws.client("s3", endpoint_url=aws_env.endpoint_url, max_attempts=1)
     store = S3Store(f"s3://{bucket}/jobs", client=client)
-    store.put("run", "heartbeat", b"1.0")
+    key = new_key()
+    JobFolder(store, "run", key).beat()
     ttl = 6.0
     node = NodeBootstrap(store, "run", NodeIdentity("i-0123456789abcdef0", 0, "10.0.0.5"), tmp_path,
-                         heartbeat_ttl=ttl, interval=0.1)
+                         heartbeat_ttl=ttl, interval=0.1, key=key)
     seen = time.monotonic()
     assert node.heartbeat_stale() is False
     aws_faults.fail("", "InternalError", status=500)  # every S3 call fails from now on
@@ -467,3 +412,147 @@ def test_bootstrap_rides_out_store_errors_until_the_ttl(aws_env: MotoAWS, aws_fa
     node.sync_quietly()  # logs, envelopes, alive: retried next tick, no exception
     time.sleep(max(0.0, seen + ttl + 0.3 - time.monotonic()))
     assert node.heartbeat_stale() is True, "unreachable for a whole TTL: the driver counts as gone"
+
+
+# -- security and limits of the new contract -----------------------------------------------------
+
+
+def _forger(store: S3Store, run_id: str, marker: Path, stop: threading.Event, node1: dict[str, str]) -> None:
+    """Someone with write access to the store, but not the job key, tries to run code on node 0."""
+    touch = ["/bin/sh", "-c", f"touch {marker}"]
+    unsigned = json.dumps({"argv": touch, "env": {}, "instance_id": None, "node": 0}).encode()
+    wrong_key = JobFolder(store, run_id, new_key())
+    variants: list[Any] = [
+        lambda: store.put(run_id, launch_key(0), unsigned),
+        lambda: wrong_key.put_launch(0, LaunchDocument(argv=touch), instance_id=node1.get("node0", "i-0")),
+    ]
+    if node1.get("blob"):  # a real sealed document of another node, copied to node 0's key
+        variants.append(lambda: store.put(run_id, launch_key(0), node1["blob"].encode("latin-1")))
+    forged_alive = json.dumps({"instance_id": "i-forged", "private_ip": "10.66.66.66", "node": 0, "seq": 99,
+                               "phase": "waiting", "time": time.time()}).encode()
+    n = 0
+    while not stop.is_set():
+        variants[n % len(variants)]()
+        store.put(run_id, "nodes/node-0.alive", forged_alive)
+        n += 1
+        stop.wait(0.4)
+
+
+def test_store_writers_cannot_run_code_on_nodes_or_move_the_rendezvous(ec2: EC2Env, tmp_path: Path) -> None:
+    """Forged launch and alive documents (unsigned, wrong key, another node's, no instance) are refused."""
+    marker = tmp_path / "forged-launch-ran"
+    compute = ec2.compute(heartbeat_ttl_s=None, ttl_minutes=2)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)(_all_reduce)
+    job = fn.job("forged")
+    _request, _body, key = job.prepare()
+    store = ec2.store()
+    # a real sealed launch document of node 1 (the job key), and one of node 0 bound to no instance
+    folder = JobFolder(store, job.run_id, key)
+    folder.put_launch(1, LaunchDocument(argv=["/bin/sh", "-c", f"touch {marker}"]), instance_id="i-0000000000000001")
+    node1 = {"blob": (store.get(job.run_id, launch_key(1)) or b"").decode("latin-1")}
+    store.delete(job.run_id, launch_key(1))
+    folder.put_launch(0, LaunchDocument(argv=["/bin/sh", "-c", f"touch {marker}"]))  # no instance id bound
+    unbound = store.get(job.run_id, launch_key(0)) or b""
+
+    booting = threading.Event()
+    ec2.simulator.boot = lambda inst: inst.get("AmiLaunchIndex") != 1 or booting.is_set()  # node 1 late
+    stop = threading.Event()
+    forger = threading.Thread(target=_forger, args=(store, job.run_id, marker, stop, node1), daemon=True)
+    seen: dict[str, LaunchDocument] = {}
+    finished = threading.Event()
+
+    def watch_launch() -> None:
+        while "doc" not in seen and not finished.is_set():
+            allocation = job.allocation
+            if allocation is not None and allocation.nodes:
+                try:
+                    doc = JobFolder(store, job.run_id, key).launch(0, instance_id=allocation.nodes[0].instance_id)
+                except DocumentRefused:
+                    doc = None
+                if doc is not None:
+                    seen["doc"] = doc
+                    return
+            time.sleep(0.1)
+
+    outcome: list[Any] = []
+    runner = threading.Thread(target=lambda: outcome.append(_run_catching(job)), daemon=True)
+    watcher = threading.Thread(target=watch_launch, daemon=True)
+    forger.start()
+    runner.start()
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(n.launch_index == 0 for n in ec2.simulator.nodes.values()):
+            assert time.monotonic() < deadline, "node 0 never booted"
+            time.sleep(0.2)
+        time.sleep(8)  # node 0 reads (and must refuse) every forged variant several times
+        store.put(job.run_id, launch_key(0), unbound)
+        time.sleep(2.5)
+    finally:
+        stop.set()
+        forger.join(timeout=10)
+        booting.set()
+        ec2.simulator.skipped.clear()
+    runner.join(timeout=300)
+    finished.set()
+    watcher.join(timeout=5)
+    assert outcome and not isinstance(outcome[0], BaseException), outcome
+    result = outcome[0]
+    assert [v["sum"] for v in result.values] == [1.0, 1.0] and [v["rank"] for v in result.values] == [0, 1]
+    assert not marker.exists(), "a forged launch document ran on a node"
+    node0 = next(i for i in ec2.instances(job.run_id) if i["AmiLaunchIndex"] == 0)
+    console = ec2.simulator.console(node0["InstanceId"])
+    assert "not a signed prefect-sgpu document" in console, console
+    assert "signature does not match" in console and "bound to" in console, console
+    # the rendezvous is node 0's address from DescribeInstances, not the forged alive document's
+    assert job.allocation.nodes[0].address == node0["PrivateIpAddress"]
+    doc = seen.get("doc")
+    assert doc is not None, "the driver's own launch document of node 0 was seen"
+    assert f"--rdzv-endpoint={node0['PrivateIpAddress']}:{ec2.settings['rendezvous_port']}" in doc.argv
+    assert "10.66.66.66" not in " ".join(doc.argv)
+    # one TTL: the node agent's heartbeat TTL is the block's ttl_minutes * 60, as the bootstrap's
+    assert "--heartbeat-ttl=120" in doc.argv
+    assert "--heartbeat-ttl=120" in ec2.simulator.nodes[node0["InstanceId"]].user_data
+    assert "SGPU_PAYLOAD_KEY" not in doc.env
+
+
+def _run_catching(job: Any) -> Any:
+    try:
+        return job.run()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+        return exc
+
+
+def test_job_timeout_bounds_acquire(ec2: EC2Env) -> None:
+    """A node that never boots: the job's timeout (15 s) ends acquire, not agent_timeout_s (900 s)."""
+    ec2.simulator.boot = lambda inst: inst.get("AmiLaunchIndex") != 1
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(agent_timeout_s=900.0),
+                     mlflow=False, timeout=15)(_all_reduce)
+    job = fn.job("bounded")
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        job.run()
+    assert time.monotonic() - started < 90, "acquire waited past the job's timeout"
+    assert info.value.phase in ("agent start", "provisioning") and info.value.timeout == 15
+    assert ec2.leftovers(job.run_id) == []
+
+
+@pytest.mark.parametrize("other", ["bucket", "local"])
+def test_a_store_the_nodes_cannot_reach_is_refused_before_anything_is_spent(
+        ec2: EC2Env, other: str, tmp_path: Path) -> None:
+    from prefect_sgpu.store import LocalStore
+
+    if other == "bucket":
+        bucket = f"sgpu-other-{uuid.uuid4().hex[:12]}"
+        ec2.aws.client("s3").create_bucket(Bucket=bucket)
+        store: Any = S3Store(f"s3://{bucket}/jobs", session=ec2.aws.session(), endpoint_url=ec2.aws.endpoint_url)
+    else:
+        store = LocalStore(tmp_path / "jobs")
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), store=store,
+                     mlflow=False)(_all_reduce)
+    with pytest.raises(SGPUConfigError, match="store"):
+        fn.run("never")
+    with pytest.raises(SGPUConfigError, match="store"):
+        fn.job("never")
+    assert ec2.sent_run_instances() == [], "no RunInstances was sent"
+    assert ec2.instances("") == [] or not ec2.aws.live_instances()

@@ -24,7 +24,7 @@ USER_DATA = "#!/bin/bash\necho node-bootstrap\n"
 
 
 def make_plan(gpus: int = 2, gpu_type: str = "A10") -> spec.Plan:
-    return spec.plan_remote(spec.make_resources(gpus=gpus, gpu_type=gpu_type, remote=True))
+    return spec.plan_remote(spec.JobSpec(gpus=gpus, gpu_type=gpu_type, remote=True))
 
 
 @pytest.fixture

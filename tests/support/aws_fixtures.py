@@ -16,7 +16,9 @@ Fixtures (wired into every test module by ``tests/conftest.py``):
 - ``aws_faults``    function: the proxy, with its rules and request records cleared
                     before and after the test.
 - ``aws_network``   function: a fresh VPC with one subnet in each of two availability
-                    zones, for placement and failover tests.
+                    zones, for placement and failover tests. Its CIDR is in 127.0.0.0/8,
+                    so the private IPs moto hands out are loopback addresses of this host:
+                    simulated nodes really listen on the address EC2 reports for them.
 - ``no_leaked_instances``  function: fails the test if any moto instance is still
                     pending/running/stopping when it ends.
 """
@@ -193,13 +195,13 @@ class Network:
 
 @pytest.fixture
 def aws_network(aws_env: MotoAWS) -> Iterator[Network]:
-    """A fresh VPC with one subnet in each of two availability zones (first AZ first)."""
+    """A fresh VPC (in 127.0.0.0/8: see above) with one subnet in each of two availability zones."""
     ec2 = aws_env.client("ec2")
-    octet = uuid.uuid4().int % 250 + 1
-    vpc_id = ec2.create_vpc(CidrBlock=f"10.{octet}.0.0/16")["Vpc"]["VpcId"]
+    octet = uuid.uuid4().int % 190 + 64
+    vpc_id = ec2.create_vpc(CidrBlock=f"127.{octet}.0.0/16")["Vpc"]["VpcId"]
     zones = [f"{aws_env.region}a", f"{aws_env.region}b"]
     subnets = [
-        ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"10.{octet}.{i}.0/24", AvailabilityZone=az)["Subnet"][
+        ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"127.{octet}.{i}.0/24", AvailabilityZone=az)["Subnet"][
             "SubnetId"
         ]
         for i, az in enumerate(zones)

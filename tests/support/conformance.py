@@ -19,9 +19,9 @@ from typing import Any, Callable, Protocol
 from support.processes import job_processes
 
 #: the computes the suite runs against (fixtures ``<name>_case`` in tests/compute/conftest.py)
-CASES = ["local"]
+CASES = ["local", "ray", "ec2"]
 #: those whose acquire can be made to wait (timeout and cancel during acquire)
-STALLABLE: list[str] = []
+STALLABLE: list[str] = ["ray", "ec2"]
 
 
 class ComputeCase(Protocol):

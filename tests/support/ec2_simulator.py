@@ -7,12 +7,13 @@ process, with what a VM would give it:
 - its own fake IMDSv2 server on 127.0.0.1 (token PUT, then instance-id,
   ami-launch-index, local-ipv4), found through ``AWS_EC2_METADATA_SERVICE_ENDPOINT``;
 - the moto server's credentials, standing in for the instance profile;
-- its own address. moto's private IPs (10.x) are not on this host, so each node gets
-  its own loopback address (127.X.Y.Z; all of 127.0.0.0/8 is local on Linux) and IMDS
-  reports that address as local-ipv4. ``address_of`` records the mapping from the
-  instance id to (moto's private IP, the loopback address). Loopback addresses were
-  chosen over network namespaces with veth pairs because the moto server listens on
-  127.0.0.1 only, which other network namespaces cannot reach;
+- its own address: the private IP moto gave it when that is a loopback address (the
+  test network's subnets are in 127.0.0.0/8, all of which is local on Linux), so the
+  address the driver reads from DescribeInstances is the one the node really listens
+  on; otherwise a fresh loopback address (the driver could not reach that node).
+  ``address_of`` records (moto's private IP, the address the node uses). Loopback
+  addresses were chosen over network namespaces with veth pairs because the moto
+  server listens on 127.0.0.1 only, which other network namespaces cannot reach;
 - where the kernel allows (root, util-linux unshare), its own PID namespace with its
   own /proc, so "power off" (SIGKILL to the namespace's init) takes every process of
   the node with it, as terminating a VM does.
@@ -193,7 +194,8 @@ class EC2Simulator:
         iid = inst["InstanceId"]
         raw = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
         user_data = base64.b64decode(raw["UserData"].get("Value", "")).decode()
-        address = next(self._addresses)
+        moto_ip = inst.get("PrivateIpAddress", "")
+        address = moto_ip if moto_ip.startswith("127.") else next(self._addresses)
         imds = FakeIMDS({
             "instance-id": iid,
             "ami-launch-index": str(inst.get("AmiLaunchIndex", 0)),

@@ -1,48 +1,72 @@
 """GPU VMs on EC2: one set of instances per job, always terminated.
 
 The driver never needs an inbound port: everything between it and the nodes goes
-through the S3 store. The instances boot a user-data script that starts
-:mod:`prefect_sgpu.launch.bootstrap`; each node announces itself in the store, the
-driver writes every node's launch document once all are up, and the nodes run the
-ordinary node agent against a local copy of the job folder.
+through the S3 store, as sealed documents of the job folder
+(:mod:`prefect_sgpu.jobfolder`). The instances boot a user-data script that starts
+:mod:`prefect_sgpu.launch.bootstrap`; each node announces itself (a sealed ``alive``
+document), the driver writes every node's sealed launch document once all are up,
+and the nodes run the ordinary node agent against a local mirror of the job folder.
 
-The payload signing key never reaches S3 or the user-data: the driver puts it in an
-SSM SecureString parameter (``/prefect-sgpu/<run_id>/payload-key``) that the nodes read
-through their instance profile, and deletes it on release.
+**The job key and who may run code on a node.** Anyone who can write the store may
+delay a job, never run code in it: every document a node acts on is sealed with the
+job key (HMAC) and bound to the job, its kind, the node index and the instance id.
+The key itself never reaches S3, the user-data or a tag. ``acquire`` writes it to the
+SSM SecureString ``jobfolder.ssm_key_parameter(run_id)`` *before* launching (so a node
+can verify every document from its first second) and ``release`` deletes it. Nodes
+derive that name from their own ``--run-id`` and read it through their instance
+profile. Node addresses (node 0's rendezvous host) come from DescribeInstances, never
+from what a node writes.
 
 Provisioning itself (subnets, markets, failover, tags, termination, prices) is
-:class:`~prefect_sgpu.compute.ec2.instances.EC2Provisioner`'s job; this class turns a
-job into provisioning calls and store messages.
+:class:`~prefect_sgpu.compute.ec2.instances.EC2Provisioner`'s job and the requests are
+built by :mod:`prefect_sgpu.compute.ec2.request`; this class turns a job into those
+calls and job-folder documents.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shlex
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
 
-from prefect_sgpu import catalog
-from prefect_sgpu.compute import Allocation, Compute, Node, NodeLaunch
+from prefect_sgpu import aws, catalog
+from prefect_sgpu.compute.base import (
+    MASKED_ENV,
+    AllocatedNode,
+    Allocation,
+    Compute,
+    Event,
+    JobLaunch,
+    NodeExited,
+    NodeLost,
+    NodeUp,
+    Released,
+    Request,
+)
+from prefect_sgpu.compute.ec2 import request as rq
+from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
+from prefect_sgpu.compute.ec2.request import LaunchAttempt
+from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
-from prefect_sgpu.launch.bootstrap import STOP_KEY, alive_key, launch_key, render_user_data, status_key
-from prefect_sgpu.spec import Plan, Resources, plan_remote
+from prefect_sgpu.jobfolder import LaunchDocument, ssm_key_parameter
+from prefect_sgpu.spec import JobSpec, plan_remote
+from prefect_sgpu.store_s3 import S3Store
+
+if TYPE_CHECKING:
+    from prefect_sgpu.jobfolder import JobFolder
+    from prefect_sgpu.store import Store
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
 
 DEFAULT_RENDEZVOUS_PORT = 29400
-MASKED_ENV = ("SGPU_PAYLOAD_KEY",)
 DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
+HEARTBEAT_INTERVAL_S = 2.0
 #: settings this class reads itself; everything else configures the provisioner
-OWN_SETTINGS = ("store_uri", "ttl_minutes", "heartbeat_ttl_s", "agent_timeout_s", "rendezvous_port",
+OWN_SETTINGS = ("store_uri", "heartbeat_ttl_s", "agent_timeout_s", "rendezvous_port",
                 "poll_interval_s", "node_silence_s", "python", "setup_commands", "kms_key_id")
-
-
-def payload_key_parameter(run_id: str) -> str:
-    return f"/prefect-sgpu/{run_id}/payload-key"
 
 
 class _Progress:
@@ -60,13 +84,70 @@ class _Progress:
         self.console.print(f"[bold cyan]\\[ec2][/] [dim]{self.run_id}[/] [bold]{phase}[/] {detail}")
 
 
+@dataclass(frozen=True)
+class EC2Request(Request):
+    """What an EC2 job will launch, rendered by ``plan`` and sent as is by ``acquire``."""
+
+    region: str = ""
+    instance_type: str = ""
+    #: every run_instances try in failover order (subnet x market); the first is what normally launches
+    run_instances: tuple[LaunchAttempt, ...] = ()
+    user_data: str = ""
+    store_uri: str = ""
+    #: the SSM SecureString that holds the job key while the job runs (its name, never its value)
+    key_parameter: str = ""
+    usd_per_hour: float | None = None
+    agent_timeout_s: float = 900.0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "region": self.region,
+            "run_instances": self.run_instances[0].params if self.run_instances else {},
+            "failover": [{"market": a.market, "subnet_id": a.subnet_id} for a in self.run_instances],
+            "user_data": self.user_data,
+            "store": self.store_uri,
+            "payload_key": f"SSM SecureString {self.key_parameter} (deleted on release)",
+            "estimated_usd_per_hour": self.usd_per_hour,
+        }
+
+
+@dataclass
+class EC2Allocation(Allocation):
+    """One job's instances and what the driver tracks about them until release."""
+
+    instances: list[Instance] = field(default_factory=list)
+    started: float = 0.0
+    key_parameter: str | None = None
+    #: the run_instances requests actually sent (failover tries included), in order
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    progress: Any = None
+    announced: set[int] = field(default_factory=set)
+    reported: set[int] = field(default_factory=set)
+    launched: bool = False
+    polled: float = 0.0
+    states_checked: float = 0.0
+    states: dict[str, str] = field(default_factory=dict)
+    alive_checked: float = 0.0
+    alive_seq: dict[int, int | None] = field(default_factory=dict)
+    alive_changed: dict[int, float] = field(default_factory=dict)
+    outcome: Released | None = None
+
+    def instance_id(self, node: int) -> str:
+        return self.instances[node].id
+
+
 class EC2InstanceCompute(Compute):
     """Whole EC2 GPU instances per job; the S3 store is the only channel to them."""
 
+    name = "ec2"
+    remote = True
+    runs_node_agents = True
+
     def __init__(
         self,
-        provisioner: Any,
-        store: Any,
+        provisioner: EC2Provisioner,
+        store: S3Store,
         region: str,
         *,
         session: Any | None = None,
@@ -76,7 +157,6 @@ class EC2InstanceCompute(Compute):
         rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
         poll_interval_s: float = 1.0,
         node_silence_s: float = 120.0,
-        instance_types: dict[str, str] | None = None,
         python: str = "python3",
         setup_commands: str = "",
         kms_key_id: str | None = None,
@@ -91,33 +171,40 @@ class EC2InstanceCompute(Compute):
         self.rendezvous_port = rendezvous_port
         self.poll_interval_s = poll_interval_s
         self.node_silence_s = node_silence_s
-        self.instance_types = {catalog.lookup(k).name: v for k, v in (instance_types or {}).items()}
         self.python = python
         self.setup_commands = setup_commands
         self.kms_key_id = kms_key_id
         self._clients: dict[str, Any] = {}
         self._lock = threading.RLock()
 
+    def __repr__(self) -> str:
+        return f"EC2InstanceCompute(region={self.region!r}, store={self.store.root_uri!r})"
+
+    @property
+    def settings(self) -> EC2Settings:
+        return self.provisioner.settings
+
     @classmethod
     def from_settings(cls, settings: dict[str, Any], session: Any | None = None) -> "EC2InstanceCompute":
-        """Build from an ``EC2Compute`` block's fields (validated here, before anything is spent)."""
-        from prefect_sgpu.compute.ec2.instances import EC2Provisioner, EC2Settings
-        from prefect_sgpu.store_s3 import S3Store
+        """Build from an ``EC2Compute`` block's fields (validated here, before anything is spent).
 
+        One TTL for everything that watches the driver: ``ttl_minutes * 60`` seconds is
+        both the bootstrap's and the node agent's heartbeat TTL (``heartbeat_ttl_s``
+        overrides it, for tests that kill a driver and wait for its nodes).
+        """
         store_uri = settings.get("store_uri") or ""
         if not str(store_uri).startswith("s3://"):
             raise SGPUConfigError("store_uri", store_uri, "an s3://bucket/prefix both the driver and the "
                                   "instances (through their instance profile) can read and write")
-        region = settings.get("region") or "us-east-1"
-        endpoint_url = settings.get("endpoint_url") or None
-        ttl = settings.get("heartbeat_ttl_s") or 60.0 * float(settings.get("ttl_minutes") or 15)
+        provisioner_settings = EC2Settings(**_provisioner_settings(EC2Settings, settings))
+        region = provisioner_settings.region
+        endpoint_url = provisioner_settings.endpoint_url
+        ttl = settings.get("heartbeat_ttl_s") or 60.0 * provisioner_settings.ttl_minutes
         port = int(settings.get("rendezvous_port") or DEFAULT_RENDEZVOUS_PORT)
         if not 1024 <= port <= 65535:
             raise SGPUConfigError("rendezvous_port", port, "a port between 1024 and 65535")
-        provisioner_settings = EC2Settings(**_provisioner_settings(EC2Settings, settings))
-        provisioner = EC2Provisioner(provisioner_settings, session=session)
         return cls(
-            provisioner,
+            EC2Provisioner(provisioner_settings, session=session),
             S3Store(str(store_uri), session=session, region=region, endpoint_url=endpoint_url),
             region,
             session=session,
@@ -127,208 +214,193 @@ class EC2InstanceCompute(Compute):
             rendezvous_port=port,
             poll_interval_s=float(settings.get("poll_interval_s") or 1.0),
             node_silence_s=float(settings.get("node_silence_s") or 120.0),
-            instance_types=settings.get("instance_types") or {},
             python=settings.get("python") or "python3",
             setup_commands=settings.get("setup_commands") or "",
             kms_key_id=settings.get("kms_key_id") or None,
         )
 
-    # -- clients ----------------------------------------------------------------
-
     def _client(self, service: str) -> Any:
         with self._lock:
             if service not in self._clients:
-                from prefect_sgpu.store_s3 import s3_client
-
-                self._clients[service] = s3_client(self.session, self.region, self.endpoint_url,
-                                                   service=service)
+                self._clients[service] = aws.client(service, self.session, self.region, self.endpoint_url,
+                                                    retry_mode=self.settings.retry_mode,
+                                                    max_attempts=self.settings.max_attempts)
             return self._clients[service]
 
-    # -- the protocol -----------------------------------------------------------
+    # -- before anything is spent ---------------------------------------------------
 
-    def default_store(self) -> Any:
+    def default_store(self) -> "Store":
         return self.store
 
-    def plan(self, resources: Resources) -> Plan:
-        plan = plan_remote(resources)
-        override = self.instance_types.get(resources.gpu_type or "")
-        if not override:
-            return plan
-        itype = catalog.instance_type_by_name(override)
-        if itype is None:  # not in the catalog: same GPUs per node assumed, the provisioner names it
-            return plan
-        if resources.gpus % itype.gpus:
-            raise SGPUConfigError("gpus", resources.gpus,
-                                  f"a multiple of {itype.gpus} (GPUs of one {itype.name})")
-        return Plan(nodes=resources.gpus // itype.gpus, procs_per_node=itype.gpus, device="cuda",
-                    instance_type=itype)
+    def check_store(self, store: "Store") -> None:
+        """Nodes only know this compute's own S3 store (bucket and prefix): refuse any other, now."""
+        if not (isinstance(store, S3Store) and (store.bucket, store.prefix) == (self.store.bucket, self.store.prefix)):
+            raise SGPUConfigError("store", repr(store), f"the EC2 compute's own store {self.store.root_uri} (its "
+                                  "nodes only reach that one): leave store unset or pass the same URI")
 
     def user_data(self, run_id: str) -> str:
-        return render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
-                                endpoint_url=self.endpoint_url, python=self.python,
-                                setup=self.setup_commands)
+        return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
+                                   endpoint_url=self.endpoint_url, python=self.python,
+                                   setup=self.setup_commands)
 
-    def dry_run(self, run_id: str, plan: Plan, launches: list[NodeLaunch]) -> dict[str, Any]:
+    def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
+        plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
         user_data = self.user_data(run_id)
-        itype = plan.instance_type
-        return {
-            "compute": "ec2",
-            "run_id": run_id,
-            "region": self.region,
-            "run_instances": self.provisioner.run_instances_request(run_id, plan, user_data),
-            "user_data": user_data,
-            "store": self.store.uri(run_id),
-            "payload_key": f"SSM SecureString {payload_key_parameter(run_id)} (deleted on release)",
-            "estimated_usd_per_hour": round(plan.nodes * itype.price_per_hour, 3) if itype else None,
-            "nodes": [
-                {
-                    "index": launch.node.index,
-                    "command": shlex.join(launch.argv),
-                    "env": {k: ("***" if k in MASKED_ENV else v) for k, v in launch.env.items()},
-                }
-                for launch in launches
-            ],
-        }
+        attempts = self.provisioner.attempts(run_id, plan, user_data)
+        instance_type = attempts[0].params["InstanceType"] if attempts else rq.instance_type_for(self.settings, plan)
+        known = catalog.instance_type_by_name(instance_type)
+        price = round(plan.nodes * known.price_per_hour, 3) if known and known.price_per_hour else None
+        return EC2Request(run_id=run_id, compute=self.name, plan=plan, spec=spec,
+                          heartbeat_ttl_s=self.heartbeat_ttl_s, region=self.region, instance_type=instance_type,
+                          run_instances=attempts, user_data=user_data, store_uri=self.store.uri(run_id),
+                          key_parameter=ssm_key_parameter(run_id), usd_per_hour=price,
+                          agent_timeout_s=self.agent_timeout_s)
 
-    def acquire(self, run_id: str, plan: Plan, cancel: threading.Event | None = None) -> Allocation:
+    # -- spending -------------------------------------------------------------------
+
+    def acquire(self, request: Request, folder: "JobFolder", deadline: float,
+                cancel: threading.Event) -> EC2Allocation:
+        assert isinstance(request, EC2Request)
+        run_id = request.run_id
         progress = _Progress(run_id)
-        should_stop = cancel.is_set if cancel is not None else (lambda: False)
-        itype = plan.instance_type.name if plan.instance_type else "?"
-        started = time.time()
-        progress("requested", f"{plan.nodes} x {itype} in {self.region}")
+        allocation = EC2Allocation(request=request, folder=folder, nodes=[], started=time.time(),
+                                   progress=progress)
+        progress("requested", f"{request.plan.nodes} x {request.instance_type} in {self.region}")
         try:
-            with self._driver_heartbeat(run_id):  # nodes must not think the driver died while we wait
+            with self._driver_heartbeat(folder):  # nodes must not think the driver died while we wait
+                self._put_key(allocation)  # before any instance exists: nodes verify from their first read
                 try:
-                    instances = self.provisioner.provision(
-                        run_id, plan, self.user_data(run_id),
-                        progress=lambda text: progress("provisioning", text), should_stop=should_stop,
+                    allocation.instances = self.provisioner.provision(
+                        run_id, request.plan, request.user_data,
+                        progress=lambda text: progress("provisioning", text), should_stop=cancel.is_set,
+                        attempts=request.run_instances, deadline=deadline, sent=allocation.sent,
                     )
                 except LaunchTimeout:
+                    if time.monotonic() >= deadline:
+                        raise LaunchTimeout(run_id, request.spec.timeout, phase="provisioning") from None
                     raise
                 except TimeoutError as exc:
                     raise LaunchTimeout(run_id, self.agent_timeout_s, phase="provisioning") from exc
-                instances = sorted(instances, key=lambda i: i.launch_index)
                 progress("running", ", ".join(f"{i.id} ({i.private_ip}, {i.availability_zone}, {i.market})"
-                                              for i in instances))
-                nodes = self._wait_for_agents(run_id, plan, instances, progress, should_stop)
+                                              for i in allocation.instances))
+                self._wait_for_agents(allocation, deadline, cancel)
         except BaseException:
-            self._terminate(run_id)
+            self._give_back(allocation)
             raise
-        return Allocation(run_id=run_id, plan=plan, nodes=nodes,
-                          info={"instances": instances, "started": started, "progress": progress})
+        return allocation
 
-    def _wait_for_agents(self, run_id: str, plan: Plan, instances: list[Any], progress: _Progress,
-                         should_stop: Any = lambda: False) -> list[Node]:
-        """Every node's bootstrap has announced itself, or LaunchTimeout (phase "agent start")."""
-        if len(instances) != plan.nodes:
-            raise ProvisioningError(f"job {run_id}: asked for {plan.nodes} instance(s), got {len(instances)}")
-        deadline = time.monotonic() + self.agent_timeout_s
-        up: dict[int, dict[str, Any]] = {}
+    def _wait_for_agents(self, allocation: EC2Allocation, deadline: float, cancel: threading.Event) -> None:
+        """Every node's bootstrap has announced itself (a sealed alive document of its instance).
+
+        Ends at the job's deadline or after ``agent_timeout_s``, whichever is first
+        (``LaunchTimeout``, phase "agent start"). An alive document that is not sealed
+        by this job for this node and instance is refused (logged) and waited past.
+        """
+        run_id, instances = allocation.run_id, allocation.instances
+        if len(instances) != allocation.plan.nodes:
+            raise ProvisioningError(f"job {run_id}: asked for {allocation.plan.nodes} instance(s), "
+                                    f"got {len(instances)}")
+        own_limit = time.monotonic() + self.agent_timeout_s
+        limit = min(deadline, own_limit)
+        up: set[int] = set()
         last_state_check = 0.0
-        while len(up) < len(instances):
+        while True:
             for index, inst in enumerate(instances):
-                if index in up:
-                    continue
-                raw = self.store.get(run_id, alive_key(index))
-                doc = json.loads(raw) if raw else None
-                if doc and doc.get("instance_id") == inst.id:
-                    up[index] = doc
-                    progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})")
+                if index not in up and allocation.folder.alive(index, instance_id=inst.id) is not None:
+                    up.add(index)
+                    allocation.progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})")
             if len(up) == len(instances):
                 break
-            if should_stop():
+            if cancel.is_set():
                 raise JobCancelled(f"job {run_id} was cancelled while its nodes booted; they are terminated")
             now = time.monotonic()
-            if now > deadline:
+            if now > limit:
                 missing = [instances[i].id for i in range(len(instances)) if i not in up]
-                logger.error("job %s: no node agent on %s after %gs", run_id, missing, self.agent_timeout_s)
-                raise LaunchTimeout(run_id, self.agent_timeout_s, phase="agent start")
+                timeout = allocation.request.spec.timeout if deadline <= own_limit else self.agent_timeout_s
+                logger.error("job %s: no node agent on %s after %gs", run_id, missing, timeout)
+                raise LaunchTimeout(run_id, timeout, phase="agent start")
             if now - last_state_check > 5.0:
                 last_state_check = now
                 dead = {k: v for k, v in self._instance_states([i.id for i in instances]).items()
                         if v in DEAD_STATES}
                 if dead:
                     raise ProvisioningError(f"job {run_id}: instance(s) {dead} went away while booting")
-            time.sleep(0.5)
-        return [
-            Node(index=i, address=up[i].get("private_ip") or inst.private_ip, handle=inst,
-                 info={"instance_id": inst.id, "instance_type": inst.instance_type, "market": inst.market,
-                       "availability_zone": inst.availability_zone, "private_ip": inst.private_ip})
-            for i, inst in enumerate(instances)
-        ]
+            cancel.wait(0.5)
+        # addresses from DescribeInstances (the provisioner), never from what a node wrote
+        allocation.nodes = [AllocatedNode(index=i, address=inst.private_ip, host=inst.id, instance_id=inst.id)
+                            for i, inst in enumerate(instances)]
 
     def rendezvous_endpoint(self, allocation: Allocation) -> str:
+        """Node 0's private address (from EC2) and the configured port: no port can be probed remotely."""
         endpoint = f"{allocation.nodes[0].address}:{self.rendezvous_port}"
-        progress = allocation.info.get("progress")
-        if progress:
-            progress("rendezvous", f"c10d on node 0 at {endpoint}")
+        if isinstance(allocation, EC2Allocation) and allocation.progress:
+            allocation.progress("rendezvous", f"c10d on node 0 at {endpoint}")
         return endpoint
 
-    def start(self, allocation: Allocation, launch: NodeLaunch) -> None:
-        run_id = allocation.run_id
-        env = dict(launch.env)
-        job_dir = env.get("SGPU_JOB_DIR", "")
-        if job_dir and job_dir != self.store.uri(run_id):
-            raise SGPUConfigError("store", job_dir, f"the EC2 compute's own store {self.store.uri(run_id)} "
-                                  "(its nodes only know that one): leave store unset or pass the same URI")
-        key = env.pop("SGPU_PAYLOAD_KEY", None)
-        parameter = None
-        if key:
-            parameter = payload_key_parameter(run_id)
-            with self._lock:
-                if not allocation.info.get("key_parameter"):
-                    self._put_key(parameter, key)
-                    allocation.info["key_parameter"] = parameter
-        doc = {"argv": list(launch.argv), "env": env, "payload_key_parameter": parameter,
-               "instance_id": launch.node.info.get("instance_id"), "node": launch.node.index}
-        self.store.put(run_id, launch_key(launch.node.index), json.dumps(doc).encode())
+    def start(self, allocation: Allocation, launch: JobLaunch) -> None:
+        """One sealed launch document per node, bound to its index and its instance."""
+        assert isinstance(allocation, EC2Allocation)
+        env = {k: v for k, v in launch.env.items() if k not in MASKED_ENV}  # the key travels through SSM only
+        for command in launch.commands:
+            allocation.folder.put_launch(command.node, LaunchDocument(argv=list(command.argv), env=env),
+                                         instance_id=allocation.instance_id(command.node))
+        allocation.launched = True
 
-    def _put_key(self, name: str, key: str) -> None:
+    def _put_key(self, allocation: EC2Allocation) -> None:
+        name = ssm_key_parameter(allocation.run_id)
         extra = {"KeyId": self.kms_key_id} if self.kms_key_id else {}
+        allocation.key_parameter = name  # set first: a failed put is still cleaned up
         self._client("ssm").put_parameter(
-            Name=name, Value=key, Type="SecureString", Overwrite=True,
-            Description="prefect-sgpu payload signing key of one job (deleted when the job ends)", **extra,
+            Name=name, Value=allocation.folder.key, Type="SecureString", Overwrite=True,
+            Description="prefect-sgpu job key of one job (deleted when the job ends)", **extra,
         )
 
-    def poll(self, allocation: Allocation, node: Node) -> int | None:
-        """The node's reported exit code; a node whose instance died counts as failed."""
+    def poll(self, allocation: Allocation) -> list[Event]:
+        """Sealed node statuses; a node whose instance died or went silent is lost."""
+        assert isinstance(allocation, EC2Allocation)
         now = time.monotonic()
-        if now - node.info.get("polled", 0.0) < self.poll_interval_s:
-            return None
-        node.info["polled"] = now
-        raw = self.store.get(allocation.run_id, status_key(node.index))
-        if raw:
-            return int(json.loads(raw).get("exit_code", 1))
-        checked = allocation.info.get("states_checked", 0.0)
-        if now - checked > max(5.0, self.poll_interval_s):
-            allocation.info["states_checked"] = now
-            ids = [n.info["instance_id"] for n in allocation.nodes]
-            allocation.info["states"] = self._instance_states(ids)
-        state = allocation.info.get("states", {}).get(node.info.get("instance_id"))
-        if state in DEAD_STATES:
-            return self._node_lost(allocation, node, f"instance {node.info['instance_id']} is {state} "
-                                   "(lost or reclaimed) before its ranks finished")
-        alive_every = max(self.poll_interval_s, min(5.0, self.node_silence_s / 4))
-        # is the node's bootstrap still reporting?
-        if now - node.info.get("alive_checked", 0.0) > alive_every:
-            node.info["alive_checked"] = now
-            raw_alive = self.store.get(allocation.run_id, alive_key(node.index))
-            seq = json.loads(raw_alive).get("seq") if raw_alive else None
-            if seq != node.info.get("alive_seq"):
-                node.info["alive_seq"], node.info["alive_changed"] = seq, now
-            elif now - node.info.get("alive_changed", now) > self.node_silence_s:
-                return self._node_lost(allocation, node, f"node {node.index} ({node.info['instance_id']}) "
-                                       f"has not reported for {self.node_silence_s:g}s")
-        return None
-
-    def _node_lost(self, allocation: Allocation, node: Node, why: str) -> int:
-        """Record the loss where the driver looks for a node's outcome; the job fails with it."""
-        status = {"node": node.index, "host": node.address, "exit_code": 137, "failures": {}, "error": why}
-        self.store.put(allocation.run_id, status_key(node.index), json.dumps(status).encode())
-        return 137
+        events: list[Event] = []
+        for node in allocation.nodes:
+            if node.index not in allocation.announced:
+                allocation.announced.add(node.index)
+                events.append(NodeUp(node.index, f"{node.instance_id} ({node.address})"))
+        if now - allocation.polled < self.poll_interval_s:
+            return events
+        allocation.polled = now
+        pending = [n for n in allocation.nodes if n.index not in allocation.reported]
+        if now - allocation.states_checked > max(5.0, self.poll_interval_s):
+            allocation.states_checked = now
+            allocation.states = self._instance_states([n.instance_id or "" for n in allocation.nodes])
+        check_alive = now - allocation.alive_checked > max(self.poll_interval_s, min(5.0, self.node_silence_s / 4))
+        if check_alive:
+            allocation.alive_checked = now
+        for node in pending:
+            iid = node.instance_id or ""
+            status = allocation.folder.status(node.index, instance_id=iid)
+            if status is not None:
+                allocation.reported.add(node.index)
+                events.append(NodeExited(node.index, status.exit_code, status))
+                continue
+            state = allocation.states.get(iid)
+            if state in DEAD_STATES:
+                allocation.reported.add(node.index)
+                events.append(NodeLost(node.index, f"instance {iid} is {state} (lost or reclaimed) before "
+                                                   "its ranks finished"))
+                continue
+            if check_alive:
+                alive = allocation.folder.alive(node.index, instance_id=iid)
+                seq = alive.seq if alive else None
+                if seq != allocation.alive_seq.get(node.index) or node.index not in allocation.alive_changed:
+                    allocation.alive_seq[node.index], allocation.alive_changed[node.index] = seq, now
+                elif now - allocation.alive_changed[node.index] > self.node_silence_s:
+                    allocation.reported.add(node.index)
+                    events.append(NodeLost(node.index, f"node {node.index} ({iid}) has not reported for "
+                                                       f"{self.node_silence_s:g}s"))
+        return events
 
     def _instance_states(self, ids: list[str]) -> dict[str, str]:
         states: dict[str, str] = {}
+        ids = [i for i in ids if i]
         if not ids:
             return states
         try:
@@ -338,67 +410,81 @@ class EC2InstanceCompute(Compute):
                     for inst in reservation.get("Instances", []):
                         states[inst["InstanceId"]] = inst["State"]["Name"]
         except Exception as exc:  # noqa: BLE001 - an unknown id means the instance is long gone
-            if "InvalidInstanceID" not in str(exc):
-                logger.warning("describe_instances failed: %s", exc)
-            else:
+            if aws.error_code(exc).startswith("InvalidInstanceID"):
                 states = {i: "terminated" for i in ids}
+            else:
+                logger.warning("describe_instances failed: %s", exc)
         return states
 
     def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
-        """Write the stop marker; wait (grace + sync time) for every live node to report."""
-        run_id = allocation.run_id
-        pending = [n for n in allocation.nodes if self.store.get(run_id, status_key(n.index)) is None]
-        if not pending:
+        """Write the sealed stop document; wait (grace + sync time) for every live node to report."""
+        assert isinstance(allocation, EC2Allocation)
+        folder = allocation.folder
+
+        def pending(nodes: list[AllocatedNode]) -> list[AllocatedNode]:
+            return [n for n in nodes if folder.status(n.index, instance_id=n.instance_id) is None]
+
+        left = pending(allocation.nodes) if allocation.launched else []
+        if not left:
             return
-        self.store.put(run_id, STOP_KEY, json.dumps({"time": time.time(), "grace": grace}).encode())
+        folder.put_stop(grace, reason="stopped by the driver")
         deadline = time.monotonic() + grace + 10.0
-        while pending and time.monotonic() < deadline:
+        while left and time.monotonic() < deadline:
             time.sleep(0.5)
-            states = self._instance_states([n.info["instance_id"] for n in pending])
-            pending = [n for n in pending if self.store.get(run_id, status_key(n.index)) is None
-                       and states.get(n.info["instance_id"]) not in DEAD_STATES]
+            states = self._instance_states([n.instance_id or "" for n in left])
+            left = [n for n in pending(left) if states.get(n.instance_id or "") not in DEAD_STATES]
 
-    def release(self, allocation: Allocation) -> None:
-        progress = allocation.info.get("progress")
+    def release(self, allocation: Allocation) -> Released:
+        """Terminate instances, delete groups and the key parameter; the second call returns the first's result."""
+        assert isinstance(allocation, EC2Allocation)
+        with self._lock:
+            if allocation.outcome is not None:
+                return allocation.outcome
+            allocation.released = True
+        released = self._give_back(allocation)
+        cost = None
         try:
-            self._terminate(allocation.run_id)
+            cost = self.provisioner.cost(allocation.instances, allocation.started, time.time())
+        except Exception:  # noqa: BLE001 - a missing price must not hide the job's outcome
+            logger.warning("could not estimate the cost of job %s", allocation.run_id, exc_info=True)
+        released.cost = cost
+        if allocation.progress:
+            allocation.progress("terminated", _cost_text(cost))
+        allocation.outcome = released
+        return released
+
+    def _give_back(self, allocation: EC2Allocation) -> Released:
+        """Everything acquire took (instances, groups, the key parameter), on every path."""
+        gone: list[str] = []
+        try:
+            gone += self.provisioner.terminate(allocation.run_id)
         finally:
-            ended = time.time()
-            self._delete_key(allocation)
-            instances = allocation.info.get("instances") or []
-            try:
-                allocation.info["cost"] = self.provisioner.cost(instances, allocation.info["started"], ended)
-            except Exception:  # noqa: BLE001 - a missing price must not hide the job's outcome
-                logger.warning("could not estimate the cost of job %s", allocation.run_id, exc_info=True)
-            if progress:
-                progress("terminated", _cost_text(allocation.info.get("cost")))
+            if allocation.key_parameter and self._delete_key(allocation.key_parameter):
+                gone.append(f"SSM parameter {allocation.key_parameter}")
+        return Released(gone=gone)
 
-    def _terminate(self, run_id: str) -> None:
-        self.provisioner.terminate(run_id)
-
-    def _delete_key(self, allocation: Allocation) -> None:
-        name = allocation.info.get("key_parameter")
-        if not name:
-            return
+    def _delete_key(self, name: str) -> bool:
         try:
             self._client("ssm").delete_parameter(Name=name)
+            return True
         except Exception as exc:  # noqa: BLE001
-            if "ParameterNotFound" not in str(exc):
+            if aws.error_code(exc) != "ParameterNotFound":
                 logger.warning("could not delete SSM parameter %s: %s", name, exc)
+            return False
 
     @contextmanager
-    def _driver_heartbeat(self, run_id: str, interval: float = 2.0) -> Iterator[None]:
-        """Keep the driver's heartbeat fresh while acquire blocks (the driver beats afterwards)."""
+    def _driver_heartbeat(self, folder: "JobFolder") -> Iterator[None]:
+        """Keep the driver's sealed heartbeat fresh while acquire blocks (the driver beats afterwards)."""
         done = threading.Event()
 
         def beat() -> None:
-            while not done.wait(interval):
+            while not done.wait(HEARTBEAT_INTERVAL_S):
                 try:
-                    self.store.put(run_id, "heartbeat", f"{time.time():.3f}".encode())
+                    folder.beat()
                 except Exception:  # noqa: BLE001 - the next beat may succeed
                     logger.debug("heartbeat failed", exc_info=True)
 
-        thread = threading.Thread(target=beat, name=f"sgpu-ec2-beat-{run_id}", daemon=True)
+        thread = threading.Thread(target=beat, name=f"sgpu-ec2-beat-{folder.run_id}", daemon=True)
         thread.start()
         try:
             yield

@@ -21,12 +21,8 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,16 +30,22 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError, WaiterError
 
-from prefect_sgpu import catalog
+from prefect_sgpu import aws, catalog
+from prefect_sgpu.aws import error_of as _error_of
+from prefect_sgpu.compute.ec2 import request as rq
+from prefect_sgpu.compute.ec2.request import (
+    DEFAULT_ROOT_DEVICE,
+    MARKET_TAG,
+    OWNER_TAG,
+    RUN_ID_TAG,
+    TTL_TAG,
+    LaunchAttempt,
+)
 from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.instances")
 
-RUN_ID_TAG = "sgpu:run-id"
-OWNER_TAG = "sgpu:owner"
-TTL_TAG = "sgpu:ttl"
-MARKET_TAG = "sgpu:market"
 #: errors that say "no room here right now": worth another zone or market
 CAPACITY_ERRORS = frozenset(
     {
@@ -58,9 +60,7 @@ CAPACITY_ERRORS = frozenset(
         "Unsupported",  # the instance type is not offered in this availability zone
     }
 )
-DEFAULT_ROOT_DEVICE = "/dev/sda1"  # Ubuntu Deep Learning AMIs
 SG_DELETE_TIMEOUT_S = 180.0
-MIN_SECRET_LEN = 12  # AWS key ids are 20 characters, secrets 40: shorter strings are not keys
 
 Progress = Callable[[str], None] | None
 
@@ -115,231 +115,76 @@ class EC2Provisioner:
         return self._session
 
     def client(self, service: str) -> Any:
-        """A client whose every call is retried by botocore on throttling and 5xx."""
+        """A client whose every call is retried by botocore on throttling and 5xx (:mod:`prefect_sgpu.aws`)."""
         if service not in self._clients:
-            from botocore.config import Config
-
-            config = Config(
-                retries={"mode": self.settings.retry_mode, "max_attempts": self.settings.max_attempts},
-                user_agent_extra="prefect-sgpu",
-            )
-            self._clients[service] = self.session.client(
-                service,
-                region_name=self.settings.region,
-                endpoint_url=self.settings.endpoint_url or None,
-                config=config,
+            self._clients[service] = aws.client(
+                service, self.session, self.settings.region, self.settings.endpoint_url,
+                retry_mode=self.settings.retry_mode, max_attempts=self.settings.max_attempts,
             )
         return self._clients[service]
 
-    # -- the request ---------------------------------------------------------------
+    # -- the request (built by prefect_sgpu.compute.ec2.request) -------------------
 
     def instance_type_for(self, plan: Any) -> str:
-        """The block's override for the plan's GPU type, else the catalog's instance type."""
-        itype = getattr(plan, "instance_type", None)
-        if itype is None:
-            raise SGPUConfigError(
-                "instance_type", None, "a remote plan with an instance type from the catalog"
-            )
-        for acc in catalog.CATALOG.values():
-            if itype in acc.instance_types:
-                override = self.settings.instance_types.get(acc.name)
-                if override:
-                    known = catalog.instance_type_by_name(override)
-                    if known is not None and known.gpus != plan.procs_per_node:
-                        raise SGPUConfigError(
-                            f"instance_types[{acc.name}]",
-                            override,
-                            f"an instance type with {plan.procs_per_node} GPUs per node (the plan's), "
-                            f"{override} has {known.gpus}",
-                        )
-                    return override
-        return itype.name
+        return rq.instance_type_for(self.settings, plan)
 
-    def efa_interfaces(self, instance_type: str) -> int:
-        known = catalog.instance_type_by_name(instance_type)
-        return known.efa_interfaces if known else 0
+    def expiry(self, run_id: str) -> str:
+        """One expiry per run: every retry and every resource carries identical tags."""
+        if run_id not in self._expiry:
+            self._expiry[run_id] = rq.expiry(self.settings.ttl_minutes)
+        return self._expiry[run_id]
 
     def tags(self, run_id: str, market: str | None = None) -> list[dict[str, str]]:
-        if run_id not in self._expiry:  # one expiry per run: every retry sends identical tags
-            expiry = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(minutes=self.settings.ttl_minutes)
-            self._expiry[run_id] = expiry.strftime("%Y-%m-%dT%H:%M:%SZ")
-        values = {
-            "Name": f"sgpu-{run_id}",
-            RUN_ID_TAG: run_id,
-            OWNER_TAG: self.settings.owner_name,
-            TTL_TAG: self._expiry[run_id],
-            **self.settings.tags,
-        }
-        if market:
-            values[MARKET_TAG] = market
-        return [{"Key": k, "Value": str(v)} for k, v in values.items()]
+        return rq.tags(self.settings, run_id, self.expiry(run_id), market)
 
     def client_token(self, run_id: str, attempt: int) -> str:
-        """Same run and attempt, same token: a retried launch returns the first one."""
-        digest = hashlib.sha256(f"{run_id}:{attempt}".encode()).hexdigest()[:40]
-        return f"sgpu-{digest}"
-
-    def run_instances_request(
-        self,
-        run_id: str,
-        plan: Any,
-        user_data: str,
-        subnet_id: str | None = None,
-        market: str | None = None,
-        *,
-        attempt: int = 0,
-        image_id: str | None = None,
-        security_group_id: str | None = None,
-        root_device: str = DEFAULT_ROOT_DEVICE,
-    ) -> dict[str, Any]:
-        """The exact keyword arguments of one ``run_instances`` call.
-
-        Without ``image_id`` the AMI is EC2's own ``resolve:ssm:`` reference to the SSM
-        parameter; without a security group it names the group provisioning creates.
-        """
-        s = self.settings
-        market = market or s.markets()[0]
-        if market not in ("spot", "on-demand", "reserved"):
-            raise SGPUConfigError("market", market, "one of spot, on-demand, reserved")
-        subnet_id = subnet_id or (s.subnet_ids[0] if s.subnet_ids else None)
-        itype = self.instance_type_for(plan)
-        sg = security_group_id or s.security_group_id or f"<created: sgpu-{run_id}>"
-        tags = self.tags(run_id, market)
-        resource_types = ["instance", "volume", "network-interface"]
-        if market == "spot":
-            resource_types.append("spot-instances-request")
-        request: dict[str, Any] = {
-            "ImageId": image_id or s.ami_id or f"resolve:ssm:{s.ami_ssm_parameter}",
-            "InstanceType": itype,
-            "MinCount": plan.nodes,
-            "MaxCount": plan.nodes,
-            "ClientToken": self.client_token(run_id, attempt),
-            "UserData": user_data,
-            "Placement": {"GroupName": self.placement_group_name(run_id)},
-            "MetadataOptions": {
-                "HttpTokens": "required",
-                "HttpEndpoint": "enabled",
-                "HttpPutResponseHopLimit": 2,
-            },
-            "BlockDeviceMappings": [
-                {
-                    "DeviceName": root_device,
-                    "Ebs": {
-                        "VolumeSize": s.volume_size_gb,
-                        "VolumeType": "gp3",
-                        "DeleteOnTermination": True,
-                        "Encrypted": True,
-                    },
-                }
-            ],
-            "InstanceInitiatedShutdownBehavior": "terminate",
-            "TagSpecifications": [{"ResourceType": rt, "Tags": tags} for rt in resource_types],
-        }
-        if s.instance_profile:
-            key = "Arn" if s.instance_profile.startswith("arn:") else "Name"
-            request["IamInstanceProfile"] = {key: s.instance_profile}
-        efa = self.efa_interfaces(itype)
-        if efa:
-            request["NetworkInterfaces"] = [
-                {
-                    "DeviceIndex": 0 if card == 0 else 1,
-                    "NetworkCardIndex": card,
-                    **({"SubnetId": subnet_id} if subnet_id else {}),
-                    "Groups": [sg],
-                    "InterfaceType": "efa",
-                    "DeleteOnTermination": True,
-                }
-                for card in range(efa)
-            ]
-        else:
-            if subnet_id:
-                request["SubnetId"] = subnet_id
-            request["SecurityGroupIds"] = [sg]
-        if market == "spot":
-            request["InstanceMarketOptions"] = {
-                "MarketType": "spot",
-                "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
-            }
-        elif market == "reserved":
-            if not s.capacity_reservation_id:
-                raise SGPUConfigError(
-                    "capacity_reservation_id", None, "a capacity reservation id for market='reserved'"
-                )
-            request["CapacityReservationSpecification"] = {
-                "CapacityReservationTarget": {"CapacityReservationId": s.capacity_reservation_id}
-            }
-        self._refuse_secrets(request)
-        return request
+        return rq.client_token(run_id, attempt)
 
     def placement_group_name(self, run_id: str) -> str:
-        return f"sgpu-{run_id}"
+        return rq.placement_group_name(run_id)
 
-    def _refuse_secrets(self, request: dict[str, Any]) -> None:
-        """Fail if the caller's AWS keys or the Prefect API key would reach the instances."""
-        text = json.dumps(request)
-        for name, secret in self._secrets():
-            if len(secret) >= MIN_SECRET_LEN and secret in text:
-                raise SGPUConfigError(
-                    "user_data/tags",
-                    "<redacted>",
-                    f"no credentials: the request contains the {name}; nodes get AWS access from "
-                    "the instance profile and never need the Prefect API key",
-                )
+    def run_instances_request(self, run_id: str, plan: Any, user_data: str, subnet_id: str | None = None,
+                              market: str | None = None, **options: Any) -> dict[str, Any]:
+        """One ``run_instances`` request (see :func:`request.run_instances_request`), checked for secrets."""
+        request = rq.run_instances_request(self.settings, run_id, plan, user_data, self.expiry(run_id),
+                                           subnet_id, market, **options)
+        rq.refuse_secrets(request, rq.known_secrets(self.session))
+        return request
 
-    def _secrets(self) -> list[tuple[str, str]]:
-        found = [
-            ("AWS access key id", os.environ.get("AWS_ACCESS_KEY_ID", "")),
-            ("AWS secret access key", os.environ.get("AWS_SECRET_ACCESS_KEY", "")),
-            ("AWS session token", os.environ.get("AWS_SESSION_TOKEN", "")),
-            ("Prefect API key", os.environ.get("PREFECT_API_KEY", "")),
-        ]
-        try:
-            from prefect.settings import PREFECT_API_KEY
-
-            value = PREFECT_API_KEY.value()
-            value = value.get_secret_value() if hasattr(value, "get_secret_value") else value
-            found.append(("Prefect API key", str(value or "")))
-        except Exception:  # prefect settings unavailable: the env var was checked above
-            logger.debug("could not read PREFECT_API_KEY from Prefect settings", exc_info=True)
-        try:
-            creds = self.session.get_credentials()
-        except BotoCoreError:  # no usable credentials configured: nothing to leak
-            creds = None
-        if creds is not None:
-            frozen = creds.get_frozen_credentials()
-            found += [
-                ("AWS access key id", frozen.access_key or ""),
-                ("AWS secret access key", frozen.secret_key or ""),
-                ("AWS session token", frozen.token or ""),
-            ]
-        return found
+    def attempts(self, run_id: str, plan: Any, user_data: str) -> tuple[LaunchAttempt, ...]:
+        """Every try a launch makes, in failover order, rendered before any call."""
+        return rq.launch_attempts(self.settings, run_id, plan, user_data, self.expiry(run_id),
+                                  rq.known_secrets(self.session))
 
     # -- provisioning --------------------------------------------------------------
 
     def provision(self, run_id: str, plan: Any, user_data: str, progress: Progress = None,
-                  should_stop: Callable[[], bool] | None = None) -> list[Instance]:
+                  should_stop: Callable[[], bool] | None = None, *,
+                  attempts: tuple[LaunchAttempt, ...] | None = None,
+                  deadline: float | None = None, sent: list[dict[str, Any]] | None = None) -> list[Instance]:
         """Launch ``plan.nodes`` instances as one gang, failing over as configured.
 
-        Returns the running instances sorted by launch index. On any failure, and when
+        ``attempts`` are the requests rendered when the job was planned (what dry_run
+        showed); without them they are rendered now. Returns the running instances
+        sorted by launch index. The wait for "running" ends at ``deadline`` (a
+        ``time.monotonic()`` value) or ``running_timeout_s``, whichever comes first
+        (``LaunchTimeout``, phase "provisioning"). On any failure, and when
         ``should_stop()`` turns true before they run (``JobCancelled``), every resource
-        of the run is cleaned up before the error propagates.
+        of the run is cleaned up before the error propagates. Each request actually
+        sent is appended to ``sent``.
         """
         stop = should_stop or (lambda: False)
         say = progress or (lambda message: None)
         self.settings.require_launchable()
         itype = self.instance_type_for(plan)
-        markets = self.settings.markets()
-        self.run_instances_request(run_id, plan, user_data)  # shape and secrets, before any call
+        if attempts is None:
+            attempts = self.attempts(run_id, plan, user_data)  # shape and secrets, before any call
         subnets = self._describe_subnets()
-        plan_attempts = [(m, sub) for m in markets for sub in self.settings.subnet_ids]
-        if "reserved" in markets:
+        todo = list(attempts)
+        if any(a.market == "reserved" for a in todo):
             zone = self._reservation_zone(itype)
-            plan_attempts = [
-                (m, sub)
-                for m, sub in plan_attempts
-                if m != "reserved" or subnets[sub]["AvailabilityZone"] == zone
-            ]
-            if not any(m == "reserved" for m, _ in plan_attempts):
+            todo = [a for a in todo if a.market != "reserved" or subnets[a.subnet_id or ""]["AvailabilityZone"] == zone]
+            if not any(a.market == "reserved" for a in todo):
                 raise SGPUConfigError(
                     "subnet_ids",
                     self.settings.subnet_ids,
@@ -351,21 +196,14 @@ class EC2Provisioner:
             sg = self.settings.security_group_id or self._create_security_group(run_id, subnets)
             self._create_placement_group(run_id)
             tried: list[Attempt] = []
-            for number, (market, subnet_id) in enumerate(plan_attempts):
+            for launch in todo:
                 if stop():
                     raise JobCancelled(f"run {run_id} was cancelled while provisioning")
+                market, subnet_id = launch.market, launch.subnet_id or ""
                 zone = subnets[subnet_id]["AvailabilityZone"]
-                request = self.run_instances_request(
-                    run_id,
-                    plan,
-                    user_data,
-                    subnet_id,
-                    market,
-                    attempt=number,
-                    image_id=image_id,
-                    security_group_id=sg,
-                    root_device=root_device,
-                )
+                request = launch.resolved(image_id, sg, root_device)
+                if sent is not None:
+                    sent.append(request)
                 say(f"run_instances {plan.nodes} x {itype} in {subnet_id} ({zone}), {market}")
                 try:
                     response = self.client("ec2").run_instances(**request)
@@ -384,7 +222,7 @@ class EC2Provisioner:
                 ids = [i["InstanceId"] for i in response["Instances"]]
                 self._launched.setdefault(run_id, set()).update(ids)
                 say(f"launched {', '.join(ids)} in {zone}; waiting for running")
-                return self._wait_running(run_id, ids, market, stop)
+                return self._wait_running(run_id, ids, market, stop, deadline)
             error = ProvisioningError(
                 f"could not launch {plan.nodes} x {itype} for run {run_id}; tried "
                 f"{len(tried)} subnet/market combination(s):\n" + "\n".join(f"  - {a}" for a in tried)
@@ -514,13 +352,19 @@ class EC2Provisioner:
                 raise
 
     def _wait_running(self, run_id: str, ids: list[str], market: str,
-                      should_stop: Callable[[], bool] = lambda: False) -> list[Instance]:
-        """botocore's ``instance_running`` waiter, one poll at a time so a cancel is seen between polls."""
+                      should_stop: Callable[[], bool] = lambda: False,
+                      deadline: float | None = None) -> list[Instance]:
+        """botocore's ``instance_running`` waiter, one poll at a time so a cancel is seen between polls.
+
+        Ends at ``deadline`` (the job's) or after ``running_timeout_s``, whichever is first.
+        """
         ec2 = self.client("ec2")
         delay = self.settings.waiter_delay_s
         waiter = ec2.get_waiter("instance_running")
-        attempts = max(1, math.ceil(self.settings.running_timeout_s / delay))
-        for attempt in range(1, attempts + 1):
+        limit = time.monotonic() + self.settings.running_timeout_s
+        if deadline is not None:
+            limit = min(limit, deadline)
+        while True:
             try:
                 waiter.wait(InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": 1})
                 break
@@ -531,7 +375,7 @@ class EC2Provisioner:
                         f"run {run_id}: instances stopped before running (spot reclaimed or launch failure): "
                         f"{states}"
                     ) from exc
-                if attempt == attempts:
+                if time.monotonic() + delay > limit:
                     raise LaunchTimeout(run_id, self.settings.running_timeout_s, phase="provisioning") from exc
             pause_until = time.monotonic() + delay
             while time.monotonic() < pause_until:
@@ -566,16 +410,19 @@ class EC2Provisioner:
 
     # -- cleanup -------------------------------------------------------------------
 
-    def terminate(self, run_id: str) -> None:
+    def terminate(self, run_id: str) -> list[str]:
         """Terminate the run's instances (by id and by tag), wait, then delete its groups.
 
         Idempotent: a second call, or a call for a run that never launched, does nothing
         harmful. Only groups tagged with the run id are deleted, never a given one.
+        Returns what it removed (instance ids, "security group sg-...", "placement group ...").
         """
         ec2 = self.client("ec2")
+        gone: list[str] = []
         ids = set(self._launched.get(run_id, ())) | set(self._live_by_tag(run_id))
         if ids:
             live = self._terminate_ids(sorted(ids))
+            gone += live
             if live:
                 ec2.get_waiter("instance_terminated").wait(
                     InstanceIds=live,
@@ -591,12 +438,15 @@ class EC2Provisioner:
         for group in ec2.describe_placement_groups(Filters=run_filter).get("PlacementGroups", []):
             try:
                 ec2.delete_placement_group(GroupName=group["GroupName"])
+                gone.append(f"placement group {group['GroupName']}")
             except ClientError as exc:
                 if _error_of(exc)[0] != "InvalidPlacementGroup.Unknown":
                     raise
         for group in ec2.describe_security_groups(Filters=run_filter).get("SecurityGroups", []):
             if group["GroupId"] != self.settings.security_group_id:
                 self._delete_security_group(group["GroupId"])
+                gone.append(f"security group {group['GroupId']}")
+        return gone
 
     def _live_by_tag(self, run_id: str) -> list[str]:
         filters = [
@@ -679,14 +529,6 @@ class EC2Provisioner:
             "instances": per_instance,
         }
 
-
-def _error_of(exc: BaseException) -> tuple[str, str]:
-    """(AWS error code, message) of a botocore ClientError; ('', str) otherwise."""
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        err = response.get("Error", {})
-        return str(err.get("Code", "")), str(err.get("Message", ""))
-    return "", str(exc)
 
 
 __all__ = ["CAPACITY_ERRORS", "Attempt", "EC2Provisioner", "EC2Settings", "Instance"]

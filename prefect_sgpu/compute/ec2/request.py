@@ -1,0 +1,311 @@
+"""What an EC2 job asks AWS for, built before anything is spent: no AWS call in this module.
+
+``EC2InstanceCompute.plan`` renders every ``run_instances`` request a job may send
+(one per subnet and market, in failover order), its tags and its user-data here;
+``dry_run`` prints them and provisioning sends them, so what a user reviews is what
+is sent. Only what provisioning itself creates or resolves (the security group, an
+AMI named by an SSM parameter, the AMI's root device) is filled in at launch time,
+by :meth:`LaunchAttempt.resolved`.
+
+Nothing secret goes into a request: the user-data starts the node bootstrap with
+the store, run id, region and heartbeat TTL only (nodes get AWS access from their
+instance profile and the job key from SSM), and :func:`refuse_secrets` fails a
+request that would carry the caller's AWS keys or Prefect API key.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect_sgpu import catalog
+from prefect_sgpu.compute.ec2.settings import EC2Settings
+from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.spec import Plan
+
+logger = logging.getLogger("prefect_sgpu.compute.ec2.request")
+
+RUN_ID_TAG = "sgpu:run-id"
+OWNER_TAG = "sgpu:owner"
+TTL_TAG = "sgpu:ttl"
+MARKET_TAG = "sgpu:market"
+DEFAULT_ROOT_DEVICE = "/dev/sda1"  # Ubuntu Deep Learning AMIs
+MIN_SECRET_LEN = 12  # AWS key ids are 20 characters, secrets 40: shorter strings are not keys
+
+
+def placement_group_name(run_id: str) -> str:
+    return f"sgpu-{run_id}"
+
+
+def security_group_name(run_id: str) -> str:
+    return f"sgpu-{run_id}"
+
+
+def created_group_placeholder(run_id: str) -> str:
+    """Stands for the security group provisioning creates, until it exists."""
+    return f"<created: {security_group_name(run_id)}>"
+
+
+def client_token(run_id: str, attempt: int) -> str:
+    """Same run and attempt, same token: a retried launch returns the first one."""
+    digest = hashlib.sha256(f"{run_id}:{attempt}".encode()).hexdigest()[:40]
+    return f"sgpu-{digest}"
+
+
+def expiry(ttl_minutes: int, now: _dt.datetime | None = None) -> str:
+    """The ``sgpu:ttl`` tag: when a sweeper may consider the run's resources abandoned."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    return (now + _dt.timedelta(minutes=ttl_minutes)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def tags(settings: EC2Settings, run_id: str, expires: str, market: str | None = None) -> list[dict[str, str]]:
+    """Every resource's tags: the run id (cleanup finds resources by it), owner, expiry, user tags."""
+    values = {
+        "Name": f"sgpu-{run_id}",
+        RUN_ID_TAG: run_id,
+        OWNER_TAG: settings.owner_name,
+        TTL_TAG: expires,
+        **settings.tags,
+    }
+    if market:
+        values[MARKET_TAG] = market
+    return [{"Key": k, "Value": str(v)} for k, v in values.items()]
+
+
+def override_for(settings: EC2Settings, gpu_type: str | None) -> str | None:
+    """The block's ``instance_types`` override for ``gpu_type``: the one place it is looked up."""
+    if not gpu_type:
+        return None
+    return settings.instance_types.get(catalog.lookup(gpu_type).name)
+
+
+def instance_type_for(settings: EC2Settings, plan: Plan) -> str:
+    """The block's override for the plan's GPU type, else the catalog's instance type."""
+    itype = plan.instance_type
+    if itype is None:
+        raise SGPUConfigError("instance_type", None, "a remote plan with an instance type from the catalog")
+    for acc in catalog.CATALOG.values():
+        if itype in acc.instance_types:
+            override = override_for(settings, acc.name)
+            if override:
+                known = catalog.instance_type_by_name(override)
+                if known is not None and known.gpus != plan.procs_per_node:
+                    raise SGPUConfigError(
+                        f"instance_types[{acc.name}]", override,
+                        f"an instance type with {plan.procs_per_node} GPUs per node (the plan's), "
+                        f"{override} has {known.gpus}",
+                    )
+                return override
+    return itype.name
+
+
+def efa_interfaces(instance_type: str) -> int:
+    known = catalog.instance_type_by_name(instance_type)
+    return known.efa_interfaces if known else 0
+
+
+def run_instances_request(
+    settings: EC2Settings,
+    run_id: str,
+    plan: Plan,
+    user_data: str,
+    expires: str,
+    subnet_id: str | None = None,
+    market: str | None = None,
+    *,
+    attempt: int = 0,
+    image_id: str | None = None,
+    security_group_id: str | None = None,
+    root_device: str = DEFAULT_ROOT_DEVICE,
+) -> dict[str, Any]:
+    """The exact keyword arguments of one ``run_instances`` call.
+
+    Without ``image_id`` the AMI is EC2's own ``resolve:ssm:`` reference to the SSM
+    parameter; without a security group it names the group provisioning creates.
+    """
+    s = settings
+    market = market or s.markets()[0]
+    if market not in ("spot", "on-demand", "reserved"):
+        raise SGPUConfigError("market", market, "one of spot, on-demand, reserved")
+    subnet_id = subnet_id or (s.subnet_ids[0] if s.subnet_ids else None)
+    itype = instance_type_for(s, plan)
+    sg = security_group_id or s.security_group_id or created_group_placeholder(run_id)
+    resource_tags = tags(s, run_id, expires, market)
+    resource_types = ["instance", "volume", "network-interface"]
+    if market == "spot":
+        resource_types.append("spot-instances-request")
+    request: dict[str, Any] = {
+        "ImageId": image_id or s.ami_id or f"resolve:ssm:{s.ami_ssm_parameter}",
+        "InstanceType": itype,
+        "MinCount": plan.nodes,
+        "MaxCount": plan.nodes,
+        "ClientToken": client_token(run_id, attempt),
+        "UserData": user_data,
+        "Placement": {"GroupName": placement_group_name(run_id)},
+        "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 2},
+        "BlockDeviceMappings": [{
+            "DeviceName": root_device,
+            "Ebs": {"VolumeSize": s.volume_size_gb, "VolumeType": "gp3", "DeleteOnTermination": True,
+                    "Encrypted": True},
+        }],
+        "InstanceInitiatedShutdownBehavior": "terminate",
+        "TagSpecifications": [{"ResourceType": rt, "Tags": resource_tags} for rt in resource_types],
+    }
+    if s.instance_profile:
+        key = "Arn" if s.instance_profile.startswith("arn:") else "Name"
+        request["IamInstanceProfile"] = {key: s.instance_profile}
+    efa = efa_interfaces(itype)
+    if efa:
+        request["NetworkInterfaces"] = [
+            {"DeviceIndex": 0 if card == 0 else 1, "NetworkCardIndex": card,
+             **({"SubnetId": subnet_id} if subnet_id else {}), "Groups": [sg], "InterfaceType": "efa",
+             "DeleteOnTermination": True}
+            for card in range(efa)
+        ]
+    else:
+        if subnet_id:
+            request["SubnetId"] = subnet_id
+        request["SecurityGroupIds"] = [sg]
+    if market == "spot":
+        request["InstanceMarketOptions"] = {
+            "MarketType": "spot",
+            "SpotOptions": {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"},
+        }
+    elif market == "reserved":
+        if not s.capacity_reservation_id:
+            raise SGPUConfigError("capacity_reservation_id", None, "a capacity reservation id for market='reserved'")
+        request["CapacityReservationSpecification"] = {
+            "CapacityReservationTarget": {"CapacityReservationId": s.capacity_reservation_id}
+        }
+    return request
+
+
+@dataclass(frozen=True)
+class LaunchAttempt:
+    """One ``run_instances`` a job may send: its market, subnet and the request itself."""
+
+    market: str
+    subnet_id: str | None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def resolved(self, image_id: str, security_group_id: str, root_device: str) -> dict[str, Any]:
+        """The request with what provisioning created or looked up filled in (nothing else changes)."""
+        params = copy.deepcopy(self.params)
+        if str(params.get("ImageId", "")).startswith("resolve:ssm:"):
+            params["ImageId"] = image_id
+        placeholder = created_group_placeholder_of(params)
+        if placeholder:
+            for nic in params.get("NetworkInterfaces", []):
+                nic["Groups"] = [security_group_id if g == placeholder else g for g in nic["Groups"]]
+            if "SecurityGroupIds" in params:
+                params["SecurityGroupIds"] = [security_group_id if g == placeholder else g
+                                              for g in params["SecurityGroupIds"]]
+        for mapping in params.get("BlockDeviceMappings", []):
+            if mapping.get("DeviceName") == DEFAULT_ROOT_DEVICE:
+                mapping["DeviceName"] = root_device
+        return params
+
+
+def created_group_placeholder_of(params: dict[str, Any]) -> str | None:
+    groups = list(params.get("SecurityGroupIds", []))
+    for nic in params.get("NetworkInterfaces", []):
+        groups += nic.get("Groups", [])
+    return next((g for g in groups if g.startswith("<created: ")), None)
+
+
+def launch_attempts(settings: EC2Settings, run_id: str, plan: Plan, user_data: str, expires: str,
+                    secrets: list[tuple[str, str]]) -> tuple[LaunchAttempt, ...]:
+    """Every (market, subnet) try in failover order, each with its own request and ClientToken.
+
+    Reserved tries outside the reservation's zone are dropped at launch time (finding
+    the zone is an AWS call); everything else is sent as rendered here.
+    """
+    subnets: list[str | None] = list(settings.subnet_ids) or [None]
+    pairs = [(m, sub) for m in settings.markets() for sub in subnets]
+    attempts = tuple(
+        LaunchAttempt(market, subnet, run_instances_request(settings, run_id, plan, user_data, expires, subnet,
+                                                            market, attempt=number))
+        for number, (market, subnet) in enumerate(pairs)
+    )
+    for attempt in attempts:
+        refuse_secrets(attempt.params, secrets)
+    return attempts
+
+
+def render_user_data(
+    store_uri: str,
+    run_id: str,
+    region: str,
+    heartbeat_ttl: float,
+    endpoint_url: str | None = None,
+    python: str = "python3",
+    setup: str = "",
+) -> str:
+    """The instance's user-data: a short shell script, with no credential and no key in it.
+
+    ``setup`` (shell lines, e.g. installing prefect-sgpu into the AMI's Python) runs first.
+    The bootstrap derives the SSM parameter of the job key from ``run_id`` itself.
+    """
+    argv = [python, "-m", "prefect_sgpu.launch.bootstrap", f"--store={store_uri}", f"--run-id={run_id}",
+            f"--region={region}", f"--heartbeat-ttl={heartbeat_ttl:g}"]
+    if endpoint_url:
+        argv.append(f"--endpoint-url={endpoint_url}")
+    lines = [
+        "#!/bin/bash",
+        "# prefect-sgpu node: AWS access comes from the instance profile, the job key from SSM",
+        "set -euo pipefail",
+        "export PYTHONUNBUFFERED=1",
+        *([setup.strip()] if setup.strip() else []),
+        "exec " + shlex.join(argv),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def refuse_secrets(request: dict[str, Any], secrets: list[tuple[str, str]]) -> None:
+    """Fail if the caller's AWS keys or the Prefect API key would reach the instances."""
+    text = json.dumps(request)
+    for name, secret in secrets:
+        if len(secret) >= MIN_SECRET_LEN and secret in text:
+            raise SGPUConfigError(
+                "user_data/tags", "<redacted>",
+                f"no credentials: the request contains the {name}; nodes get AWS access from "
+                "the instance profile and never need the Prefect API key",
+            )
+
+
+def known_secrets(session: Any | None = None) -> list[tuple[str, str]]:
+    """The caller's credentials that must never reach a node (read locally: no AWS call)."""
+    from botocore.exceptions import BotoCoreError
+
+    found = [
+        ("AWS access key id", os.environ.get("AWS_ACCESS_KEY_ID", "")),
+        ("AWS secret access key", os.environ.get("AWS_SECRET_ACCESS_KEY", "")),
+        ("AWS session token", os.environ.get("AWS_SESSION_TOKEN", "")),
+        ("Prefect API key", os.environ.get("PREFECT_API_KEY", "")),
+    ]
+    try:
+        from prefect.settings import PREFECT_API_KEY
+
+        value = PREFECT_API_KEY.value()
+        value = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        found.append(("Prefect API key", str(value or "")))
+    except Exception:  # prefect settings unavailable: the env var was checked above
+        logger.debug("could not read PREFECT_API_KEY from Prefect settings", exc_info=True)
+    if session is not None:
+        try:
+            creds = session.get_credentials()
+        except BotoCoreError:  # no usable credentials configured: nothing to leak
+            creds = None
+        if creds is not None:
+            frozen = creds.get_frozen_credentials()
+            found += [("AWS access key id", frozen.access_key or ""),
+                      ("AWS secret access key", frozen.secret_key or ""),
+                      ("AWS session token", frozen.token or "")]
+    return found

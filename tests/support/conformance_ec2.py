@@ -1,0 +1,174 @@
+"""The EC2 compute in the conformance suite, and the offline EC2 environment its tests share.
+
+``EC2Env`` is one test's AWS: a bucket for the store, moto (through the fault proxy,
+which records every request as it crossed the wire), a VPC whose private IPs are
+loopback addresses, and the :class:`~ec2_simulator.EC2Simulator` that boots each
+instance's real user-data as local processes. ``EC2Case`` adapts it to the
+``ComputeCase`` protocol of :mod:`support.conformance`.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from support.aws_fault_proxy import AWSFaultProxy
+from support.aws_fixtures import MotoAWS, Network, free_port, live_instances
+from support.ec2_simulator import EC2Simulator
+
+from prefect_sgpu import jobfolder
+from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
+from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
+from prefect_sgpu.store_s3 import S3Store
+
+HEARTBEAT_TTL_S = 10.0
+
+
+@dataclass
+class EC2Env:
+    aws: MotoAWS
+    settings: dict[str, Any]
+    simulator: EC2Simulator
+    bucket: str
+    proxy: AWSFaultProxy | None = None
+
+    def compute(self, **overrides: Any) -> EC2InstanceCompute:
+        return EC2InstanceCompute.from_settings({**self.settings, **overrides}, session=self.aws.session())
+
+    def store(self) -> S3Store:
+        return S3Store(f"s3://{self.bucket}/jobs", session=self.aws.session(), endpoint_url=self.aws.endpoint_url)
+
+    def instances(self, run_id: str, live: bool = False) -> list[dict[str, Any]]:
+        flt = [{"Name": f"tag:{RUN_ID_TAG}", "Values": [run_id]}]
+        if live:
+            return live_instances(self.aws.client("ec2"), flt)
+        found = []
+        for page in self.aws.client("ec2").get_paginator("describe_instances").paginate(Filters=flt):
+            for reservation in page["Reservations"]:
+                found += reservation["Instances"]
+        return found
+
+    def objects(self, run_id: str) -> dict[str, bytes]:
+        """Every object the job left in the store, by full key."""
+        store = self.store()
+        out = {}
+        for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                            Prefix=f"jobs/{run_id}/"):
+            for obj in page.get("Contents", []):
+                out[obj["Key"]] = store.get(run_id, obj["Key"][len(f"jobs/{run_id}/"):]) or b""
+        return out
+
+    def leftovers(self, run_id: str) -> list[str]:
+        """What of job ``run_id`` still exists on (simulated) AWS and in its job folder."""
+        ec2 = self.aws.client("ec2")
+        run_filter = [{"Name": f"tag:{RUN_ID_TAG}", "Values": [run_id]}]
+        left = [f"instance {i['InstanceId']} ({i['State']['Name']})" for i in self.instances(run_id, live=True)]
+        left += [f"security group {g['GroupId']}"
+                 for g in ec2.describe_security_groups(Filters=run_filter)["SecurityGroups"]]
+        left += [f"placement group {g['GroupName']}"
+                 for g in ec2.describe_placement_groups(Filters=run_filter)["PlacementGroups"]]
+        ssm = self.aws.client("ssm")
+        try:
+            ssm.get_parameter(Name=jobfolder.ssm_key_parameter(run_id))
+            left.append(f"SSM parameter {jobfolder.ssm_key_parameter(run_id)}")
+        except ssm.exceptions.ParameterNotFound:
+            pass
+        prefix = f"jobs/{run_id}/"
+        for key in self.objects(run_id):
+            name = key[len(prefix):]
+            if any(name == c or name.startswith(c + "/") for c in jobfolder.CONTROL):
+                left.append(f"s3://{self.bucket}/{key}")
+        return left
+
+    def sent_run_instances(self) -> list[dict[str, str]]:
+        """RunInstances requests as they crossed the wire (query parameters)."""
+        assert self.proxy is not None
+        return [c.params for c in self.proxy.calls("RunInstances")]
+
+
+@contextmanager
+def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
+                    proxy: AWSFaultProxy | None = None) -> Iterator[EC2Env]:
+    """A bucket, settings and a running simulator; checks nothing was leaked when it ends."""
+    bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    settings = {
+        "region": aws_env.region,
+        "subnet_ids": aws_network.subnet_ids,
+        "instance_profile": aws_env.instance_profile(),
+        "ami_id": aws_env.image_id(),
+        "store_uri": f"s3://{bucket}/jobs",
+        "endpoint_url": aws_env.endpoint_url,
+        "heartbeat_ttl_s": HEARTBEAT_TTL_S,
+        "agent_timeout_s": 90.0,
+        "rendezvous_port": free_port(),
+        "running_timeout_s": 60.0,
+        "waiter_delay_s": 0.5,
+    }
+    # what an instance profile would give the nodes; the user-data itself carries no key
+    node_env = {k: v for k, v in aws_env.env.items() if k != "AWS_ENDPOINT_URL"}
+    node_env.pop("AWS_SECURITY_TOKEN", None)
+    node_env.pop("AWS_SESSION_TOKEN", None)
+    simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir).start()
+    env = EC2Env(aws_env, settings, simulator, bucket, proxy)
+    try:
+        yield env
+        leaked = [i["InstanceId"] for i in live_instances(aws_env.client("ec2"))]
+        assert not leaked, f"instances left running: {leaked}"
+        assert simulator.wait_powered_off(list(simulator.nodes), timeout=20), simulator.describe()
+        assert not simulator.errors, simulator.errors
+    finally:
+        simulator.close()
+
+
+class EC2Case:
+    """EC2 instances on moto, booted by the simulator."""
+
+    name = "ec2"
+
+    def __init__(self, env: EC2Env) -> None:
+        self.env = env
+
+    def options(self, **overrides: Any) -> dict[str, Any]:
+        return {"gpus": 2, "gpu_type": "A10", "remote": True, "mlflow": False, "compute": self.env.compute(),
+                **overrides}
+
+    def leftovers(self, run_id: str) -> list[str]:
+        return self.env.leftovers(run_id)
+
+    @contextmanager
+    def stalled_acquire(self) -> Iterator[None]:
+        """Instances launch, but no node ever boots: acquire waits for agents that never come."""
+        boot = self.env.simulator.boot
+        self.env.simulator.boot = lambda _inst: False
+        try:
+            yield
+        finally:
+            self.env.simulator.boot = boot
+
+    def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
+        """The request dry_run showed is the one launched: field by field, and on the wire."""
+        allocation = job.allocation
+        expected = dict(shown["run_instances"])
+        sent = allocation.sent[-1]
+        groups = sent.get("SecurityGroupIds")
+        assert groups and all(g.startswith("sg-") for g in groups)
+        assert expected.pop("SecurityGroupIds") == [f"<created: sgpu-{job.run_id}>"]
+        # filled in at launch, and only these: the created group and the AMI's own root device
+        root = self.env.aws.client("ec2").describe_images(ImageIds=[sent["ImageId"]])["Images"][0]["RootDeviceName"]
+        assert [m["DeviceName"] for m in sent["BlockDeviceMappings"]] == [root]
+        expected["BlockDeviceMappings"] = [{**m, "DeviceName": root} for m in expected["BlockDeviceMappings"]]
+        differ = {k for k in {*sent, *expected} - {"SecurityGroupIds"} if sent.get(k) != expected.get(k)}
+        assert not differ, {k: (expected.get(k), sent.get(k)) for k in differ}
+        wire = [p for p in self.env.sent_run_instances() if p.get("ClientToken") == expected["ClientToken"]]
+        assert wire, "RunInstances with the shown ClientToken reached EC2"
+        params = wire[-1]
+        assert base64.b64decode(params["UserData"]).decode() == expected["UserData"]
+        assert (params["InstanceType"], params["MinCount"], params["MaxCount"], params["ImageId"]) == (
+            expected["InstanceType"], str(expected["MinCount"]), str(expected["MaxCount"]), expected["ImageId"])
+        assert params["SubnetId"] == expected["SubnetId"] and params["SecurityGroupId.1"] == groups[0]
