@@ -51,9 +51,9 @@ def _check_replaceable(names: list[str], output: str) -> None:
 
 
 def _s3_client() -> Any:
-    import boto3
+    from prefect_sgpu import aws
 
-    return boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
+    return aws.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
 
 
 def _split_s3(uri: str) -> tuple[str, str]:
