@@ -22,7 +22,7 @@ _LOGO = "https://raw.githubusercontent.com/PrefectHQ/prefect/420d0d6a78bb6df1fc1
 
 
 def _example(name: str, body: str) -> str:
-    return f'```python\nfrom prefect_sgpu.adapters.blocks import {name}\n\ncompute = {name}.load("BLOCK_NAME")\n{body}\n```'
+    return f'```python\nfrom prefect_sgpu.blocks import {name}\n\ncompute = {name}.load("BLOCK_NAME")\n{body}\n```'
 
 
 class LocalCompute(Block):
@@ -61,7 +61,7 @@ class SGPUStore(Block):
     _documentation_url = _DOCS
     _logo_url = _LOGO  # type: ignore[assignment]
     _code_example = (
-        '```python\nfrom prefect_sgpu.adapters.blocks import SGPUStore\n\nstore = SGPUStore.load("BLOCK_NAME")\n'
+        '```python\nfrom prefect_sgpu.blocks import SGPUStore\n\nstore = SGPUStore.load("BLOCK_NAME")\n'
         "@flow(task_runner=GPUTaskRunner(store=store))\ndef pipeline(): ...\n```"
     )
 

@@ -10,7 +10,6 @@ pool's compute and store blocks through the environment: ``GPUTaskRunner()`` and
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from typing import Any, Optional
 

@@ -14,7 +14,6 @@ seals its status; the ranks verify the payload and seal their envelopes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket

@@ -16,6 +16,7 @@ import pytest
 from prefect_sgpu import JobCancelled, LaunchTimeout, distributed, runtime
 from prefect_sgpu.compute.base import Released
 from support.conformance import CASES, STALLABLE
+from support.threads import run_in_thread
 
 pytestmark = pytest.mark.e2e
 
@@ -106,9 +107,7 @@ def test_cancel_while_running_stops_every_rank(case: Any, tmp_path: Path) -> Non
 
     fn = distributed(**case.options(mlflow=True))(slow)
     job = fn.job(marker, cancel_event=threading.Event())
-    outcome: list[BaseException | None] = []
-    runner = threading.Thread(target=_run_into, args=(job, outcome))
-    runner.start()
+    runner, outcome = run_in_thread(job)
     _wait_for(marker, job.prepare()[0].plan.world_size)
     job.cancel_event.set()
     runner.join(timeout=120)
@@ -116,15 +115,6 @@ def test_cancel_while_running_stops_every_rank(case: Any, tmp_path: Path) -> Non
     assert outcome and isinstance(outcome[0], JobCancelled), outcome
     assert _mlflow_status(job.tracked.run_id if job.tracked else None) in (None, "KILLED")
     assert case.leftovers(job.run_id) == []
-
-
-def _run_into(job: Any, outcome: list[BaseException | None]) -> None:
-    """Run a job (in a thread) and keep its exception for the test."""
-    try:
-        job.run()
-        outcome.append(None)
-    except BaseException as exc:  # noqa: BLE001 - the test inspects it
-        outcome.append(exc)
 
 
 def test_timeout_during_acquire_gives_everything_back(stallable_case: Any) -> None:

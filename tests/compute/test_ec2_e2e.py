@@ -16,7 +16,6 @@ import textwrap
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,6 +30,7 @@ from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
 from prefect_sgpu.errors import DocumentRefused, SGPUConfigError
 from prefect_sgpu.jobfolder import Alive, JobFolder, LaunchDocument, launch_key, new_key, ssm_key_parameter
 from prefect_sgpu.store_s3 import S3Store
+from support.threads import run_in_thread
 
 pytestmark = pytest.mark.e2e
 
@@ -159,16 +159,7 @@ def test_cancel_while_nodes_boot_terminates_them_and_ends_the_run_killed(ec2: EC
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(agent_timeout_s=600.0))(_all_reduce)
     cancel = threading.Event()
     job = fn.job("cancelled", cancel_event=cancel)
-    outcome: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            job.run()
-        except BaseException as exc:  # noqa: BLE001
-            outcome.append(exc)
-
-    runner = threading.Thread(target=run)
-    runner.start()
+    runner, outcome = run_in_thread(job)
     try:
         deadline = time.monotonic() + 120
         while not ec2.instances(job.run_id) or not any(

@@ -18,6 +18,7 @@ from prefect_sgpu.compute.base import Released
 from prefect_sgpu.compute.ray import RayAllocation, RayRequest, RayTrainCompute, fits, scaling_options
 from prefect_sgpu.ray import RayCompute
 from prefect_sgpu.spec import JobSpec
+from support.threads import run_in_thread
 
 pytestmark = pytest.mark.e2e
 
@@ -128,16 +129,7 @@ def test_cancel_stops_the_ray_train_run(compute: RayCompute) -> None:
 
     cancel, sink = threading.Event(), Lines()
     job = train_forever.job(cancel_event=cancel, sink=sink)
-    outcome: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            job.run()
-        except BaseException as exc:  # noqa: BLE001
-            outcome.append(exc)
-
-    runner = threading.Thread(target=run)
-    runner.start()
+    runner, outcome = run_in_thread(job)
     try:
         deadline = time.monotonic() + 300
         while not {"[rank 0] training", "[rank 1] training"} <= set(sink.seen):

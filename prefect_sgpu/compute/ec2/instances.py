@@ -28,17 +28,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError, WaiterError
+from botocore.exceptions import ClientError, WaiterError
 
 from prefect_sgpu import aws, catalog
 from prefect_sgpu.aws import error_of as _error_of
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2.request import (
     DEFAULT_ROOT_DEVICE,
-    MARKET_TAG,
-    OWNER_TAG,
     RUN_ID_TAG,
-    TTL_TAG,
     LaunchAttempt,
 )
 from prefect_sgpu.compute.ec2.settings import EC2Settings
