@@ -461,12 +461,12 @@ class NodeBootstrap:
             time.sleep(self.interval)
 
     def watch_until_gone(self) -> int:
-        """The work is done; the driver terminates this instance. If it never does, do it."""
+        """The work is done; the driver terminates this instance. If it never does, do it.
+
+        Silent: after its status a node writes nothing more to the store, so the driver's
+        deletion of the job's control files (right after it terminates the instances) is final.
+        """
         while True:
-            try:
-                self.publish_alive()
-            except Exception as exc:  # noqa: BLE001
-                self._store_error("announcing this node", exc)
             if self.heartbeat_stale():
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
             time.sleep(self.interval)

@@ -16,6 +16,7 @@ from uuid import UUID
 
 import psutil
 import pytest
+from support.processes import default_sigint
 
 pytestmark = pytest.mark.e2e
 
@@ -124,7 +125,8 @@ def test_cancelling_the_flow_run_stops_every_rank_and_kills_the_mlflow_run(deplo
     before = {p.pid for p in _job_agents()}
     worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL,
                                "--type", "sgpu"], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+                              stderr=subprocess.DEVNULL, start_new_session=True,
+                              preexec_fn=default_sigint)  # Prefect turns SIGTERM into SIGINT
     try:
         with get_client(sync_client=True) as client:
             run = client.create_flow_run_from_deployment(deployment_id, parameters={

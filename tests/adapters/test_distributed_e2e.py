@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support.processes import job_processes
+from support.processes import default_sigint, job_processes
 from prefect_sgpu import LaunchTimeout, RankFailedError, distributed, run_script, runtime
 from prefect_sgpu.compute.local import LocalProcessCompute, namespaces_available
 from prefect_sgpu.errors import JobCancelled
@@ -274,7 +274,8 @@ def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     script.write_text(textwrap.dedent(INTERRUPTED_DRIVER))
     flag = tmp_path / "up"
     proc = subprocess.Popen([sys.executable, str(script), str(flag)], cwd=tmp_path,
-                            env={**os.environ, "PREFECT_SGPU_HEARTBEAT_TTL": "4"})
+                            env={**os.environ, "PREFECT_SGPU_HEARTBEAT_TTL": "4"},
+                            preexec_fn=default_sigint)
     deadline = time.monotonic() + 90
     while not (Path(f"{flag}0").exists() and Path(f"{flag}1").exists()):
         assert proc.poll() is None, "driver exited early"

@@ -16,3 +16,14 @@ def job_processes(run_id: str) -> list[str]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that must turn Ctrl-C into KeyboardInterrupt.
+
+    Python leaves SIGINT ignored in a process started with it ignored, as every child of
+    a test run started in the background of a non-interactive shell (CI) is.
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
