@@ -188,7 +188,8 @@ class Job:
                 f"[{plan.device}, {request.compute}], job {self.run_id}"
             )
             tailer = LogTailer(self.store, self.run_id, plan.procs_per_node, self.sink.line).start()
-            self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
+            allocation = self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
+            tailer.node_of = lambda rank: self.compute.node_of_rank(allocation, rank)
             self.plan = self.allocation.plan  # a job compute may refine the device it got
             endpoint = self.compute.rendezvous_endpoint(self.allocation)
             launch = self.launch(request, [n.address for n in self.allocation.nodes], endpoint)

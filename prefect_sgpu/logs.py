@@ -68,6 +68,8 @@ class LogTailer:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        #: which node a rank runs on (the driver sets it once the compute has placed the ranks)
+        self.node_of: Callable[[int], int] | None = None
 
     def start(self) -> "LogTailer":
         self._thread = threading.Thread(target=self._loop, name=f"sgpu-logs-{self.run_id}", daemon=True)
@@ -98,9 +100,10 @@ class LogTailer:
                     rest = b""
                 self._partial[key] = rest
                 rank = rank_of_key(key)
+                node = self.node_of(rank) if self.node_of is not None else rank // self.procs_per_node
                 for raw in lines:
                     try:
-                        self.sink(rank, rank // self.procs_per_node,
+                        self.sink(rank, node,
                                   raw.decode("utf-8", "replace").rstrip("\r"))
                     except Exception:  # noqa: BLE001 - a broken sink must not kill the job
                         logger.debug("log sink failed", exc_info=True)

@@ -268,6 +268,11 @@ class Compute(ABC):
         host = allocation.nodes[0].address
         return f"{host}:{free_port(host)}"
 
+    def node_of_rank(self, allocation: Allocation, rank: int) -> int:
+        """Which node ``rank`` runs on, for tagging its log lines. Node computes place ranks in
+        order; a job compute whose scheduler places them (Ray) knows better and overrides this."""
+        return rank // max(allocation.plan.procs_per_node, 1)
+
     def describe(self, allocation: Allocation) -> dict[str, Any]:
         """The allocation for people: nodes, addresses, hosts, instances."""
         return {"compute": self.name, "run_id": allocation.run_id,

@@ -151,6 +151,8 @@ class RayAllocation(Allocation):
     last_drain: float = 0.0
     #: everything written to each rank's log so far (stores without append get the whole file again)
     logs: dict[int, bytearray] = field(default_factory=dict)
+    #: the Ray node each rank's worker reported (Ray places workers, so ranks are not in node order)
+    rank_nodes: dict[int, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -364,10 +366,15 @@ class RayTrainCompute(Compute):
         if allocation.collector is None or not ray.is_initialized():
             return
         by_rank: dict[int, list[str]] = {}
-        for rank, _node, text in ray.get(allocation.collector.drain.remote()):
+        for rank, node, text in ray.get(allocation.collector.drain.remote()):
+            allocation.rank_nodes[rank] = node  # before the line is in the log the tailer reads
             by_rank.setdefault(rank, []).append(text)
         for rank, lines in by_rank.items():
             _append_log(allocation, rank, ("\n".join(lines) + "\n").encode())
+
+    def node_of_rank(self, allocation: Allocation, rank: int) -> int:
+        assert isinstance(allocation, RayAllocation)
+        return allocation.rank_nodes.get(rank, 0)
 
     def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
         """Cancel the run gracefully if it still runs; safe to call again."""

@@ -71,8 +71,8 @@ def test_two_workers_return_values_in_rank_order_with_tagged_logs(
     assert [r.rank for r in result.ranks] == [0, 1]
     out = capfd.readouterr().out
     assert "ray: rank 0 of 2 sum=1" in out and "ray: rank 1 of 2 sum=1" in out
-    for v in result.values:  # tagged by the driver's log tailer, from the job folder's rank logs
-        assert f"[rank {v['rank']} node 0] ray: rank {v['rank']} of 2 sum=1" in out
+    for v in result.values:  # tagged with the node Ray placed the worker on, from the job folder's rank logs
+        assert f"[rank {v['rank']} node {v['node']}] ray: rank {v['rank']} of 2 sum=1" in out
     assert "rank 1 of 2" in (Path(result.logs_uri) / "rank-00001.log").read_text()
 
     from mlflow.tracking import MlflowClient
