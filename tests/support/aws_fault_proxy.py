@@ -162,6 +162,9 @@ class AWSFaultProxy:
         self._tokens: dict[str, tuple[str, int, bytes]] = {}
         self._reservations: dict[str, _Reservation] = {}
         self._lock = threading.RLock()
+        #: called with the instance ids of every TerminateInstances moto accepted, before the caller
+        #: hears back: moto marks instances terminated at once, a real one is powered off by then
+        self.on_terminate: Callable[[list[str]], None] | None = None
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -297,6 +300,9 @@ class AWSFaultProxy:
             result = self._run_instances(method, path, headers, body, params)
         else:
             result = self._forward(method, path, headers, body)
+        hook = self.on_terminate
+        if service == "ec2" and action == "TerminateInstances" and result[0] < 400 and hook is not None:
+            hook([v for k, v in sorted(params.items()) if k.startswith("InstanceId.")])
         if rule is not None:  # the call happened upstream; the caller never hears back
             return self._error(record, rule.code, rule.message, rule.status, service)
         record.status = result[0]

@@ -116,6 +116,8 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
     node_env.pop("AWS_SESSION_TOKEN", None)
     simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir).start()
     env = EC2Env(aws_env, settings, simulator, bucket, proxy)
+    if proxy is not None:  # "terminated" means powered off, as on EC2: no node writes after it
+        proxy.on_terminate = lambda ids: simulator.wait_powered_off(ids, timeout=30)
     try:
         yield env
         leaked = [i["InstanceId"] for i in live_instances(aws_env.client("ec2"))]
@@ -123,6 +125,8 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
         assert simulator.wait_powered_off(list(simulator.nodes), timeout=20), simulator.describe()
         assert not simulator.errors, simulator.errors
     finally:
+        if proxy is not None:
+            proxy.on_terminate = None
         simulator.close()
 
 
