@@ -27,10 +27,12 @@ from prefect_sgpu.compute.base import (
     NodeCommand,
     NodeExited,
     NodeLost,
+    NodeNotice,
     NodeUp,
+    Released,
     Request,
 )
-from prefect_sgpu.errors import JobCancelled, LaunchTimeout, RankFailedError
+from prefect_sgpu.errors import InfrastructureLost, JobCancelled, JobHung, LaunchTimeout, RankFailedError
 from prefect_sgpu.jobfolder import JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
 from prefect_sgpu.spec import JobSpec, Plan
@@ -53,6 +55,48 @@ class RankReport:
 
 
 @dataclass
+class Recovery:
+    """One relaunch after infrastructure loss: what was lost, from where the new gang resumed."""
+
+    gang: int
+    nodes: dict[int, str]
+    reason: str
+    #: the newest complete checkpoint step the new gang found (None: it started from scratch)
+    resumed_from_step: int | None
+    #: seconds from the loss being noticed to the new gang's launch (stop, release, provisioning)
+    reprovision_s: float
+    #: seconds of the lost gang's run after its last complete checkpoint (work redone)
+    lost_work_s: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"gang": self.gang, "nodes": {str(k): v for k, v in self.nodes.items()}, "reason": self.reason,
+                "resumed_from_step": self.resumed_from_step, "reprovision_s": round(self.reprovision_s, 1),
+                "lost_work_s": None if self.lost_work_s is None else round(self.lost_work_s, 1)}
+
+
+@dataclass
+class _GangEnd:
+    codes: dict[int, int]
+    statuses: dict[int, NodeStatus]
+    lost: dict[int, str]
+    notices: dict[int, str]
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.codes.values())
+
+    def infrastructure(self) -> dict[int, str]:
+        """Nodes whose end was the infrastructure's doing (lost, or reclaimed after a notice)."""
+        found = dict(self.lost)
+        for node, notice in self.notices.items():
+            found.setdefault(node, f"reclaim notice: {notice}")
+        for node, status in self.statuses.items():
+            if status.notice and node not in found:
+                found[node] = f"reclaim notice: {status.notice}"
+        return found
+
+
+@dataclass
 class JobResult:
     """What a finished job leaves behind, beyond the values."""
 
@@ -68,6 +112,8 @@ class JobResult:
     cost: dict[str, Any] | None = None
     #: what release removed (instances, groups, parameters, processes)
     released: list[str] = field(default_factory=list)
+    #: relaunches after infrastructure loss (spot reclaim, lost node), oldest first
+    recoveries: list[Recovery] = field(default_factory=list)
 
 
 class Launcher:
@@ -84,6 +130,7 @@ class Launcher:
             f"--nproc-per-node={plan.procs_per_node}", f"--rdzv-endpoint={endpoint}",
             f"--local-addr={address}", f"--max-restarts={job.spec.max_restarts}",
             f"--heartbeat-ttl={request.heartbeat_ttl_s:g}", f"--join-timeout={min(job.spec.timeout, 600):g}",
+            f"--hang-timeout={job.spec.hang_timeout or 0:g}",
         ]
 
     def result_ranks(self, plan: Plan) -> list[int]:
@@ -128,6 +175,9 @@ class Job:
         self.folder: JobFolder | None = None
         self.started_at = 0.0
         self._prepared: tuple[Request, bytes, str] | None = None
+        self.recoveries: list[Recovery] = []
+        self._released: list[Released] = []
+        self._reprovision_started: float | None = None
         self.mlflow_parent = active_parent() if spec.mlflow else None
 
     # -- preparation (nothing spent) ---------------------------------------------
@@ -145,11 +195,20 @@ class Job:
             "SGPU_RUN_ID": self.run_id,
             "SGPU_JOB_DIR": self.store.uri(self.run_id),
             "PYTHONUNBUFFERED": "1",
+            **self._checkpoint_env(),
             **(self.tracked.env if self.tracked else {}),
         }
         commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
                     for i, address in enumerate(addresses)]
         return JobLaunch(env=env, commands=commands, rendezvous=endpoint)
+
+    def _checkpoint_env(self) -> dict[str, str]:
+        """Checkpoints on the job's store (they outlive nodes and relaunches), unless the caller chose."""
+        from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV
+
+        if URI_ENV in self.spec.env or DIR_ENV in self.spec.env:
+            return {}
+        return {URI_ENV: self.store.uri(self.run_id, "checkpoints")}
 
     def dry_run(self) -> dict[str, Any]:
         """The request and each node's command, without starting anything."""
@@ -188,17 +247,11 @@ class Job:
                 f"[{plan.device}, {request.compute}], job {self.run_id}"
             )
             tailer = LogTailer(self.store, self.run_id, plan.procs_per_node, self.sink.line).start()
-            allocation = self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
-            tailer.node_of = lambda rank: self.compute.node_of_rank(allocation, rank)
-            self.plan = self.allocation.plan  # a job compute may refine the device it got
-            endpoint = self.compute.rendezvous_endpoint(self.allocation)
-            launch = self.launch(request, [n.address for n in self.allocation.nodes], endpoint)
-            self.compute.start(self.allocation, launch)
-            codes, statuses, lost = self._wait(deadline)
+            end = self._run_gangs(request, folder, deadline, tailer)
             tailer.poll()
-            result = self._collect(self.plan, codes, statuses, lost)
+            result = self._collect(self.plan, end)
             outcome = "FINISHED"
-        except (RankFailedError, LaunchTimeout):
+        except (RankFailedError, LaunchTimeout, JobHung):
             outcome = "FAILED"
             raise
         except BaseException as exc:
@@ -207,33 +260,115 @@ class Job:
         finally:
             released = self._cleanup(outcome, tailer)
         assert result is not None
-        if released is not None:
-            result.cost = released.cost
-            result.released = list(released.gone)
+        every = [*self._released, *([released] if released is not None else [])]
+        result.cost = _total_cost([r.cost for r in every])
+        result.released = [g for r in every for g in r.gone]
+        result.recoveries = list(self.recoveries)
         return result
 
-    def _wait(self, deadline: float) -> tuple[dict[int, int], dict[int, NodeStatus], dict[int, str]]:
-        """Poll the compute until every node exited, or one failed or was lost."""
+    def _run_gangs(self, request: Request, folder: JobFolder, deadline: float, tailer: LogTailer) -> _GangEnd:
+        """Acquire, start and wait; after infrastructure loss, release and do it again (``max_recoveries``)."""
+        gang = 0
+        while True:
+            allocation = self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
+            tailer.node_of = lambda rank, a=allocation: self.compute.node_of_rank(a, rank)
+            self.plan = allocation.plan  # a job compute may refine the device it got
+            endpoint = self.compute.rendezvous_endpoint(allocation)
+            launch = self.launch(request, [n.address for n in allocation.nodes], endpoint)
+            self.compute.start(allocation, launch)
+            gang_started = time.monotonic()
+            end = self._wait(deadline)
+            lost = end.infrastructure() if not end.ok else {}
+            if not lost:
+                return end
+            hosts = {n.index: n.instance_id or n.host for n in allocation.nodes}
+            reason = "; ".join(f"node {i} ({hosts.get(i, '?')}): {why}" for i, why in sorted(lost.items()))
+            if len(self.recoveries) >= self.spec.max_recoveries:
+                self.compute.stop(allocation)
+                node = min(lost)
+                raise InfrastructureLost(
+                    None, hosts.get(node), end.codes.get(node), None,
+                    f"infrastructure lost: {reason}; {len(self.recoveries)} recovery(ies) made, "
+                    f"max_recoveries={self.spec.max_recoveries}", node=node,
+                    recoveries=[r.as_dict() for r in self.recoveries])
+            noticed = time.monotonic()
+            gang += 1
+            self.sink.warning(f"{self.call.name}: {reason}; relaunching the job on new capacity "
+                              f"(recovery {gang} of at most {self.spec.max_recoveries})")
+            try:
+                self.compute.stop(allocation)
+            finally:
+                self._released.append(self.compute.release(allocation))
+            self.allocation = None
+            tailer.restart(lambda g=gang: folder.reset_for_relaunch(g))
+            step, lost_work = self._checkpoint_progress(gang_started)
+            request = self.compute.replan(request, gang)
+            self.recoveries.append(Recovery(gang=gang, nodes={i: hosts.get(i, "?") for i in lost}, reason=reason,
+                                            resumed_from_step=step, reprovision_s=0.0, lost_work_s=lost_work))
+            self._reprovision_started = noticed
+
+    def _checkpoint_progress(self, gang_started: float) -> tuple[int | None, float | None]:
+        """The newest complete checkpoint step and the seconds of work the lost gang did after it."""
+        import json
+
+        from prefect_sgpu.checkpoints import DIR_ENV, MARKER, URI_ENV, Location, step_dir_name
+
+        env = {**self._checkpoint_env(), **self.spec.env}
+        uri = env.get(URI_ENV) or env.get(DIR_ENV)
+        if not uri:
+            return None, None
+        try:
+            location = Location(uri)
+            steps = location.complete_steps()
+            if not steps:
+                return None, time.monotonic() - gang_started
+            name = f"{step_dir_name(steps[-1])}/{MARKER}"
+            raw = location.store.get("", name) if location.remote else (location.local / name).read_bytes()
+            written = json.loads(raw or b"{}").get("written_at")
+            return steps[-1], (max(0.0, time.time() - written) if written else None)
+        except Exception:  # noqa: BLE001 - a report, not a reason to fail the relaunch
+            logger.debug("could not read the checkpoints of job %s", self.run_id, exc_info=True)
+            return None, None
+
+    def _wait(self, deadline: float) -> _GangEnd:
+        """Poll the compute until every node exited, or one failed or was lost.
+
+        After a failure the driver polls ``compute.loss_grace_s`` longer for a loss that
+        explains it: a lost node's peers often fail first, on a broken collective.
+        """
         assert self.allocation is not None and self.folder is not None
-        codes: dict[int, int] = {}
-        statuses: dict[int, NodeStatus] = {}
-        lost: dict[int, str] = {}
+        end = _GangEnd({}, {}, {}, {})
         last_beat = time.monotonic()
         total = len(self.allocation.nodes)
+        failed_at: float | None = None
+        if self._reprovision_started is not None and self.recoveries:
+            self.recoveries[-1].reprovision_s = time.monotonic() - self._reprovision_started
+            self._reprovision_started = None
         while True:
             for event in self.compute.poll(self.allocation):
                 if isinstance(event, NodeExited):
-                    codes[event.node] = event.exit_code
+                    end.codes[event.node] = event.exit_code
                     if event.status is not None:
-                        statuses[event.node] = event.status
+                        end.statuses[event.node] = event.status
                 elif isinstance(event, NodeLost):
-                    codes[event.node] = 137
-                    lost[event.node] = event.reason
+                    end.codes[event.node] = 137
+                    end.lost[event.node] = event.reason
+                elif isinstance(event, NodeNotice):
+                    if event.node not in end.notices:
+                        self.sink.warning(f"{self.call.name}: node {event.node} will be reclaimed ({event.notice}); "
+                                          "its ranks were told to checkpoint")
+                    end.notices[event.node] = event.notice
                 elif isinstance(event, NodeUp):
                     logger.debug("job %s: node %d up on %s", self.run_id, event.node, event.host)
-            if len(codes) == total or any(codes.values()):
-                return codes, statuses, lost
             now = time.monotonic()
+            if len(end.codes) == total:
+                return end
+            if any(end.codes.values()):
+                if end.infrastructure():
+                    return end
+                failed_at = failed_at or now
+                if now - failed_at >= self.compute.loss_grace_s:
+                    return end
             if self.cancel_event.is_set():
                 raise JobCancelled(f"job {self.run_id} was cancelled; every rank was stopped")
             if now > deadline:
@@ -247,8 +382,8 @@ class Job:
         assert self.folder is not None
         return {rank: payload_mod.load_envelope(body) for rank, body in self.folder.results().items()}
 
-    def _collect(self, plan: Plan, codes: dict[int, int], statuses: dict[int, NodeStatus],
-                 lost: dict[int, str]) -> JobResult:
+    def _collect(self, plan: Plan, end: _GangEnd) -> JobResult:
+        codes, statuses, lost = end.codes, end.statuses, end.lost
         if any(codes.values()):
             if self.allocation is not None:
                 self.compute.stop(self.allocation)  # the other nodes, before reading envelopes
@@ -274,7 +409,11 @@ class Job:
 
     def _failure(self, codes: dict[int, int], statuses: dict[int, NodeStatus],
                  lost: dict[int, str]) -> BaseException:
-        """The first failing rank's own exception (with rank/host notes), else RankFailedError."""
+        """JobHung when a watchdog stopped the job; else the first failing rank's own exception
+        (with rank/host notes); else RankFailedError."""
+        hung = {int(rank): info.model_dump() for status in statuses.values() for rank, info in status.hung.items()}
+        if hung:
+            return JobHung(self.run_id, self.spec.hang_timeout or 0.0, hung)
         failed = sorted((e for e in self._envelopes().values() if not e.ok), key=lambda e: e.finished)
         if failed:
             first = failed[0]
@@ -319,6 +458,12 @@ class Job:
             if tailer is not None:
                 tailer.close()
             if self.tracked is not None:
+                if self.recoveries:
+                    import json
+
+                    self.tracked.set_tags({"sgpu.recoveries": str(len(self.recoveries)),
+                                           **{f"sgpu.recovery.{r.gang}": json.dumps(r.as_dict())[:5000]
+                                              for r in self.recoveries}})
                 self.tracked.end(outcome)
             if self.folder is not None:
                 try:
@@ -326,3 +471,18 @@ class Job:
                 except Exception:  # noqa: BLE001 - the job's outcome matters more than tidiness
                     logger.warning("could not delete the control files of job %s", self.run_id, exc_info=True)
         return released
+
+
+def _total_cost(costs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One job's cost over every gang it ran: numbers add up, the rest is the last gang's."""
+    known = [c for c in costs if c]
+    if len(known) <= 1:
+        return known[0] if known else None
+    total: dict[str, Any] = {}
+    for cost in known:
+        for key, value in cost.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(total.get(key, 0), (int, float)):
+                total[key] = round(total.get(key, 0) + value, 6)
+            else:
+                total[key] = value
+    return total

@@ -103,3 +103,43 @@ class RankFailedError(SGPUError):
             type(self),
             (self.rank, self.host, self.exit_code, self.remote_traceback, self.message, self.node),
         )
+
+
+class JobHung(SGPUError):
+    """Ranks made no progress for the job's ``hang_timeout``: the job was stopped.
+
+    ``ranks`` maps each silent rank to how long it was silent, its last reported step
+    and its Python stack at the time (dumped by the node's watchdog).
+    """
+
+    def __init__(self, run_id: str, timeout: float, ranks: dict[int, dict[str, Any]]) -> None:
+        self.run_id = run_id
+        self.timeout = timeout
+        self.ranks = ranks
+        names = ", ".join(str(r) for r in sorted(ranks))
+        text = (f"job {run_id}: rank(s) {names} made no progress for {timeout:g}s (hang_timeout); "
+                "every rank was stopped")
+        for rank in sorted(ranks):
+            info = ranks[rank]
+            step = f", last step {info['step']}" if info.get("step") else ""
+            text += f"\n\nrank {rank} (silent {info.get('silent_s', 0):.0f}s{step}):\n"
+            text += (info.get("stack") or "(no stack: the rank did not answer the dump signal)").rstrip()
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.timeout, self.ranks))
+
+
+class InfrastructureLost(RankFailedError):
+    """Nodes were lost (spot reclaim, instance gone, node silent) more often than ``max_recoveries``
+    allows; ``recoveries`` lists the relaunches already made."""
+
+    def __init__(self, rank: int | None, host: str | None, exit_code: int | None, remote_traceback: str | None,
+                 message: str | None = None, node: int | None = None,
+                 recoveries: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(rank, host, exit_code, remote_traceback, message, node)
+        self.recoveries = list(recoveries or [])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.host, self.exit_code, self.remote_traceback, self.message,
+                             self.node, self.recoveries))

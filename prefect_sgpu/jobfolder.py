@@ -147,12 +147,22 @@ class Alive(_Doc):
     seq: int
     time: float
     host: str = ""
+    #: the cloud's notice that this instance will be reclaimed (spot interruption, rebalance)
+    notice: str | None = None
 
 
 class RankExit(_Doc):
     exit_code: int
     signal: str | None = None
     local_rank: int | None = None
+
+
+class HungRank(_Doc):
+    """A rank the node's watchdog found silent: for how long, its last step, its stack."""
+
+    silent_s: float
+    step: str = ""
+    stack: str = ""
 
 
 class NodeStatus(_Doc):
@@ -164,6 +174,10 @@ class NodeStatus(_Doc):
     failures: dict[str, RankExit] = Field(default_factory=dict)
     error: str | None = None
     stopped: str | None = None
+    #: ranks that made no progress for the job's hang_timeout (the agent stopped the node)
+    hung: dict[str, HungRank] = Field(default_factory=dict)
+    #: the reclaim notice this node had received, if any
+    notice: str | None = None
 
 
 D = TypeVar("D", bound=_Doc)
@@ -356,6 +370,17 @@ class JobFolder:
 
     def log_keys(self) -> list[str]:
         return self.store.list(self.run_id, LOGS)
+
+    def reset_for_relaunch(self, gang: int) -> None:
+        """Before a new gang starts: the old gang's node documents, results and stop go; its
+        rank logs move to ``logs/gang-<gang>/`` (the payload, heartbeat and checkpoints stay)."""
+        for key in (RESULTS, STOP, NODES):
+            self.store.delete(self.run_id, key)
+        for key in self.log_keys():
+            data = self.store.get(self.run_id, key)
+            if data is not None:
+                self.store.put(self.run_id, f"{LOGS}/gang-{gang}/{key.rsplit('/', 1)[-1]}", data)
+            self.store.delete(self.run_id, key)
 
     def delete_control_files(self) -> None:
         """Everything but logs and checkpoints: payload, results, node documents, stop, heartbeat."""

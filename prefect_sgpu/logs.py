@@ -108,6 +108,15 @@ class LogTailer:
                     except Exception:  # noqa: BLE001 - a broken sink must not kill the job
                         logger.debug("log sink failed", exc_info=True)
 
+    def restart(self, move_aside: Callable[[], None]) -> None:
+        """Show every line so far, let ``move_aside`` move the logs away, then follow new files from
+        their start (a relaunched gang writes new logs under the same names)."""
+        self.poll(final=True)
+        with self._lock:
+            move_aside()
+            self._offsets.clear()
+            self._partial.clear()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -89,9 +89,79 @@ def init_process_group(backend: str | None = None, timeout: _dt.timedelta | None
     return backend
 
 
+def checkpoint_uri() -> str:
+    """Where this job's checkpoints live: a folder, or an ``s3://`` prefix on the job store.
+
+    It outlives the nodes: a relaunch after a lost node, or a Prefect retry of the same
+    task, sees the same location. Use it with ``torch.distributed.checkpoint`` through
+    fsspec, or let :class:`~prefect_sgpu.pipeline.checkpoint.Checkpointer` handle it.
+    """
+    from prefect_sgpu.checkpoints import location_uri
+
+    return location_uri()
+
+
 def checkpoint_dir() -> Path:
-    """A folder shared by the job's ranks for checkpoints (created on demand)."""
-    base = os.environ.get("SGPU_CHECKPOINT_DIR")
-    path = Path(base) if base else Path(os.environ.get("SGPU_JOB_DIR", ".")) / "checkpoints"
+    """A local folder for checkpoints, created on demand.
+
+    With a local location (the local compute) it *is* the location, shared by every rank
+    and kept across relaunches and retries. With an ``s3://`` location it is this node's
+    stage of it, which goes away with the node: use a ``Checkpointer`` (which uploads
+    each step and restores it on new nodes), or ``checkpoint_uri()``, for files that must
+    survive the node.
+    """
+    from prefect_sgpu.checkpoints import Location
+
+    path = Location().local
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# --- signals between a rank and its node ------------------------------------------------
+
+#: written in the node's job folder by the node when the cloud announced it will reclaim it
+PREEMPT_FILE = "preempt"
+#: one file per rank (``progress/rank-N``): what the hang watchdog reads
+PROGRESS_DIR = "progress"
+_PROGRESS_EVERY_S = 1.0
+_last_progress = [0.0]
+
+
+def _job_dir() -> Path | None:
+    value = os.environ.get("SGPU_JOB_DIR")
+    return Path(value) if value else None
+
+
+def preemption_notice() -> str | None:
+    """The reclaim notice this node received (spot interruption, rebalance), or None."""
+    job_dir = _job_dir()
+    if job_dir is None:
+        return None
+    try:
+        return (job_dir / PREEMPT_FILE).read_text().strip() or "reclaim notice"
+    except FileNotFoundError:
+        return None
+
+
+def preemption_requested() -> bool:
+    """True once this node has been told it will be taken away: save now, the job is relaunched."""
+    return preemption_notice() is not None
+
+
+def progress(step: int | None = None, *, force: bool = False) -> None:
+    """Tell the hang watchdog this rank is making progress (at most one write a second).
+
+    ``Checkpointer.due``/``save`` call it at every step; output a rank prints counts too.
+    """
+    import time
+
+    job_dir = _job_dir()
+    now = time.time()
+    if job_dir is None or (not force and now - _last_progress[0] < _PROGRESS_EVERY_S):
+        return
+    _last_progress[0] = now
+    path = job_dir / PROGRESS_DIR / f"rank-{rank()}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(f"{os.getpid()} {'' if step is None else step}\n")
+    os.replace(tmp, path)

@@ -42,6 +42,8 @@ from prefect_sgpu import catalog
 from prefect_sgpu.errors import SGPUConfigError
 
 DEFAULT_TIMEOUT_S = 3 * 60 * 60.0
+DEFAULT_HANG_TIMEOUT_S = 15 * 60.0
+DEFAULT_MAX_RECOVERIES = 3
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 ENV_PREFIX = "PREFECT_SGPU_"
 
@@ -68,6 +70,10 @@ Nodes = Annotated[int | None, Field(ge=1, description="Nodes; derived when omitt
 Timeout = Annotated[float, BeforeValidator(_seconds), Field(gt=0, description="Seconds before every rank is stopped.")]
 Restarts = Annotated[int, Field(ge=0, description="Worker-group restarts torch elastic may do.")]
 Env = Annotated[dict[str, str], BeforeValidator(_env_strings), Field(description="Extra environment for every rank.")]
+Recoveries = Annotated[int, Field(ge=0, description="Relaunches after infrastructure loss (spot reclaim, lost node).")]
+HangTimeout = Annotated[float | None, BeforeValidator(_seconds),
+                        Field(gt=0, description="Seconds without progress from a rank before the job fails; "
+                                                "None turns the watchdog off.")]
 Strategy = Literal["ddp", "fsdp", "deepspeed"] | None
 
 class JobArgs(TypedDict, total=False):
@@ -82,6 +88,8 @@ class JobArgs(TypedDict, total=False):
     max_restarts: int
     env: dict[str, str] | None
     mlflow: bool
+    max_recoveries: int
+    hang_timeout: float | _dt.timedelta | None
 
 
 class TaskArgs(JobArgs, total=False):
@@ -92,8 +100,8 @@ class TaskArgs(JobArgs, total=False):
 
 
 #: every field of a job spec, in the order users meet them
-FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "mlflow", "strategy",
-          "return_all")
+FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "mlflow", "max_recoveries",
+          "hang_timeout", "strategy", "return_all")
 
 
 def _check_shape(gpus: int | None, nodes: int | None) -> None:
@@ -117,6 +125,8 @@ class SpecLayer(BaseModel):
     max_restarts: Restarts | None = None
     env: Env | None = None
     mlflow: bool | None = None
+    max_recoveries: Recoveries | None = None
+    hang_timeout: HangTimeout = None
     strategy: Strategy = None
     return_all: bool | None = None
 
@@ -143,6 +153,8 @@ class JobSpec(BaseModel):
     max_restarts: Restarts = 0
     env: Env = Field(default_factory=dict)
     mlflow: bool = Field(True, description="Open one MLflow run per call and hand it to every rank.")
+    max_recoveries: Recoveries = DEFAULT_MAX_RECOVERIES
+    hang_timeout: HangTimeout = DEFAULT_HANG_TIMEOUT_S
     strategy: Strategy = Field(None, description="Training strategy handed to ranks as SGPU_STRATEGY.")
     return_all: bool = Field(False, description="A GPU task returns every rank's value, not rank 0's.")
 
@@ -198,6 +210,8 @@ def environment_layer(environ: Mapping[str, str] | None = None) -> SpecLayer:
                 raise SGPUConfigError(ENV_PREFIX + "ENV", raw, "a JSON object of strings") from None
         elif name in ("gpu_type", "strategy"):
             given[name] = None if raw.lower() == "none" else raw
+        elif name == "hang_timeout" and raw.lower() in ("none", "off"):
+            given[name] = None
         elif name == "nodes" and raw.lower() in ("none", "auto"):
             given[name] = None
         else:

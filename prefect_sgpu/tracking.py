@@ -58,6 +58,17 @@ class TrackedRun:
     def url(self) -> str:
         return f"{self.tracking_uri}#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Tags on the run; never raises (tracking must not mask the job's outcome)."""
+        try:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(self.tracking_uri)
+            for key, value in tags.items():
+                client.set_tag(self.run_id, key, value)
+        except Exception:  # noqa: BLE001
+            logger.exception("could not tag MLflow run %s", self.run_id)
+
     def end(self, status: str) -> None:
         if self.status is not None:
             return

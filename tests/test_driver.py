@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from prefect_sgpu import jobfolder, payload, spec as spec_mod
 from prefect_sgpu.driver import Job
-from prefect_sgpu.errors import JobCancelled, LaunchTimeout, RankFailedError
+from prefect_sgpu.errors import InfrastructureLost, JobCancelled, LaunchTimeout, RankFailedError
 from prefect_sgpu.store import LocalStore
 from support.fake_compute import FakeCompute
 
@@ -69,11 +70,42 @@ def test_a_failing_rank_raises_its_own_exception(tmp_path: Path) -> None:
     assert ("stop", 10.0) in job.compute.calls  # type: ignore[attr-defined]
 
 
-def test_a_lost_node_fails_the_job_naming_it(tmp_path: Path) -> None:
+def test_a_node_lost_more_often_than_max_recoveries_fails_the_job_naming_it(tmp_path: Path) -> None:
     compute = FakeCompute(nodes=2, lose_node=1, node_exit={1: 137})
-    with pytest.raises(RankFailedError, match="node 1 vanished") as info:
-        _job(_identity, compute, tmp_path, 1, gpus=2).run()
-    assert info.value.node == 1
+    with pytest.raises(InfrastructureLost, match="node 1 vanished") as info:
+        _job(_identity, compute, tmp_path, 1, gpus=2, max_recoveries=2).run()
+    assert info.value.node == 1 and "max_recoveries=2" in str(info.value)
+    assert [r["gang"] for r in info.value.recoveries] == [1, 2]
+    assert compute.acquired == 3 and compute.releases == 3, "every gang's capacity was given back"
+
+
+def test_max_recoveries_zero_fails_at_the_first_loss(tmp_path: Path) -> None:
+    compute = FakeCompute(nodes=2, lose_node=1, node_exit={1: 137})
+    with pytest.raises(InfrastructureLost, match="node 1 vanished"):
+        _job(_identity, compute, tmp_path, 1, gpus=2, max_recoveries=0).run()
+    assert compute.acquired == 1 and compute.releases == 1
+
+
+def test_a_lost_node_is_recovered_on_new_capacity(tmp_path: Path) -> None:
+    compute = FakeCompute(nodes=2, lose_node=1, lose_times=1)
+    job = _job(_identity, compute, tmp_path, 5, gpus=2)
+    result = job.run()
+    assert result.values == [5, 5]
+    (recovery,) = result.recoveries
+    assert recovery.gang == 1 and recovery.nodes == {1: socket.gethostname()} and "node 1 vanished" in recovery.reason
+    assert compute.acquired == 2 and compute.releases == 2
+    assert result.released == ["2 fake node(s)", "2 fake node(s)"], "both gangs' capacity is listed"
+
+
+def _fails_after_peer_loss() -> None:
+    raise RuntimeError("Connection closed by peer")  # what a lost node's peers see in a collective
+
+
+def test_a_peer_failure_explained_by_a_lost_node_is_infrastructure(tmp_path: Path) -> None:
+    """Node 0 reports its collective error before node 1 is found lost: still a recovery, not a user error."""
+    compute = FakeCompute(nodes=2, lose_node=1, node_exit={1: 137})
+    with pytest.raises(InfrastructureLost):
+        _job(_fails_after_peer_loss, compute, tmp_path, gpus=2, max_recoveries=0).run()
 
 
 def test_a_forged_result_is_ignored(tmp_path: Path) -> None:

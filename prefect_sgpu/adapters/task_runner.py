@@ -113,23 +113,27 @@ def _slug(text: str) -> str:
 
 
 def _checkpoint_dir(store: Store, spec_env: dict[str, str], call_digest: str) -> dict[str, str]:
-    """A checkpoint folder stable across retries of the same task in the same flow run.
+    """A checkpoint location stable across retries of the same task in the same flow run.
 
     Task retries keep the task run; a flow-run retry (the UI's Retry) keeps the flow run
-    id but makes new task runs, so the folder is keyed by flow run, task and inputs.
+    id but makes new task runs, so the location is keyed by flow run, task and inputs. It
+    is on the job's store: a folder next to the local store's jobs, or ``s3://`` for EC2.
     """
     from prefect.context import FlowRunContext, TaskRunContext
 
-    if "SGPU_CHECKPOINT_DIR" in spec_env:
+    from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV
+
+    if URI_ENV in spec_env or DIR_ENV in spec_env:
         return {}
     task_ctx = TaskRunContext.get()
     flow_ctx = FlowRunContext.get()
-    if task_ctx is None or not isinstance(store, LocalStore):
+    if task_ctx is None:
         return {}
     flow_run_id = str(flow_ctx.flow_run.id) if flow_ctx and flow_ctx.flow_run else "no-flow-run"
-    task_run = task_ctx.task_run
-    folder = store.root.parent / "checkpoints" / flow_run_id / f"{_slug(task_run.task_key)}-{call_digest}"
-    return {"SGPU_CHECKPOINT_DIR": str(folder)}
+    name = f"{_slug(task_ctx.task_run.task_key)}-{call_digest}"
+    if isinstance(store, LocalStore):
+        return {URI_ENV: str(store.root.parent / "checkpoints" / flow_run_id / name)}
+    return {URI_ENV: store.uri("checkpoints", f"{flow_run_id}/{name}")}
 
 
 def _digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

@@ -172,7 +172,18 @@ class NodeLost:
     reason: str
 
 
-Event = NodeUp | NodeExited | NodeLost
+@dataclass(frozen=True)
+class NodeNotice:
+    """The cloud announced it will take this node away (spot interruption, rebalance recommendation).
+
+    Its ranks were told (``runtime.preemption_requested()``); whatever the gang does next,
+    its end counts as infrastructure loss, which the driver recovers from."""
+
+    node: int
+    notice: str
+
+
+Event = NodeUp | NodeExited | NodeLost | NodeNotice
 
 
 # --- what release() guarantees ---------------------------------------------------------------
@@ -199,6 +210,9 @@ class Compute(ABC):
     #: True: a node compute (start runs ``JobLaunch.commands``, one node agent per node);
     #: False: a job compute (start runs the payload itself; launchers that need nodes refuse it)
     runs_node_agents: ClassVar[bool] = True
+    #: seconds the driver keeps polling after a node failed, for a ``NodeLost`` that explains it
+    #: (a lost node's peers often fail first, on a broken collective)
+    loss_grace_s: ClassVar[float] = 1.0
 
     # -- before anything is spent -------------------------------------------------------------
 
@@ -218,6 +232,13 @@ class Compute(ABC):
         """
 
     # -- spending ------------------------------------------------------------------------
+
+    def replan(self, request: Request, gang: int) -> Request:
+        """The request for replacement capacity after infrastructure loss (``gang`` counts from 1).
+
+        Same resources as ``request``; a compute whose requests are idempotent per run
+        (EC2's ClientToken) makes them new here, so the relaunch gets new nodes. Pure."""
+        return request
 
     @abstractmethod
     def acquire(self, request: Request, folder: "JobFolder", deadline: float,

@@ -9,9 +9,17 @@ name, then rename). Resume picks the newest folder that has the marker, so a job
 killed while writing never resumes from half a checkpoint. Only the last ``keep``
 complete checkpoints stay.
 
-The folder defaults to ``runtime.checkpoint_dir()``, which ``gpu_task`` keys by flow
-run, task and inputs: a Prefect retry of the same task finds the checkpoints of the
-failed attempt. On several machines the folder must be on storage every node sees.
+The location defaults to ``runtime.checkpoint_uri()``: the job store's checkpoint
+folder, which ``gpu_task`` keys by flow run, task and inputs so a Prefect retry (or a
+relaunch after a lost node) finds the checkpoints of the failed attempt. A local path
+is used in place; on an ``s3://`` location each node writes into a node-local stage,
+uploads its own files, and rank 0 uploads the marker only after every node has
+(:mod:`prefect_sgpu.checkpoints`), so a checkpoint on S3 is complete or absent too, and
+a gang on different nodes than the writers restores it by downloading it first.
+
+When the node is about to be reclaimed (a spot interruption notice, see
+``runtime.preemption_requested()``), ``due`` says so on every rank at the same step,
+so the loop saves at once instead of losing the work since the last regular save.
 """
 
 from __future__ import annotations
@@ -19,37 +27,24 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefect_sgpu import runtime
+from prefect_sgpu.checkpoints import MARKER, Location, step_dir_name
 from prefect_sgpu.errors import SGPUConfigError
 
 if TYPE_CHECKING:
     from prefect_sgpu.pipeline.strategies import Wrapped
 
-MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
+__all__ = ["MARKER", "Checkpointer", "complete_steps", "latest_complete_step", "step_dir_name"]
 
 
 def complete_steps(folder: str | Path) -> list[int]:
-    """Steps with a complete checkpoint in ``folder``, oldest first."""
-    root = Path(folder)
-    if not root.is_dir():
-        return []
-    steps = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / MARKER).is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    """Steps with a complete checkpoint at ``folder`` (a path or an ``s3://`` URI), oldest first."""
+    return Location(folder).complete_steps()
 
 
 def latest_complete_step(folder: str | Path) -> int | None:
@@ -139,39 +134,70 @@ class Checkpointer:
         if keep < 1:
             raise SGPUConfigError("keep", keep, "an integer >= 1 (complete checkpoints to keep)")
         self.wrapped = wrapped
-        self.folder = Path(folder) if folder is not None else runtime.checkpoint_dir()
+        self.location = Location(folder)
+        #: where this rank reads and writes: the location itself, or this node's stage of it
+        self.folder = self.location.local
         self.folder.mkdir(parents=True, exist_ok=True)
         self.every = every
         self.keep = keep
+        self.preempted_at: int | None = None
 
     # --- saving ------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        """True when ``step`` is a multiple of ``every`` (build costly extra state only then)."""
+        """True when ``step`` is a multiple of ``every``, or, once, when a node is about to be reclaimed.
+
+        Also reports progress to the hang watchdog. With a process group this is collective
+        (every rank must call it at every step): the ranks agree on a reclaim notice that
+        only one node received, so all of them save at the same step.
+        """
+        runtime.progress(step)
+        if self.preempted_at is None and self._any_rank(runtime.preemption_requested()):
+            self.preempted_at = step
+            print(f"[sgpu] reclaim notice: saving a checkpoint at step {step} "
+                  f"({runtime.preemption_notice() or 'on another node'})", flush=True)
+            return step > 0
         return step > 0 and step % self.every == 0
+
+    def _any_rank(self, flag: bool) -> bool:
+        if not _dist_ready():
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        box = torch.tensor([1 if flag else 0], device=runtime.device())
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bool(box.item())
 
     def maybe_save(self, step: int, extra: dict[str, Any] | None = None) -> Path | None:
         """Save when ``step`` is due; returns the folder written, if any."""
         return self.save(step, extra) if self.due(step) else None
 
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
-        """Write a checkpoint of ``step`` and mark it complete once every rank has written."""
-        target = self.folder / step_dir_name(step)
-        if runtime.is_rank_zero() and target.exists():  # left over from an attempt that died
+        """Write a checkpoint of ``step`` and mark it complete once every rank's part is stored."""
+        name = step_dir_name(step)
+        target = self.folder / name
+        # one clearer per folder: rank 0 for a shared folder, each node's first rank for its stage
+        clears = runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
+        if clears and target.exists():  # left over from an attempt that died
             shutil.rmtree(target)
         _barrier()
         target.mkdir(parents=True, exist_ok=True)
         self._save_training_state(target)
         state = {"step": step, "extra": extra or {}, "rng": _rng_state()}
         _atomic_torch_save(state, target / f"extra-rank-{runtime.rank():05d}.pt")
-        _barrier()  # every rank's part is on disk
+        _barrier()  # every rank's part is on its node's disk
+        if self.location.remote and runtime.local_rank() == 0:
+            self.location.upload(name)
+        _barrier()  # ... and, remotely, at the location
         if runtime.is_rank_zero():
             info = {"step": step, "strategy": self.wrapped.strategy, "world_size": runtime.world_size(),
                     "written_at": time.time()}
-            tmp = target / (MARKER + ".tmp")
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, target / MARKER)
+            self.location.put_marker(name, json.dumps(info).encode())
             self._prune(step)
+        if self.location.remote and runtime.local_rank() == 0:
+            self.location.prune_stage(keep=name)
+        runtime.progress(step)
         _barrier()
         return target
 
@@ -191,23 +217,19 @@ class Checkpointer:
 
     def _prune(self, newest: int) -> None:
         """Keep the last ``keep`` complete checkpoints; drop older ones and stale partial folders."""
-        complete = complete_steps(self.folder)
+        complete = self.location.complete_steps()
         kept = set(complete[-self.keep:])
-        for child in self.folder.iterdir():
-            match = _STEP_DIR.match(child.name)
-            if not match:
-                continue
-            step = int(match.group(1))
+        for step in self.location.step_dirs():
             if step in kept:
                 continue
             if step < newest or step in complete:
-                shutil.rmtree(child, ignore_errors=True)
+                self.location.delete(step_dir_name(step))
 
     # --- restoring ---------------------------------------------------------------
 
     def latest(self) -> int | None:
         """The newest complete step, as rank 0 sees it (the same answer on every rank)."""
-        return _from_rank_zero(latest_complete_step(self.folder) if runtime.is_rank_zero() else None)
+        return _from_rank_zero(latest_complete_step(self.location.uri) if runtime.is_rank_zero() else None)
 
     def restore(self) -> tuple[int, dict[str, Any]]:
         """Load the newest complete checkpoint into the model and optimizer.
@@ -218,6 +240,9 @@ class Checkpointer:
         step = self.latest()
         if step is None:
             return 0, {}
+        if self.location.remote and runtime.local_rank() == 0:
+            self.location.fetch(step_dir_name(step))  # a new node has nothing staged
+        _barrier()
         source = self.folder / step_dir_name(step)
         self._load_training_state(source)
         own = source / f"extra-rank-{runtime.rank():05d}.pt"

@@ -43,8 +43,11 @@ class FakeCompute(Compute):
     remote = False
 
     def __init__(self, nodes: int = 1, acquire_blocks: bool = False, lose_node: int | None = None,
-                 node_exit: dict[int, int] | None = None) -> None:
+                 node_exit: dict[int, int] | None = None, lose_times: int | None = None) -> None:
         self.nodes = nodes
+        #: in how many gangs (acquires) ``lose_node`` is lost; None: in every one
+        self.lose_times = lose_times
+        self.acquired = 0
         self.acquire_blocks = acquire_blocks
         self.lose_node = lose_node
         self.node_exit = node_exit or {}
@@ -58,6 +61,7 @@ class FakeCompute(Compute):
     def acquire(self, request: Request, folder: jobfolder.JobFolder, deadline: float,
                 cancel: threading.Event) -> FakeAllocation:
         self.calls.append(("acquire", deadline))
+        self.acquired += 1
         while self.acquire_blocks:
             if cancel.wait(0.05):
                 raise JobCancelled("cancelled while acquiring")
@@ -88,8 +92,8 @@ class FakeCompute(Compute):
             envelope, code = run_payload(sealed, folder.key, folder.run_id, base)
             folder.put_result(rank, payload.dump_envelope(envelope))
             worst = worst or code
-        code = self.node_exit.get(node, worst)
-        if node != self.lose_node:
+        code = self.node_exit.get(node, worst) if self._losing() else worst
+        if not (node == self.lose_node and self._losing()):
             folder.put_status(node, NodeStatus(node=node, host="fake", exit_code=code))
         allocation.codes[node] = code
 
@@ -100,11 +104,14 @@ class FakeCompute(Compute):
             if node in allocation.reported:
                 continue
             allocation.reported.add(node)
-            if node == self.lose_node:
+            if node == self.lose_node and self._losing():
                 events.append(NodeLost(node, f"node {node} vanished"))
             else:
                 events.append(NodeExited(node, code, allocation.folder.status(node)))
         return events
+
+    def _losing(self) -> bool:
+        return self.lose_times is None or self.acquired <= self.lose_times
 
     def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
         self.calls.append(("stop", grace))
