@@ -30,6 +30,7 @@ from prefect_sgpu.compute.base import (
     JobLaunch,
     NodeCommand,
     NodeExited,
+    NodeLost,
     NodeUp,
     Released,
     Request,
@@ -223,7 +224,12 @@ class LocalProcessCompute(Compute):
             code = proc.poll()
             if code is not None:
                 allocation.reported.add(index)
-                events.append(NodeExited(index, code, allocation.folder.status(index)))
+                status = allocation.folder.status(index)
+                if status is None and code < 0:  # killed outright (OOM killer, kill -9): the node is gone
+                    events.append(NodeLost(index, f"node {index}'s agent (pid {proc.pid}) was killed by "
+                                                  f"{signal.Signals(-code).name} before it reported"))
+                else:
+                    events.append(NodeExited(index, code, status))
         return events
 
     def stop(self, allocation: Allocation, grace: float = 10.0) -> None:

@@ -21,7 +21,12 @@ on itself) and no key. The program:
    be appended to) and sealed result envelopes, copies the driver's sealed heartbeat
    down verbatim (the agent verifies it too), and finally re-seals the agent's status
    bound to this instance;
-6. obeys a sealed ``stop`` from the driver, and when no *new* heartbeat (a higher
+6. watches IMDS for a spot interruption notice (``spot/instance-action``) and a rebalance
+   recommendation (``events/recommendations/rebalance``): on either it tells the ranks
+   (the ``preempt`` file ``runtime.preemption_requested()`` reads; a ``Checkpointer``
+   saves at once) and the driver (``notice`` in its alive document), which relaunches
+   the job on new capacity once this node is gone;
+7. obeys a sealed ``stop`` from the driver, and when no *new* heartbeat (a higher
    sequence number under a valid seal) has arrived for ``--heartbeat-ttl`` seconds
    (the driver died) stops the agent and terminates its own instance, so a dead driver
    cannot leak paid VMs.
@@ -96,6 +101,44 @@ def _imds_get(base: str, token: str, path: str, timeout: float) -> str:
         return response.read().decode().strip()
 
 
+#: what IMDS says when the cloud will take the instance away, and how to say it to people
+NOTICE_PATHS = (("spot/instance-action", "spot interruption"),
+                ("events/recommendations/rebalance", "rebalance recommendation"))
+
+
+class NoticeWatch:
+    """Reads IMDS for reclaim notices (404 until there is one), at most every ``every`` seconds."""
+
+    def __init__(self, every: float = 2.0, timeout: float = 1.0) -> None:
+        self.base = _imds_base()
+        self.every = every
+        self.timeout = timeout
+        self._token: str | None = None
+        self._checked = 0.0
+
+    def check(self) -> str | None:
+        import urllib.error
+
+        now = time.monotonic()
+        if now - self._checked < self.every:
+            return None
+        self._checked = now
+        try:
+            if self._token is None:
+                self._token = _imds_token(self.base, self.timeout)
+            for path, what in NOTICE_PATHS:
+                try:
+                    return f"{what}: {_imds_get(self.base, self._token, path, self.timeout)}"
+                except urllib.error.HTTPError as exc:
+                    if exc.code == 401:
+                        self._token = None
+                    elif exc.code != 404:
+                        raise
+        except (OSError, ValueError):
+            pass  # the metadata service is unreachable for a moment: ask again next time
+        return None
+
+
 def fetch_identity(attempts: int = 30, timeout: float = 2.0) -> NodeIdentity:
     """Instance id, launch index and private IP from IMDSv2 (token PUT, then GETs)."""
     base = _imds_base()
@@ -160,6 +203,8 @@ class NodeBootstrap:
         self._agent: subprocess.Popen[bytes] | None = None
         self._error_logged = 0.0
         self._refusals: set[str] = set()
+        self.notice: str | None = None
+        self._notices = NoticeWatch()
         if key is not None:
             self.use_key(key)
 
@@ -212,7 +257,8 @@ class NodeBootstrap:
             return
         self._alive_at = now
         self._alive_seq += 1
-        doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname())
+        doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname(),
+                    notice=self.notice)
         self.folder.put_alive(self.index, doc, instance_id=self.identity.instance_id)
 
     def _store_error(self, what: str, exc: Exception) -> None:
@@ -338,8 +384,27 @@ class NodeBootstrap:
                                 error=reason or f"node agent exited with code {code} and no status")
         self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
 
+    def watch_notices(self) -> None:
+        """A reclaim notice from IMDS: tell the ranks (the ``preempt`` file) and the driver (alive)."""
+        from prefect_sgpu.runtime import PREEMPT_FILE
+        from prefect_sgpu.store import atomic_write
+
+        if self.notice is not None:
+            return
+        notice = self._notices.check()
+        if notice is None:
+            return
+        self.notice = notice
+        _log(f"reclaim notice: {notice}; the ranks are told to checkpoint")
+        atomic_write(self.job_dir / PREEMPT_FILE, notice.encode())
+        try:
+            self.publish_alive(force=True)
+        except Exception as exc:  # noqa: BLE001 - the next tick publishes it again
+            self._store_error("publishing the reclaim notice", exc)
+
     def sync_quietly(self) -> None:
         """One tick's uploads (logs, envelopes, alive); a failure waits for the next tick."""
+        self.watch_notices()
         try:
             self.sync_up()
             self.publish_alive()

@@ -64,6 +64,78 @@ def _watch_heartbeat(folder: "JobFolder", ttl: float) -> None:
             return
 
 
+def _silent_ranks(job_dir: Path, timeout: float, mine: set[int]) -> dict[int, tuple[int, float, str]]:
+    """This node's live ranks with no progress (and no output) for ``timeout`` s: rank -> (pid, silent, step)."""
+    from prefect_sgpu import jobfolder
+    from prefect_sgpu.runtime import PROGRESS_DIR
+
+    now = time.time()
+    silent: dict[int, tuple[int, float, str]] = {}
+    for path in (job_dir / PROGRESS_DIR).glob("rank-*"):
+        try:
+            pid_text, _, step = path.read_text().strip().partition(" ")
+            rank, pid = int(path.name[len("rank-"):]), int(pid_text)
+            last = path.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if pid not in mine:
+            continue  # finished, or another node's rank (local nodes share one job folder)
+        try:
+            last = max(last, (job_dir / jobfolder.log_key(rank)).stat().st_mtime)
+        except OSError:
+            pass
+        if now - last > timeout:
+            silent[rank] = (pid, now - last, step)
+    return silent
+
+
+def _dump_stacks(job_dir: Path, silent: dict[int, tuple[int, float, str]]) -> dict[str, dict[str, Any]]:
+    """Ask each silent rank for its Python stacks (SIGUSR1: faulthandler writes them to its log)."""
+    from prefect_sgpu import jobfolder
+
+    sizes: dict[int, int] = {}
+    for rank, (pid, _, _) in silent.items():
+        log = job_dir / jobfolder.log_key(rank)
+        sizes[rank] = log.stat().st_size if log.exists() else 0
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2.0)
+    found: dict[str, dict[str, Any]] = {}
+    for rank, (_pid, silent_s, step) in sorted(silent.items()):
+        stack = ""
+        try:
+            with open(job_dir / jobfolder.log_key(rank), "rb") as fh:
+                fh.seek(sizes[rank])
+                stack = fh.read(16000).decode("utf-8", "replace")
+        except OSError:
+            pass
+        found[str(rank)] = {"silent_s": round(silent_s, 1), "step": step, "stack": stack[-4000:]}
+    return found
+
+
+def _watch_progress(job_dir: Path, timeout: float, hung: dict[str, dict[str, Any]]) -> None:
+    """The hang watchdog: when a live rank of this node made no progress for ``timeout`` seconds,
+    record every silent rank's stack in ``hung`` and stop this node (the driver raises JobHung)."""
+    import psutil
+
+    me = psutil.Process()
+    while True:
+        time.sleep(min(max(timeout / 6, 0.5), 10.0))
+        try:
+            mine = {p.pid for p in me.children(recursive=True)}
+        except psutil.Error:
+            continue
+        silent = _silent_ranks(job_dir, timeout, mine)
+        if silent:
+            hung.update(_dump_stacks(job_dir, silent))
+            print(f"[sgpu-agent] rank(s) {sorted(silent)} made no progress for {timeout:g}s (hang_timeout): "
+                  "stopping this node", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="prefect-sgpu-node-agent")
     p.add_argument("--run-id", required=True)
@@ -75,6 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--heartbeat-ttl", type=float, default=0.0)
     p.add_argument("--join-timeout", type=float, default=600.0)
+    p.add_argument("--hang-timeout", type=float, default=0.0, help="0: no hang watchdog")
     p.add_argument("--shm-size", default="")
     p.add_argument("--local-addr", default=None,
                    help="this node's address; also tells simulated nodes on one host apart")
@@ -105,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
         threading.Thread(
             target=_watch_heartbeat, args=(folder, args.heartbeat_ttl), daemon=True
         ).start()
+
+    hung: dict[str, dict[str, Any]] = {}
+    if args.hang_timeout > 0:
+        threading.Thread(target=_watch_progress, args=(job_dir, args.hang_timeout, hung), daemon=True).start()
 
     config = LaunchConfig(
         min_nodes=args.nnodes,
@@ -143,6 +220,14 @@ def run(args: argparse.Namespace) -> int:
         status.update(exit_code=2, error=f"{type(exc).__name__}: {exc}")
         print(f"[sgpu-agent] node {args.node_index}: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)
+    from prefect_sgpu.runtime import PREEMPT_FILE
+
+    if hung:
+        status["hung"] = dict(hung)
+    try:
+        status["notice"] = (job_dir / PREEMPT_FILE).read_text().strip() or "reclaim notice"
+    except OSError:
+        pass
     folder.put_status(args.node_index, NodeStatus(**status))
     return int(status["exit_code"])
 

@@ -52,6 +52,62 @@ def _run_script(call: Any) -> int:
     return 0
 
 
+def _watchdog_hooks() -> None:
+    """What the node's hang watchdog needs: a first progress mark, and stacks on SIGUSR1."""
+    import faulthandler
+    import signal
+
+    from prefect_sgpu import runtime
+
+    runtime.progress(force=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+class _CollectiveTimeouts:
+    """Give ``torch.distributed``'s default process-group timeouts the job's value, even when user
+    code calls ``dist.init_process_group`` itself: patched when that module is first imported."""
+
+    MODULE = "torch.distributed.distributed_c10d"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def apply(self, module: Any) -> None:
+        import datetime
+
+        value = datetime.timedelta(seconds=self.seconds)
+        module.default_pg_timeout = value
+        if getattr(module, "default_pg_nccl_timeout", None) is not None:
+            module.default_pg_nccl_timeout = value
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.MODULE:
+            return None
+        import importlib.machinery
+
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, apply = spec.loader, self.apply
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            apply(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def install(self) -> None:
+        module = sys.modules.get(self.MODULE)
+        if module is not None:
+            self.apply(module)
+        else:
+            sys.meta_path.insert(0, self)
+
+
 def _shutdown_process_group() -> None:
     dist = sys.modules.get("torch.distributed")
     try:
@@ -107,6 +163,10 @@ def main() -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     node = int(os.environ.get("GROUP_RANK", 0))
     _redirect_output(folder.path(jobfolder.log_key(rank)))
+    _watchdog_hooks()
+    from prefect_sgpu.runtime import default_timeout
+
+    _CollectiveTimeouts(default_timeout().total_seconds()).install()
 
     base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname()}
     sealed = folder.store.get(folder.run_id, jobfolder.PAYLOAD) or b""

@@ -9,7 +9,7 @@ import pytest
 from support.conformance import LocalCase
 
 if TYPE_CHECKING:
-    from support.conformance_ec2 import EC2Case
+    from support.conformance_ec2 import EC2Case, EC2Env
     from support.conformance_ray import RayCase
 
 @pytest.fixture
@@ -45,3 +45,12 @@ def ec2_case(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> 
 
     with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
         yield EC2Case(env)
+
+
+@pytest.fixture
+def ec2(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Env]":
+    """One test's offline AWS: bucket, moto through the recording proxy, the instance simulator."""
+    from support.conformance_ec2 import ec2_environment
+
+    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
+        yield env

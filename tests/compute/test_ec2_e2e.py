@@ -17,17 +17,17 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from support.aws_fixtures import FAKE_CREDENTIALS, MotoAWS, Network
-from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env, ec2_environment
+from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env
 from support.ec2_simulator import REPO_ROOT
-from prefect_sgpu import LaunchTimeout, RankFailedError, distributed, runtime
+from prefect_sgpu import LaunchTimeout, distributed, runtime
 from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
-from prefect_sgpu.errors import DocumentRefused, SGPUConfigError
+from prefect_sgpu.errors import DocumentRefused, InfrastructureLost, SGPUConfigError
 from prefect_sgpu.jobfolder import Alive, JobFolder, LaunchDocument, launch_key, new_key, ssm_key_parameter
 from prefect_sgpu.store_s3 import S3Store
 from support.threads import run_in_thread
@@ -37,12 +37,6 @@ pytestmark = pytest.mark.e2e
 
 class TrainingDiverged(Exception):
     """Raised inside a rank; the caller gets this very type back."""
-
-
-@pytest.fixture
-def ec2(aws_env: MotoAWS, aws_network: Network, aws_faults: Any, tmp_path: Path) -> Iterator[EC2Env]:
-    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
-        yield env
 
 
 def _all_reduce(tag: str) -> dict[str, Any]:
@@ -250,9 +244,9 @@ def _sleep_after_hello() -> int:
     return runtime.rank()
 
 
-def test_lost_instance_fails_the_job_and_the_rest_is_terminated(ec2: EC2Env) -> None:
+def test_lost_instance_with_max_recoveries_0_fails_the_job_naming_it_and_nothing_is_left(ec2: EC2Env) -> None:
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False,
-                     timeout=300)(_sleep_after_hello)
+                     timeout=300, max_recoveries=0)(_sleep_after_hello)
     job = fn.job()
     outcome: dict[str, BaseException] = {}
 
@@ -276,10 +270,12 @@ def test_lost_instance_fails_the_job_and_the_rest_is_terminated(ec2: EC2Env) -> 
     thread.join(timeout=120)
     assert not thread.is_alive()
     error = outcome.get("error")
-    assert isinstance(error, RankFailedError), repr(error)
-    assert error.node == 1 and node1 in str(error), str(error)
+    assert isinstance(error, InfrastructureLost), repr(error)
+    assert error.node == 1 and node1 in str(error) and "terminated" in str(error), str(error)
+    assert "max_recoveries=0" in str(error) and error.recoveries == []
     instances = ec2.instances(job.run_id)
     assert len(instances) == 2 and all(i["State"]["Name"] == "terminated" for i in instances)
+    assert ec2.leftovers(job.run_id) == []
 
 
 def test_bootstrap_reads_its_identity_from_imdsv2(monkeypatch: pytest.MonkeyPatch) -> None:

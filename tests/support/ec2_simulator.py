@@ -254,6 +254,29 @@ class EC2Simulator:
         except subprocess.TimeoutExpired:
             self.errors.append(f"{node.instance_id}: process {node.proc.pid} survived SIGKILL")
 
+    # -- what the cloud does to running instances ---------------------------------------
+
+    def reclaim(self, instance_id: str, after: float = 3.0, action: str = "terminate") -> threading.Thread:
+        """A spot interruption: IMDS serves ``spot/instance-action`` at once, and ``after`` seconds
+        later EC2 terminates the instance (two minutes on AWS; shorter here)."""
+        import datetime as _dt
+
+        node = self.nodes[instance_id]
+        when = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(seconds=after)
+        node.imds.metadata["spot/instance-action"] = json.dumps(
+            {"action": action, "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")})
+
+        def terminate() -> None:
+            time.sleep(after)
+            try:
+                self.ec2.terminate_instances(InstanceIds=[instance_id])
+            except Exception as exc:  # noqa: BLE001 - tests read .errors
+                self.errors.append(f"reclaiming {instance_id}: {exc}")
+
+        thread = threading.Thread(target=terminate, name=f"reclaim-{instance_id}", daemon=True)
+        thread.start()
+        return thread
+
     # -- what tests ask -------------------------------------------------------------
 
     def address_of(self, instance_id: str) -> tuple[str, str]:

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prefect_sgpu import aws, catalog
@@ -42,6 +42,7 @@ from prefect_sgpu.compute.base import (
     JobLaunch,
     NodeExited,
     NodeLost,
+    NodeNotice,
     NodeUp,
     Released,
     Request,
@@ -51,6 +52,8 @@ from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
+from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
+from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
 from prefect_sgpu.jobfolder import LaunchDocument, ssm_key_parameter
 from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store_s3 import S3Store
@@ -131,6 +134,7 @@ class EC2Allocation(Allocation):
     alive_checked: float = 0.0
     alive_seq: dict[int, int | None] = field(default_factory=dict)
     alive_changed: dict[int, float] = field(default_factory=dict)
+    noticed: set[int] = field(default_factory=set)
     outcome: Released | None = None
 
     def instance_id(self, node: int) -> str:
@@ -143,6 +147,8 @@ class EC2InstanceCompute(Compute):
     name = "ec2"
     remote = True
     runs_node_agents = True
+    #: instance states are read every 5 s: a peer's failure waits that long for the loss behind it
+    loss_grace_s = 8.0
 
     def __init__(
         self,
@@ -256,6 +262,14 @@ class EC2InstanceCompute(Compute):
                           key_parameter=ssm_key_parameter(run_id), usd_per_hour=price,
                           agent_timeout_s=self.agent_timeout_s)
 
+    def replan(self, request: Request, gang: int) -> EC2Request:
+        """The same launch tries in the same order (the first market first, then the fallback
+        chain), each with a ClientToken of its own for this gang: new instances, not the lost ones."""
+        assert isinstance(request, EC2Request)
+        attempts = tuple(replace(a, params={**a.params, "ClientToken": rq.client_token(request.run_id, i, gang)})
+                         for i, a in enumerate(request.run_instances))
+        return replace(request, run_instances=attempts)
+
     # -- spending -------------------------------------------------------------------
 
     def acquire(self, request: Request, folder: "JobFolder", deadline: float,
@@ -341,6 +355,9 @@ class EC2InstanceCompute(Compute):
         """One sealed launch document per node, bound to its index and its instance."""
         assert isinstance(allocation, EC2Allocation)
         env = {k: v for k, v in launch.env.items() if k not in MASKED_ENV}  # the key travels through SSM only
+        env[STORE_REGION_ENV] = self.region  # ranks reach the checkpoint location on S3 themselves
+        if self.endpoint_url:
+            env[STORE_ENDPOINT_ENV] = self.endpoint_url
         for command in launch.commands:
             allocation.folder.put_launch(command.node, LaunchDocument(argv=list(command.argv), env=env),
                                          instance_id=allocation.instance_id(command.node))
@@ -389,6 +406,9 @@ class EC2InstanceCompute(Compute):
                 continue
             if check_alive:
                 alive = allocation.folder.alive(node.index, instance_id=iid)
+                if alive is not None and alive.notice and node.index not in allocation.noticed:
+                    allocation.noticed.add(node.index)
+                    events.append(NodeNotice(node.index, f"{iid}: {alive.notice}"))
                 seq = alive.seq if alive else None
                 if seq != allocation.alive_seq.get(node.index) or node.index not in allocation.alive_changed:
                     allocation.alive_seq[node.index], allocation.alive_changed[node.index] = seq, now

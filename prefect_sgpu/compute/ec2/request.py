@@ -53,9 +53,11 @@ def created_group_placeholder(run_id: str) -> str:
     return f"<created: {security_group_name(run_id)}>"
 
 
-def client_token(run_id: str, attempt: int) -> str:
-    """Same run and attempt, same token: a retried launch returns the first one."""
-    digest = hashlib.sha256(f"{run_id}:{attempt}".encode()).hexdigest()[:40]
+def client_token(run_id: str, attempt: int, gang: int = 0) -> str:
+    """Same run, gang and attempt, same token: a retried launch returns the first one; a
+    relaunch after lost capacity (``gang`` > 0) gets new instances."""
+    seed = f"{run_id}:{attempt}" if gang == 0 else f"{run_id}:gang-{gang}:{attempt}"
+    digest = hashlib.sha256(seed.encode()).hexdigest()[:40]
     return f"sgpu-{digest}"
 
 

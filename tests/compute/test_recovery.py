@@ -1,0 +1,235 @@
+"""Work is never lost: checkpoints on the store, relaunch after infrastructure loss, the hang watchdog.
+
+EC2 runs on moto with the instance simulator (2 nodes x 1 rank): a spot interruption
+notice served by a node's IMDS, or its instance terminated, mid-training; the job
+relaunches on new instances and resumes from the newest complete checkpoint on S3.
+The local compute loses a node to ``kill -9``. A rank that sleeps forever trips the
+hang watchdog. A small 60-step job checkpointing every 10 steps stands for training.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from support.conformance_ec2 import EC2Env
+from prefect_sgpu import distributed
+from prefect_sgpu.errors import JobHung
+from prefect_sgpu.jobfolder import LOGS
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 60
+EVERY = 10
+
+
+def _train(step_s: float = 0.25, strategy: str = "ddp", stop_at: int = STEPS) -> dict[str, Any]:
+    """A 60-step loop that checkpoints every 10 steps (and at once on a reclaim notice) and resumes."""
+    import hashlib
+    import socket
+
+    import torch
+    from torch import nn
+
+    from prefect_sgpu.pipeline.checkpoint import Checkpointer
+    from prefect_sgpu.pipeline.strategies import wrap
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = torch.tanh(block(x))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    w = wrap(Tiny(), lambda params: torch.optim.AdamW(params, lr=0.01), strategy, micro_batch_size=8)
+    ckpt = Checkpointer(w, every=EVERY, keep=2)
+    start, _extra = ckpt.restore()
+
+    def weights() -> str | None:
+        state = w.full_state_dict()  # collective; rank 0 gets the whole model
+        if state is None:
+            return None
+        return hashlib.sha256(b"".join(state[k].float().numpy().tobytes() for k in sorted(state))).hexdigest()
+
+    restored = weights()
+    print(f"starting at step {start} on {socket.gethostname()}", flush=True)
+    ran = 0
+    for step in range(start, stop_at):
+        x = torch.randn(8, 8)
+        loss = nn.functional.mse_loss(w.model(x), x.sum(dim=1, keepdim=True))
+        w.zero_grad()
+        w.backward(loss)
+        w.step()
+        ran += 1
+        print(f"step {step + 1}", flush=True)
+        time.sleep(step_s)
+        if ckpt.due(step + 1):
+            ckpt.save(step + 1)
+    opt_state = w.optimizer.state_dict()["state"]
+    steps = None
+    if opt_state:  # FSDP2 keeps DTensors; the step count is a plain tensor either way
+        first = opt_state[min(opt_state)]["step"]
+        steps = int(first.full_tensor().item() if hasattr(first, "full_tensor") else first.item())
+    return {"start": start, "ran": ran, "optimizer_steps": steps, "restored": restored, "final": weights(),
+            "host": socket.gethostname()}
+
+
+def _when(condition: Callable[[], bool], timeout: float, what: str, while_alive: threading.Thread) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and while_alive.is_alive():
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what} did not happen within {timeout:g}s")
+
+
+def _drive(job: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = job.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _has_checkpoint(ec2: EC2Env, run_id: str, step: int) -> bool:
+    key = f"jobs/{run_id}/checkpoints/step-{step:08d}/COMPLETE"
+    return ec2.aws.client("s3").list_objects_v2(Bucket=ec2.bucket, Prefix=key).get("KeyCount", 0) > 0
+
+
+def _node_instance(ec2: EC2Env, run_id: str, index: int) -> str:
+    live = [i for i in ec2.instances(run_id, live=True) if i["AmiLaunchIndex"] == index]
+    return live[0]["InstanceId"]
+
+
+def _recovered_exactly_once(ec2: EC2Env, job: Any, outcome: dict[str, Any], lost: str) -> Any:
+    assert "error" not in outcome, repr(outcome.get("error"))
+    result = outcome["result"]
+    rank0 = result.values[0]
+    assert rank0["optimizer_steps"] == STEPS, "the model saw exactly 60 optimizer steps over both gangs"
+    assert rank0["start"] >= 20 and rank0["start"] + rank0["ran"] == STEPS, rank0
+    (recovery,) = result.recoveries
+    assert recovery.gang == 1 and lost in recovery.nodes.values(), recovery
+    assert recovery.resumed_from_step == rank0["start"], "the second gang resumed from the newest checkpoint"
+    assert recovery.reprovision_s > 0
+    instances = ec2.instances(job.run_id)
+    assert len(instances) == 4 and all(i["State"]["Name"] == "terminated" for i in instances), \
+        "one replacement gang was provisioned, and every instance is gone"
+    tokens = {c.params["ClientToken"] for c in ec2.proxy.calls("RunInstances")} if ec2.proxy else set()
+    assert len(tokens) == 2, "exactly one replacement provisioning"
+    assert lost not in {r.host for r in result.ranks}, "the results came from the new instances"
+    assert ec2.leftovers(job.run_id) == []
+    return result
+
+
+def test_spot_notice_checkpoints_at_once_and_the_job_resumes_on_new_instances(ec2: EC2Env) -> None:
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
+    job = fn.job()
+    thread, outcome = _drive(job)
+    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread)
+    node1 = _node_instance(ec2, job.run_id, 1)
+    ec2.simulator.reclaim(node1, after=4.0)
+    thread.join(timeout=400)
+    assert not thread.is_alive(), "the job did not finish"
+    _recovered_exactly_once(ec2, job, outcome, node1)
+    logs = ec2.objects(job.run_id)
+    gang1 = b"".join(v for k, v in logs.items() if f"/{LOGS}/gang-1/" in k)
+    assert b"reclaim notice: saving a checkpoint at step" in gang1, "the notice made every rank save at once"
+
+
+def test_a_terminated_instance_is_replaced_and_the_job_resumes(ec2: EC2Env) -> None:
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
+    job = fn.job()
+    thread, outcome = _drive(job)
+    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread)
+    node1 = _node_instance(ec2, job.run_id, 1)
+    ec2.aws.client("ec2").terminate_instances(InstanceIds=[node1])
+    thread.join(timeout=400)
+    assert not thread.is_alive(), "the job did not finish"
+    _recovered_exactly_once(ec2, job, outcome, node1)
+
+
+def test_an_fsdp2_checkpoint_on_s3_is_restored_by_a_gang_on_other_nodes(ec2: EC2Env) -> None:
+    """One job writes sharded FSDP2 checkpoints to S3 and ends at step 20; a second job, on new
+    instances, downloads the newest and continues from the very same weights."""
+    location = f"s3://{ec2.bucket}/shared/fsdp-run"
+    options = {"gpus": 2, "gpu_type": "A10", "remote": True, "mlflow": False, "timeout": 600,
+               "env": {"SGPU_CHECKPOINT_URI": location, "SGPU_STRATEGY": "fsdp"}}
+    first = distributed(**options)(_train).distributed(step_s=0.0, strategy="fsdp", stop_at=20)
+    second = distributed(**options)(_train).distributed(step_s=0.0, strategy="fsdp", stop_at=30)
+    assert first[0]["start"] == 0 and second[0]["start"] == 20
+    assert {r["host"] for r in first}.isdisjoint({r["host"] for r in second}), "the second gang ran elsewhere"
+    assert second[0]["optimizer_steps"] == 30
+    assert second[0]["restored"] == first[0]["final"], "the new gang restored exactly the weights of step 20"
+    keys = [o["Key"] for o in ec2.aws.client("s3").list_objects_v2(Bucket=ec2.bucket,
+                                                                   Prefix="shared/fsdp-run/").get("Contents", [])]
+    assert "shared/fsdp-run/step-00000020/dcp/__1_0.distcp" in keys and \
+        "shared/fsdp-run/step-00000020/dcp/.metadata" in keys, keys
+
+
+def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path) -> None:
+    fn = distributed(gpus=2, nodes=2, mlflow=False, timeout=600)(_train)
+    job = fn.job()
+    thread, outcome = _drive(job)
+    checkpoint = lambda: (job.store.local_dir_root() / job.run_id / "checkpoints" / "step-00000020" / "COMPLETE").exists()  # noqa: E731
+    _when(checkpoint, 300, "the step-20 checkpoint", thread)
+    agent = job.allocation.processes[1]
+    os.killpg(agent.pid, signal.SIGKILL)  # the node is gone: no status, no cleanup of its own
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert "error" not in outcome, repr(outcome.get("error"))
+    result = outcome["result"]
+    rank0 = result.values[0]
+    assert rank0["optimizer_steps"] == STEPS and rank0["start"] >= 20, rank0
+    (recovery,) = result.recoveries
+    assert "killed by SIGKILL" in recovery.reason and recovery.resumed_from_step == rank0["start"]
+
+
+def test_a_user_exception_is_never_recovered(tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+
+    def fails() -> None:
+        with open(calls, "a") as fh:
+            fh.write("x")
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        distributed(gpus=2, mlflow=False, max_recoveries=3)(fails).distributed()
+    assert calls.read_text() == "xx", "one gang ran: a user error is not infrastructure loss"
+
+
+def _sleeps_forever_on_rank_1() -> int:
+    from prefect_sgpu import runtime
+
+    if runtime.rank() == 1:
+        time.sleep(3600)
+    return runtime.rank()
+
+
+def test_a_silent_rank_fails_the_job_as_hung_naming_it_with_its_stack(tmp_path: Path) -> None:
+    from support.processes import job_processes
+
+    job = distributed(gpus=2, mlflow=False, hang_timeout=5, timeout=600)(_sleeps_forever_on_rank_1).job()
+    with pytest.raises(JobHung) as info:
+        job.run()
+    error = info.value
+    assert set(error.ranks) == {1}, "rank 0 finished; only rank 1 was silent"
+    assert "in _sleeps_forever_on_rank_1" in error.ranks[1]["stack"], error.ranks[1]
+    assert "rank(s) 1 made no progress for 5s" in str(error)
+    assert not job_processes(job.run_id), "every rank was stopped"
