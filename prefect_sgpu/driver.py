@@ -42,6 +42,7 @@ from prefect_sgpu.tracking import TrackedRun, active_parent, mlflow_available, s
 logger = logging.getLogger("prefect_sgpu.driver")
 
 HEARTBEAT_INTERVAL_S = 2.0
+RELAY_INTERVAL_S = 5.0
 POLL_INTERVAL_S = 0.05
 
 
@@ -178,6 +179,7 @@ class Job:
         self.recoveries: list[Recovery] = []
         self._released: list[Released] = []
         self._reprovision_started: float | None = None
+        self.relay: Any = None
         self.mlflow_parent = active_parent() if spec.mlflow else None
 
     # -- preparation (nothing spent) ---------------------------------------------
@@ -196,11 +198,28 @@ class Job:
             "SGPU_JOB_DIR": self.store.uri(self.run_id),
             "PYTHONUNBUFFERED": "1",
             **self._checkpoint_env(),
-            **(self.tracked.env if self.tracked else {}),
+            **self._tracking_env(),
         }
         commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
                     for i, address in enumerate(addresses)]
         return JobLaunch(env=env, commands=commands, rendezvous=endpoint)
+
+    def _relays_mlflow(self) -> bool:
+        """Remote nodes cannot write the driver's tracking file: they relay through the job store."""
+        from prefect_sgpu.mlflow_relay import relays
+
+        return (self.tracked is not None and self.compute.remote and self.compute.runs_node_agents
+                and relays(self.tracked.tracking_uri))
+
+    def _tracking_env(self) -> dict[str, str]:
+        if self.tracked is None:
+            return {}
+        env = dict(self.tracked.env)
+        if self._relays_mlflow():
+            from prefect_sgpu.mlflow_relay import SCHEME
+
+            env["MLFLOW_TRACKING_URI"] = f"{SCHEME}:"
+        return env
 
     def _checkpoint_env(self) -> dict[str, str]:
         """Checkpoints on the job's store (they outlive nodes and relaunches), unless the caller chose."""
@@ -247,6 +266,11 @@ class Job:
                 f"[{plan.device}, {request.compute}], job {self.run_id}"
             )
             tailer = LogTailer(self.store, self.run_id, plan.procs_per_node, self.sink.line).start()
+            if self._relays_mlflow():
+                from prefect_sgpu.mlflow_relay import MetricRelay
+
+                assert self.tracked is not None
+                self.relay = MetricRelay(self.store, self.run_id, self.tracked.tracking_uri, self.tracked.run_id)
             end = self._run_gangs(request, folder, deadline, tailer)
             tailer.poll()
             result = self._collect(self.plan, end)
@@ -300,6 +324,8 @@ class Job:
             finally:
                 self._released.append(self.compute.release(allocation))
             self.allocation = None
+            if self.relay is not None:
+                self.relay.restart()
             tailer.restart(lambda g=gang: folder.reset_for_relaunch(g))
             step, lost_work = self._checkpoint_progress(gang_started)
             request = self.compute.replan(request, gang)
@@ -376,6 +402,8 @@ class Job:
             if now - last_beat > HEARTBEAT_INTERVAL_S:
                 self.folder.beat()
                 last_beat = now
+            if self.relay is not None:
+                self.relay.poll(every=RELAY_INTERVAL_S)
             self.cancel_event.wait(POLL_INTERVAL_S)
 
     def _envelopes(self) -> dict[int, payload_mod.Envelope]:
@@ -457,6 +485,8 @@ class Job:
         finally:
             if tailer is not None:
                 tailer.close()
+            if self.relay is not None:
+                self.relay.poll()  # the last metrics, before the run ends and the files go
             if self.tracked is not None:
                 if self.recoveries:
                     import json

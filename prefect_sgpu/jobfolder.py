@@ -69,8 +69,10 @@ RESULTS = "results"
 NODES = "nodes"
 AGENT = "agent"
 CHECKPOINTS = "checkpoints"
+#: relayed MLflow records of remote ranks (:mod:`prefect_sgpu.mlflow_relay`)
+METRICS = "metrics"
 #: what the driver deletes when a job ends (logs and checkpoints stay)
-CONTROL = (PAYLOAD, RESULTS, STOP, NODES, HEARTBEAT)
+CONTROL = (PAYLOAD, RESULTS, STOP, NODES, HEARTBEAT, METRICS)
 
 
 def launch_key(node: int) -> str:
@@ -374,7 +376,7 @@ class JobFolder:
     def reset_for_relaunch(self, gang: int) -> None:
         """Before a new gang starts: the old gang's node documents, results and stop go; its
         rank logs move to ``logs/gang-<gang>/`` (the payload, heartbeat and checkpoints stay)."""
-        for key in (RESULTS, STOP, NODES):
+        for key in (RESULTS, STOP, NODES, METRICS):
             self.store.delete(self.run_id, key)
         for key in self.log_keys():
             data = self.store.get(self.run_id, key)

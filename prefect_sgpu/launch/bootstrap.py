@@ -64,6 +64,7 @@ from prefect_sgpu.jobfolder import (
     unseal,
 )
 from prefect_sgpu.launch.processes import kill_and_reap
+from prefect_sgpu.mlflow_relay import METRICS
 
 DEFAULT_IMDS = "http://169.254.169.254/"
 IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
@@ -366,7 +367,7 @@ class NodeBootstrap:
 
     def sync_up(self) -> None:
         """Logs first, then envelopes (sealed by their ranks): a reader that sees an envelope sees its log."""
-        for kind, pattern in ((LOGS, "rank-*.log"), (RESULTS, "rank-*.bin")):
+        for kind, pattern in ((LOGS, "rank-*.log"), (METRICS, "rank-*.jsonl"), (RESULTS, "rank-*.bin")):
             folder = self.job_dir / kind
             if folder.is_dir():
                 for path in sorted(folder.glob(pattern)):

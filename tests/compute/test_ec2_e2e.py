@@ -543,3 +543,37 @@ def test_a_store_the_nodes_cannot_reach_is_refused_before_anything_is_spent(
         fn.job("never")
     assert ec2.sent_run_instances() == [], "no RunInstances was sent"
     assert ec2.instances("") == [] or not ec2.aws.live_instances()
+
+
+def _log_to_mlflow() -> tuple[str, str]:
+    import mlflow
+
+    run = mlflow.start_run()  # the driver's run, from MLFLOW_RUN_ID
+    for step in range(3):
+        mlflow.log_metric(f"loss_rank{runtime.rank()}", 1.0 / (step + 1), step=step)
+    mlflow.log_param(f"seen_by_rank{runtime.rank()}", "yes")
+    mlflow.set_tag(f"rank{runtime.rank()}.host", runtime.node_rank())
+    return run.info.run_id, mlflow.get_tracking_uri()
+
+
+def test_metrics_of_ec2_ranks_reach_the_drivers_sqlite_run(ec2: EC2Env, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tracking store is a sqlite file on the driver's disk: ranks relay through the job store."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    job = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), timeout=300)(_log_to_mlflow).job()
+    result = job.run()
+    assert [v[0] for v in result.values] == [result.mlflow_run_id] * 2, "every rank logged into the job's run"
+    # the simulated nodes share this disk: make sure they did not write the file directly
+    assert [v[1] for v in result.values] == ["sgpu-relay:"] * 2
+    client = MlflowClient(uri)
+    run = client.get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    for rank in (0, 1):
+        history = client.get_metric_history(result.mlflow_run_id, f"loss_rank{rank}")
+        assert [(m.step, m.value) for m in history] == [(0, 1.0), (1, 0.5), (2, 1 / 3)], rank
+        assert run.data.params[f"seen_by_rank{rank}"] == "yes"
+        assert run.data.tags[f"rank{rank}.host"] == str(rank)
+    assert ec2.leftovers(job.run_id) == []
