@@ -47,6 +47,11 @@ def run_id() -> str | None:
     return os.environ.get("SGPU_RUN_ID")
 
 
+def instance_id() -> str | None:
+    """The cloud instance this rank runs on (EC2: ``i-...``), None for local processes."""
+    return os.environ.get("SGPU_INSTANCE_ID")
+
+
 def uses_gpu() -> bool:
     """True when the launcher gave this rank a GPU (or, outside it, one is visible)."""
     forced = os.environ.get("SGPU_DEVICE")

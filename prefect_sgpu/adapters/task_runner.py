@@ -197,12 +197,21 @@ def _report(job: Job, result: JobResult) -> None:
         f"Compute: {cost.get('instance_hours', 0):.4f} instance-hours, estimated "
         f"${cost.get('usd', 0):.4f}\n\n" if cost else ""
     )
+    recoveries = ""
+    if result.recoveries:
+        lines = "\n".join(
+            f"| {r.gang} | {r.reason} | {r.resumed_from_step if r.resumed_from_step is not None else 'start'} | "
+            f"{r.reprovision_s:.1f} | {'?' if r.lost_work_s is None else f'{r.lost_work_s:.1f}'} |"
+            for r in result.recoveries)
+        recoveries = ("**Recovered from infrastructure loss** (relaunched on new capacity):\n\n"
+                      "| relaunch | what was lost | resumed from step | re-provisioning (s) | work redone (s) |\n"
+                      f"| --- | --- | --- | --- | --- |\n{lines}\n\n")
     create_markdown_artifact(
         markdown=(
             f"### {job.call.name}: {result.plan.world_size} rank(s) on {result.plan.nodes} node(s)\n\n"
             f"Job `{result.run_id}` finished in {result.duration_s:.1f} s on {result.plan.device}.\n\n"
             "| rank | node | host | exit code | duration (s) |\n| --- | --- | --- | --- | --- |\n"
-            f"{rows}\n\n{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
+            f"{rows}\n\n{recoveries}{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
         ),
         description=f"prefect-sgpu job {result.run_id}",
     )

@@ -342,7 +342,8 @@ class NodeBootstrap:
         if len(argv) > 2 and argv[1] == "-m":  # the driver's interpreter path means nothing here
             argv[0] = sys.executable
         env = {**os.environ, **{k: v for k, v in doc.env.items() if k != KEY_ENV},
-               "SGPU_JOB_DIR": str(self.job_dir), "SGPU_RUN_ID": self.run_id, KEY_ENV: self.key}
+               "SGPU_JOB_DIR": str(self.job_dir), "SGPU_RUN_ID": self.run_id, KEY_ENV: self.key,
+               "SGPU_INSTANCE_ID": self.identity.instance_id}
         return argv, env
 
     def start_agent(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -183,3 +185,52 @@ def test_bad_task_resources_fail_at_decoration() -> None:
         rank_info.with_options(gpus=0)
     with pytest.raises(SGPUConfigError, match="distribute_all_tasks"):
         GPUTaskRunner(distribute_all_tasks=True)
+
+
+def test_a_node_lost_mid_task_is_relaunched_inside_one_task_run(prefect_server: None, tmp_path: Path) -> None:
+    """Infrastructure loss is not a Prefect retry: the task run completes in its first attempt, and its
+    artifact lists the relaunch."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterTaskRunId, FlowRunFilter,
+                                                TaskRunFilter)
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    marker = tmp_path / "node-1-started"
+
+    @gpu_task(gpus=2, nodes=2, mlflow=False, max_recoveries=1)
+    def loses_node_1_once() -> int:
+        if runtime.node_rank() == 1 and not marker.exists():
+            marker.write_text("x")
+            time.sleep(600)  # the node is killed under it
+        return runtime.world_size()
+
+    @flow(task_runner=GPUTaskRunner())
+    def pipeline() -> object:
+        return loses_node_1_once(return_state=True)
+
+    def kill_node_1() -> None:
+        """What a vanished machine looks like: node 1's whole process tree dies, nothing reports."""
+        import psutil
+
+        while not marker.exists():
+            time.sleep(0.2)
+        for proc in psutil.Process().children(recursive=True):
+            cmd = " ".join(proc.cmdline())
+            if "node_agent" in cmd and "--node-index=1" in cmd and \
+                    "--node-index=1" not in " ".join(proc.parent().cmdline()):
+                os.killpg(proc.pid, signal.SIGKILL)  # the node's process group, all at once
+                return
+
+    killer = threading.Thread(target=kill_node_1, daemon=True)
+    killer.start()
+    state = pipeline()
+    assert state.is_completed() and state.result() == 2
+    task_run_id = state.state_details.task_run_id
+    with get_client(sync_client=True) as client:
+        assert client.read_task_run(task_run_id).run_count == 1, "no Prefect retry was used"
+        [artifact] = client.read_artifacts(
+            artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])),
+            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(),
+            sort=ArtifactSort.CREATED_DESC, limit=10, offset=0,
+        )
+    assert "Recovered from infrastructure loss" in artifact.data and "killed by SIGKILL" in artifact.data

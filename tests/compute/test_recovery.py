@@ -34,6 +34,8 @@ def _train(step_s: float = 0.25, strategy: str = "ddp", stop_at: int = STEPS) ->
     import hashlib
     import socket
 
+    from prefect_sgpu import runtime
+
     import torch
     from torch import nn
 
@@ -82,7 +84,7 @@ def _train(step_s: float = 0.25, strategy: str = "ddp", stop_at: int = STEPS) ->
         first = opt_state[min(opt_state)]["step"]
         steps = int(first.full_tensor().item() if hasattr(first, "full_tensor") else first.item())
     return {"start": start, "ran": ran, "optimizer_steps": steps, "restored": restored, "final": weights(),
-            "host": socket.gethostname()}
+            "host": socket.gethostname(), "instance": runtime.instance_id()}
 
 
 def _when(condition: Callable[[], bool], timeout: float, what: str, while_alive: threading.Thread) -> None:
@@ -133,7 +135,8 @@ def _recovered_exactly_once(ec2: EC2Env, job: Any, outcome: dict[str, Any], lost
         "one replacement gang was provisioned, and every instance is gone"
     tokens = {c.params["ClientToken"] for c in ec2.proxy.calls("RunInstances")} if ec2.proxy else set()
     assert len(tokens) == 2, "exactly one replacement provisioning"
-    assert lost not in {r.host for r in result.ranks}, "the results came from the new instances"
+    ran_on = {v["instance"] for v in result.values}
+    assert None not in ran_on and lost not in ran_on, "the results came from the new instances"
     assert ec2.leftovers(job.run_id) == []
     return result
 
@@ -169,12 +172,13 @@ def test_an_fsdp2_checkpoint_on_s3_is_restored_by_a_gang_on_other_nodes(ec2: EC2
     """One job writes sharded FSDP2 checkpoints to S3 and ends at step 20; a second job, on new
     instances, downloads the newest and continues from the very same weights."""
     location = f"s3://{ec2.bucket}/shared/fsdp-run"
-    options = {"gpus": 2, "gpu_type": "A10", "remote": True, "mlflow": False, "timeout": 600,
+    options = {"gpus": 2, "gpu_type": "A10", "remote": True, "compute": ec2.compute(), "mlflow": False, "timeout": 600,
                "env": {"SGPU_CHECKPOINT_URI": location, "SGPU_STRATEGY": "fsdp"}}
     first = distributed(**options)(_train).distributed(step_s=0.0, strategy="fsdp", stop_at=20)
     second = distributed(**options)(_train).distributed(step_s=0.0, strategy="fsdp", stop_at=30)
     assert first[0]["start"] == 0 and second[0]["start"] == 20
-    assert {r["host"] for r in first}.isdisjoint({r["host"] for r in second}), "the second gang ran elsewhere"
+    assert None not in {r["instance"] for r in first + second}
+    assert {r["instance"] for r in first}.isdisjoint({r["instance"] for r in second}), "the 2nd gang ran elsewhere"
     assert second[0]["optimizer_steps"] == 30
     assert second[0]["restored"] == first[0]["final"], "the new gang restored exactly the weights of step 20"
     keys = [o["Key"] for o in ec2.aws.client("s3").list_objects_v2(Bucket=ec2.bucket,
