@@ -316,6 +316,7 @@ class Job:
                     f"max_recoveries={self.spec.max_recoveries}", node=node,
                     recoveries=[r.as_dict() for r in self.recoveries])
             noticed = time.monotonic()
+            step, lost_work = self._checkpoint_progress(gang_started)  # before stop and release take time
             gang += 1
             self.sink.warning(f"{self.call.name}: {reason}; relaunching the job on new capacity "
                               f"(recovery {gang} of at most {self.spec.max_recoveries})")
@@ -327,7 +328,6 @@ class Job:
             if self.relay is not None:
                 self.relay.restart()
             tailer.restart(lambda g=gang: folder.reset_for_relaunch(g))
-            step, lost_work = self._checkpoint_progress(gang_started)
             request = self.compute.replan(request, gang)
             self.recoveries.append(Recovery(gang=gang, nodes={i: hosts.get(i, "?") for i in lost}, reason=reason,
                                             resumed_from_step=step, reprovision_s=0.0, lost_work_s=lost_work))
