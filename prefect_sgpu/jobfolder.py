@@ -25,12 +25,19 @@ Layout of one job (``<store root>/<run_id>/...``)::
     heartbeat                   sealed Heartbeat (seq, time)              driver -> nodes
     stop                        sealed Stop                               driver -> nodes
     nodes/node-<i>.launch       sealed LaunchDocument (argv, env)         driver -> node i
-    nodes/node-<i>.alive        sealed Alive (phase, seq)                 node i -> driver
-    nodes/node-<i>.status       sealed NodeStatus (exit code, failures)   node i -> driver
+    nodes/node-<i>.alive        sealed Alive (phase, seq, reclaim notice) node i -> driver
+    nodes/node-<i>.status       sealed NodeStatus (exit code, failures,   node i -> driver
+                                hung ranks, reclaim notice)
     results/rank-<r>.bin        sealed result envelope                    rank r -> driver
+    metrics/rank-<r>.jsonl      relayed MLflow records (remote ranks)     rank r -> driver
     logs/rank-<r>.log           rank r's stdout+stderr (kept after the job)
+    logs/gang-<n>/rank-<r>.log  the logs of a gang relaunched after infrastructure loss
     agent/node-<i>.out          node i's agent output
-    checkpoints/...             user checkpoints (runtime.checkpoint_dir())
+    checkpoints/step-<n>/...    checkpoints (runtime.checkpoint_uri()), COMPLETE marker last
+
+In a node's own copy of the folder (on EC2, the instance's disk) two more files live, never
+uploaded: ``preempt`` (the reclaim notice, for ``runtime.preemption_requested()``) and
+``progress/rank-<r>`` (what the hang watchdog reads).
 """
 
 from __future__ import annotations

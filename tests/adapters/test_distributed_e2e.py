@@ -310,3 +310,21 @@ def test_nodes_stop_themselves_when_the_driver_dies(tmp_path: Path) -> None:
     while job_processes(run_id):
         assert time.monotonic() < deadline, f"orphans left: {job_processes(run_id)}"
         time.sleep(0.5)
+
+
+def _own_process_group_timeout() -> float:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_timeout
+
+    dist.init_process_group(backend="gloo")  # user code that does not use runtime.init_process_group
+    try:
+        return _get_default_timeout(dist.Backend.GLOO).total_seconds()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collective_timeout_applies_to_process_groups_user_code_creates() -> None:
+    """torch's default is 30 min; a rank's default comes from SGPU_COLLECTIVE_TIMEOUT_S."""
+    timeouts = distributed(gpus=2, mlflow=False, env={"SGPU_COLLECTIVE_TIMEOUT_S": "123"})(
+        _own_process_group_timeout).distributed()
+    assert timeouts == [123.0, 123.0]

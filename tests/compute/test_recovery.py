@@ -126,8 +126,13 @@ def test_an_fsdp2_checkpoint_on_s3_is_restored_by_a_gang_on_other_nodes(ec2: EC2
         "shared/fsdp-run/step-00000020/dcp/.metadata" in keys, keys
 
 
-def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path) -> None:
-    fn = distributed(gpus=2, nodes=2, mlflow=False, timeout=600)(_train)
+def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    fn = distributed(gpus=2, nodes=2, timeout=600)(_train)
     job = fn.job()
     thread, outcome = _drive(job)
     checkpoint = lambda: (job.store.local_dir_root() / job.run_id / "checkpoints" / "step-00000020" / "COMPLETE").exists()  # noqa: E731
@@ -142,6 +147,9 @@ def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path) ->
     assert rank0["optimizer_steps"] == STEPS and rank0["start"] >= 20, rank0
     (recovery,) = result.recoveries
     assert "killed by SIGKILL" in recovery.reason and recovery.resumed_from_step == rank0["start"]
+    run = MlflowClient(uri).get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["sgpu.recoveries"] == "1"
+    assert '"resumed_from_step": %d' % rank0["start"] in run.data.tags["sgpu.recovery.1"]
 
 
 def test_a_user_exception_is_never_recovered(tmp_path: Path) -> None:
