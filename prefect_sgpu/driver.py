@@ -239,6 +239,14 @@ class Job:
     # -- run ------------------------------------------------------------------
 
     def run(self) -> JobResult:
+        """Run the job to its end; Ctrl-C, SIGTERM/SIGHUP and interpreter exit stop it cleanly."""
+        from prefect_sgpu import interrupts
+
+        interrupts.install()
+        with interrupts.running(self.cancel_event):
+            return self._run()
+
+    def _run(self) -> JobResult:
         request, body, key = self.prepare()
         plan = self.plan = request.plan
         self.started_at = time.monotonic()

@@ -41,10 +41,16 @@ class DistributedFuture(Generic[R]):
         self._cancel = cancel_event
 
     def result(self, timeout: float | None = None) -> list[R]:
-        return self._future.result(timeout).values
+        return self.job_result(timeout).values
 
     def job_result(self, timeout: float | None = None) -> JobResult:
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while waiting: stop every job of this driver
+            from prefect_sgpu import interrupts
+
+            interrupts.cancel_all("interrupted while waiting for a job")
+            raise
 
     def done(self) -> bool:
         return self._future.done()
@@ -57,16 +63,24 @@ class DistributedFuture(Generic[R]):
         return self._future.exception(timeout)
 
 
-_executor: cf.ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+def _start(job: Job) -> cf.Future[JobResult]:
+    """Run ``job`` in a thread of its own: no pool cap that would queue a sweep's jobs unseen.
 
+    The thread is not a daemon: at interpreter exit Python waits for it, after the exit
+    hook of :mod:`prefect_sgpu.interrupts` has cancelled the job (so the wait is its cleanup).
+    """
+    future: cf.Future[JobResult] = cf.Future()
 
-def _pool() -> cf.ThreadPoolExecutor:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = cf.ThreadPoolExecutor(max_workers=32, thread_name_prefix="sgpu-submit")
-        return _executor
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(job.run())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"sgpu-submit-{job.run_id}").start()
+    return future
 
 
 def _check_remote_fit(layer: SpecLayer, compute: Any | None) -> None:
@@ -145,10 +159,13 @@ class DistributedFunction(Generic[P, R]):
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> DistributedFuture[R]:
         """Start the job in the background (sweeps run side by side)."""
+        from prefect_sgpu import interrupts
+
         cancel = threading.Event()
         job = self.job(*args, cancel_event=cancel, **kwargs)
         job.prepare()  # bad resources or payload raise here, not in the future
-        return DistributedFuture(_pool().submit(job.run), cancel)
+        interrupts.install()  # from the caller's (main) thread: signal handlers and the exit hook
+        return DistributedFuture(_start(job), cancel)
 
     def dry_run(self, *args: P.args, **kwargs: P.kwargs) -> dict[str, Any]:
         """What ``.distributed()`` would start: the request and each node's command. Spends nothing."""

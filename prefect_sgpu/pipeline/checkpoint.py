@@ -76,6 +76,18 @@ def _from_rank_zero(value: Any) -> Any:
     return box[0]
 
 
+def _flag_group() -> Any:
+    """A gloo group for small CPU flags (collective: every rank builds its Checkpointer); None when
+    the job's own group is gloo already, or there is no process group."""
+    if not _dist_ready():
+        return None
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def _rng_state() -> dict[str, Any]:
     import torch
 
@@ -141,6 +153,7 @@ class Checkpointer:
         self.every = every
         self.keep = keep
         self.preempted_at: int | None = None
+        self._flags = _flag_group()
 
     # --- saving ------------------------------------------------------------------
 
@@ -160,13 +173,14 @@ class Checkpointer:
         return step > 0 and step % self.every == 0
 
     def _any_rank(self, flag: bool) -> bool:
+        """``flag`` on any rank, over a CPU (gloo) group: no device sync in the training loop."""
         if not _dist_ready():
             return flag
         import torch
         import torch.distributed as dist
 
-        box = torch.tensor([1 if flag else 0], device=runtime.device())
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        box = torch.tensor([1 if flag else 0])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._flags)
         return bool(box.item())
 
     def maybe_save(self, step: int, extra: dict[str, Any] | None = None) -> Path | None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from prefect_sgpu import DistributedFunction, SGPUConfigError, distributed
+from prefect_sgpu.errors import JobCancelled
 from prefect_sgpu.store import LocalStore
+from support.fake_compute import FakeCompute
 
 
 @distributed(gpus=4, nodes=2, mlflow=False)
@@ -67,3 +71,27 @@ def test_package_imports_without_heavy_libraries() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_submit_runs_every_job_at_once_without_a_pool_cap(tmp_path: Path) -> None:
+    """40 submitted jobs are all started (each waits in acquire): none waits unseen behind a pool limit."""
+    import time as _time
+
+    compute = FakeCompute(acquire_blocks=True)
+    fn = distributed(compute=compute, store=LocalStore(tmp_path), mlflow=False)(_identity_for_submit)
+    futures = [fn.submit(i) for i in range(40)]
+    try:
+        deadline = _time.monotonic() + 60
+        while _time.monotonic() < deadline and sum(c[0] == "acquire" for c in compute.calls) < 40:
+            _time.sleep(0.05)
+        assert sum(c[0] == "acquire" for c in compute.calls) == 40
+    finally:
+        for future in futures:
+            future.cancel()
+    for future in futures:
+        with pytest.raises(JobCancelled):
+            future.result(timeout=60)
+
+
+def _identity_for_submit(x: int) -> int:
+    return x
