@@ -32,7 +32,15 @@ from prefect_sgpu.compute.base import (
     Released,
     Request,
 )
-from prefect_sgpu.errors import InfrastructureLost, JobCancelled, JobHung, LaunchTimeout, RankFailedError
+from prefect_sgpu.errors import (
+    InfrastructureLost,
+    JobCancelled,
+    JobHung,
+    LaunchTimeout,
+    RankFailedError,
+    SGPUError,
+    StoreUnreachable,
+)
 from prefect_sgpu.jobfolder import JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
 from prefect_sgpu.spec import JobSpec, Plan
@@ -378,8 +386,21 @@ class Job:
         if self._reprovision_started is not None and self.recoveries:
             self.recoveries[-1].reprovision_s = time.monotonic() - self._reprovision_started
             self._reprovision_started = None
+        outage = _Outage(self.run_id, self._node_ttl())
         while True:
-            for event in self.compute.poll(self.allocation):
+            now = time.monotonic()
+            events: list[Any] = []
+            try:
+                events = self.compute.poll(self.allocation)
+                if now - last_beat > HEARTBEAT_INTERVAL_S:
+                    self.folder.beat()
+                    last_beat = now
+                outage.over()
+            except SGPUError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the store (or the cloud API) is unreachable for now
+                outage.failed(exc)
+            for event in events:
                 if isinstance(event, NodeExited):
                     end.codes[event.node] = event.exit_code
                     if event.status is not None:
@@ -407,16 +428,26 @@ class Job:
                 raise JobCancelled(f"job {self.run_id} was cancelled; every rank was stopped")
             if now > deadline:
                 raise LaunchTimeout(self.run_id, self.spec.timeout)
-            if now - last_beat > HEARTBEAT_INTERVAL_S:
-                self.folder.beat()
-                last_beat = now
             if self.relay is not None:
                 self.relay.poll(every=RELAY_INTERVAL_S)
             self.cancel_event.wait(POLL_INTERVAL_S)
 
+    def _node_ttl(self) -> float:
+        return self._prepared[0].heartbeat_ttl_s if self._prepared else 60.0
+
     def _envelopes(self) -> dict[int, payload_mod.Envelope]:
         assert self.folder is not None
-        return {rank: payload_mod.load_envelope(body) for rank, body in self.folder.results().items()}
+        outage = _Outage(self.run_id, self._node_ttl())
+        while True:
+            try:
+                results = self.folder.results()
+                break
+            except SGPUError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the results are there; the store will answer again
+                outage.failed(exc)
+                time.sleep(1.0)
+        return {rank: payload_mod.load_envelope(body) for rank, body in results.items()}
 
     def _collect(self, plan: Plan, end: _GangEnd) -> JobResult:
         codes, statuses, lost = end.codes, end.statuses, end.lost
@@ -509,6 +540,36 @@ class Job:
                 except Exception:  # noqa: BLE001 - the job's outcome matters more than tidiness
                     logger.warning("could not delete the control files of job %s", self.run_id, exc_info=True)
         return released
+
+
+class _Outage:
+    """The store (or cloud API) failing beyond botocore's own retries: ride it out for as long as the
+    nodes do (their heartbeat TTL), saying so once in a while; past that, fail like the nodes do."""
+
+    def __init__(self, run_id: str, ttl: float) -> None:
+        self.run_id = run_id
+        self.ttl = ttl
+        self.since: float | None = None
+        self.logged = 0.0
+
+    def failed(self, exc: Exception) -> None:
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if now - self.since > self.ttl:
+            raise StoreUnreachable(
+                f"job {self.run_id}: the job store has failed every call for {now - self.since:.0f}s, longer "
+                f"than the nodes' heartbeat TTL ({self.ttl:g}s), after which they stop themselves: {exc}"
+            ) from exc
+        if now - self.logged > 30.0:
+            self.logged = now
+            logger.warning("job %s: the job store is unreachable (%s: %s); the nodes keep running for up to "
+                           "%gs; retrying", self.run_id, type(exc).__name__, exc, self.ttl)
+
+    def over(self) -> None:
+        if self.since is not None:
+            logger.warning("job %s: the job store answers again after %.0fs", self.run_id,
+                           time.monotonic() - self.since)
+            self.since = None
 
 
 def _total_cost(costs: list[dict[str, Any] | None]) -> dict[str, Any] | None:

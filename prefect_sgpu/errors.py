@@ -143,3 +143,7 @@ class InfrastructureLost(RankFailedError):
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.rank, self.host, self.exit_code, self.remote_traceback, self.message,
                              self.node, self.recoveries))
+
+
+class StoreUnreachable(SGPUError):
+    """The job store failed every call for longer than the nodes' heartbeat TTL: they have stopped."""

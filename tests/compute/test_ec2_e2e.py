@@ -577,3 +577,43 @@ def test_metrics_of_ec2_ranks_reach_the_drivers_sqlite_run(ec2: EC2Env, tmp_path
         assert run.data.params[f"seen_by_rank{rank}"] == "yes"
         assert run.data.tags[f"rank{rank}.host"] == str(rank)
     assert ec2.leftovers(job.run_id) == []
+
+
+def _sum_after_a_while(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    runtime.init_process_group()
+    print(f"rank {runtime.rank()} is up", flush=True)
+    time.sleep(seconds)  # the store goes down and comes back meanwhile
+    t = torch.tensor([float(runtime.rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_the_driver_rides_out_a_store_outage_shorter_than_the_nodes_ttl(ec2: EC2Env, aws_faults: Any) -> None:
+    """Every S3 call answers 500 for 20 s mid-job (longer than botocore's retries, shorter than the
+    nodes' 40 s TTL): driver and nodes wait it out and the job returns the right values."""
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, mlflow=False, timeout=600,
+                     compute=ec2.compute(heartbeat_ttl_s=40.0))(_sum_after_a_while)
+    job = fn.job(45.0)
+    outcome: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: outcome.update(values=job.run().values), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and thread.is_alive():
+        logs = ec2.objects(job.run_id) if ec2.instances(job.run_id) else {}
+        if all(f"rank {r} is up".encode() in logs.get(f"jobs/{job.run_id}/logs/rank-0000{r}.log", b"")
+               for r in (0, 1)):
+            break
+        time.sleep(0.5)
+    rule = aws_faults.fail("", "InternalError", status=500)  # S3 (REST) calls only; EC2 keeps answering
+    time.sleep(20.0)
+    with aws_faults._lock:
+        aws_faults.rules.remove(rule)
+    failed = [c for c in aws_faults.calls("") if c.error == "InternalError"]
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert failed, "the outage reached the store's clients"
+    assert outcome.get("values") == [3.0, 3.0], outcome
+    assert ec2.leftovers(job.run_id) == []
