@@ -205,6 +205,7 @@ class NodeBootstrap:
         self._error_logged = 0.0
         self._refusals: set[str] = set()
         self.notice: str | None = None
+        self.terminated = False
         self._notices = NoticeWatch()
         if key is not None:
             self.use_key(key)
@@ -458,6 +459,7 @@ class NodeBootstrap:
             except Exception:  # noqa: BLE001 - the parameter may already be gone
                 pass
         self._client("ec2").terminate_instances(InstanceIds=[self.identity.instance_id])
+        self.terminated = True
         return 0
 
     def crashed(self, exc: BaseException) -> int:
@@ -547,7 +549,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint-url", default=None)
     p.add_argument("--heartbeat-ttl", type=float, default=900.0)
     p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--backstop-marker", default=None,
+                   help="created once this program has taken over from the user-data's backstop")
     return p.parse_args(argv)
+
+
+def power_off(reason: str) -> int:
+    """The last resort when this program cannot even terminate its instance through the API:
+    shut the machine down (the instance is launched with shutdown behaviour "terminate")."""
+    _log(f"{reason}: powering off")
+    try:
+        subprocess.run(["shutdown", "-h", "now"], check=False, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        _log(f"shutdown failed: {exc}")
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -555,15 +570,27 @@ def main(argv: list[str] | None = None) -> int:
     from prefect_sgpu.store_s3 import S3Store
 
     args = parse_args(argv)
-    identity = fetch_identity()
-    store = S3Store(args.store, region=args.region, endpoint_url=args.endpoint_url)
-    node_dir = Path(os.environ.get(NODE_DIR_ENV) or default_home() / "node-jobs")
-    node = NodeBootstrap(store, args.run_id, identity, node_dir, args.heartbeat_ttl, region=args.region,
-                         endpoint_url=args.endpoint_url, interval=args.interval)
+    node: NodeBootstrap | None = None
     try:
+        identity = fetch_identity()
+        store = S3Store(args.store, region=args.region, endpoint_url=args.endpoint_url)
+        node_dir = Path(os.environ.get(NODE_DIR_ENV) or default_home() / "node-jobs")
+        node = NodeBootstrap(store, args.run_id, identity, node_dir, args.heartbeat_ttl, region=args.region,
+                             endpoint_url=args.endpoint_url, interval=args.interval)
+        if args.backstop_marker:
+            Path(args.backstop_marker).touch()  # from here on this program watches the node
         return node.run()
     except Exception as exc:  # noqa: BLE001 - without this program nobody watches the node
-        return node.crashed(exc)
+        if node is None:
+            import traceback
+
+            _log(f"bootstrap failed before it knew its instance: {type(exc).__name__}: {exc}\n"
+                 f"{traceback.format_exc()}")
+            return power_off("no identity, no way to terminate through the API")
+        code = node.crashed(exc)
+        if not node.terminated:  # crashed() could not terminate the instance through the API
+            return power_off("termination through the API failed")
+        return code
 
 
 if __name__ == "__main__":

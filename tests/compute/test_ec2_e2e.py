@@ -607,8 +607,10 @@ def test_the_driver_rides_out_a_store_outage_shorter_than_the_nodes_ttl(ec2: EC2
                for r in (0, 1)):
             break
         time.sleep(0.5)
+    assert thread.is_alive(), f"the job ended before the outage: {outcome}"
     rule = aws_faults.fail("", "InternalError", status=500)  # S3 (REST) calls only; EC2 keeps answering
     time.sleep(20.0)
+    assert thread.is_alive(), f"the job did not ride out the outage: {outcome}"
     with aws_faults._lock:
         aws_faults.rules.remove(rule)
     failed = [c for c in aws_faults.calls("") if c.error == "InternalError"]
@@ -617,3 +619,26 @@ def test_the_driver_rides_out_a_store_outage_shorter_than_the_nodes_ttl(ec2: EC2
     assert failed, "the outage reached the store's clients"
     assert outcome.get("values") == [3.0, 3.0], outcome
     assert ec2.leftovers(job.run_id) == []
+
+
+@pytest.mark.parametrize(("setup", "why"), [("exit 1", "setup failed"), ("sleep 3600", "setup hung")])
+def test_a_node_whose_bootstrap_never_takes_over_powers_itself_off(ec2: EC2Env, setup: str, why: str) -> None:
+    """No driver watches this launch (as if it was killed right after RunInstances): the user-data's
+    own backstop shuts the machine down, which terminates the instance."""
+    from prefect_sgpu.spec import JobSpec
+
+    compute = ec2.compute(setup_commands=setup, heartbeat_ttl_s=10.0, agent_timeout_s=10.0)
+    run_id = f"backstop-{uuid.uuid4().hex[:8]}"
+    request = compute.plan(JobSpec(gpus=1, gpu_type="A10", remote=True), run_id)
+    try:
+        instances = compute.provisioner.provision(run_id, request.plan, request.user_data,
+                                                  attempts=request.run_instances)
+        (iid,) = [i.id for i in instances]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and ec2.instances(run_id, live=True):
+            time.sleep(1)
+        assert not ec2.instances(run_id, live=True), f"{why}: the instance was not terminated\n" + \
+            ec2.simulator.console(iid)
+        assert "-h now" in ec2.simulator.shutdowns(iid), f"{why}: terminated by its own shutdown"
+    finally:
+        compute.provisioner.terminate(run_id)  # the groups a dead driver leaves (no sweeper yet)

@@ -205,11 +205,12 @@ class EC2Simulator:
         })
         home = self.workdir / iid
         (home / "home").mkdir(parents=True, exist_ok=True)
+        self._install_shutdown(home, iid)
         script = home / "user-data"
         script.write_text(user_data)
         script.chmod(0o755)
         env = {
-            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+            "PATH": f"{home / 'bin'}:{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
             "PYTHONPATH": str(REPO_ROOT),  # the AMI's installed prefect-sgpu
             "HOME": str(home / "home"),
             "LANG": "C.UTF-8",
@@ -233,6 +234,26 @@ class EC2Simulator:
                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
         return SimulatedNode(iid, int(inst.get("AmiLaunchIndex", 0)), inst.get("PrivateIpAddress", ""),
                              address, imds, proc, log, user_data)
+
+    def _install_shutdown(self, home: Path, instance_id: str) -> None:
+        """The node's ``shutdown``: what instance-initiated shutdown with behaviour "terminate" does on EC2
+        (the instance is terminated), recorded in ``shutdown.log``."""
+        bin_dir = home / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        script = bin_dir / "shutdown"
+        script.write_text(
+            "#!/bin/bash\n"
+            f'echo "shutdown $*" >> {home / "shutdown.log"}\n'
+            f"exec {sys.executable} -c 'import boto3; boto3.client(\"ec2\", "
+            f"endpoint_url=\"{self.ec2.meta.endpoint_url}\", region_name=\"{self.ec2.meta.region_name}\")"
+            f".terminate_instances(InstanceIds=[\"{instance_id}\"])'\n"
+        )
+        script.chmod(0o755)
+
+    def shutdowns(self, instance_id: str) -> str:
+        """What the node's ``shutdown`` was called with ("" when never)."""
+        log = self.workdir / instance_id / "shutdown.log"
+        return log.read_text() if log.exists() else ""
 
     def _power_off(self, node: SimulatedNode) -> None:
         """What terminating a VM does: every process of the node dies at once."""

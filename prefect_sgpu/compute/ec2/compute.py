@@ -247,7 +247,8 @@ class EC2InstanceCompute(Compute):
     def user_data(self, run_id: str) -> str:
         return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
                                    endpoint_url=self.endpoint_url, python=self.python,
-                                   setup=self.setup_commands)
+                                   setup=self.setup_commands,
+                                   backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s))
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))

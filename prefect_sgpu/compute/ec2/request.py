@@ -249,23 +249,37 @@ def render_user_data(
     endpoint_url: str | None = None,
     python: str = "python3",
     setup: str = "",
+    backstop_s: float | None = None,
 ) -> str:
     """The instance's user-data: a short shell script, with no credential and no key in it.
 
     ``setup`` (shell lines, e.g. installing prefect-sgpu into the AMI's Python) runs first.
     The bootstrap derives the SSM parameter of the job key from ``run_id`` itself.
+
+    A backstop powers the instance off (instance-initiated shutdown terminates it) when
+    ``setup`` fails, and when the bootstrap has not taken over within ``backstop_s``
+    seconds (default: the heartbeat TTL): setup hung, or Python itself is broken. Once the
+    bootstrap runs it marks that it took over, and its own watch (and its own
+    termination on any fatal error) applies.
     """
     argv = [python, "-m", "prefect_sgpu.launch.bootstrap", f"--store={store_uri}", f"--run-id={run_id}",
             f"--region={region}", f"--heartbeat-ttl={heartbeat_ttl:g}"]
     if endpoint_url:
         argv.append(f"--endpoint-url={endpoint_url}")
+    backstop = float(backstop_s or heartbeat_ttl)
+    marker = f"${{HOME:-/root}}/.prefect-sgpu-{run_id}.up"
     lines = [
         "#!/bin/bash",
         "# prefect-sgpu node: AWS access comes from the instance profile, the job key from SSM",
-        "set -euo pipefail",
         "export PYTHONUNBUFFERED=1",
+        f'marker="{marker}"',
+        "# backstop: power off (which terminates this instance) unless the bootstrap takes over in time",
+        f'( sleep {backstop:.0f}; [ -e "$marker" ] || shutdown -h now ) </dev/null >/dev/null 2>&1 &',
+        "trap 'shutdown -h now' EXIT  # setup failed",
+        "set -euo pipefail",
         *([setup.strip()] if setup.strip() else []),
-        "exec " + shlex.join(argv),
+        "trap - EXIT",
+        "exec " + shlex.join(argv) + ' --backstop-marker="$marker"',
     ]
     return "\n".join(lines) + "\n"
 
