@@ -4,7 +4,6 @@ and Prefect's cache and progress artifact on a real server."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import shutil
 import subprocess
