@@ -270,7 +270,7 @@ class Job:
             if self.spec.mlflow and mlflow_available():
                 self.tracked = start_run(
                     self.call.name,
-                    tags={"sgpu.run_id": self.run_id, **self.tags},
+                    tags={"sgpu.run_id": self.run_id, "sgpu.store": self.store.root_uri, **self.tags},
                     params={"sgpu.gpus": self.spec.gpus, "sgpu.nodes": plan.nodes,
                             "sgpu.procs_per_node": plan.procs_per_node,
                             "sgpu.gpu_type": self.spec.gpu_type or plan.device,

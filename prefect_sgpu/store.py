@@ -41,6 +41,20 @@ class Store(ABC):
     @abstractmethod
     def delete(self, run_id: str, key: str) -> None: ...
 
+    @property
+    @abstractmethod
+    def root_uri(self) -> str:
+        """The store itself (what ``sgpu:store`` tags and the ``sgpu.store`` MLflow tag name)."""
+
+    @abstractmethod
+    def runs(self) -> list[str]:
+        """The names of every job folder in the store."""
+
+    @abstractmethod
+    def top(self, run_id: str) -> tuple[dict[str, float], set[str]]:
+        """One job folder's top level: its files with their modification times (seconds since
+        the epoch, as the store's own clock has them) and its sub-folder names."""
+
     def local_dir(self, run_id: str) -> Path | None:
         """A folder nodes on this machine may write into directly, if any."""
         return None
@@ -64,6 +78,35 @@ class LocalStore(Store):
 
     def local_dir_root(self) -> Path:
         return self.root
+
+    @property
+    def root_uri(self) -> str:
+        return str(self.root)
+
+    def runs(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def top(self, run_id: str) -> tuple[dict[str, float], set[str]]:
+        files: dict[str, float] = {}
+        folders: set[str] = set()
+        try:
+            entries = list(os.scandir(self.root / run_id))
+        except (FileNotFoundError, NotADirectoryError):
+            return files, folders
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            try:
+                if entry.is_dir():
+                    folders.add(entry.name)
+                else:
+                    files[entry.name] = entry.stat().st_mtime
+            except FileNotFoundError:  # deleted while listed
+                continue
+        return files, folders
 
     def local_dir(self, run_id: str) -> Path:
         path = self.root / run_id

@@ -53,6 +53,34 @@ class S3Store(Store):
     def root_uri(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
 
+    @staticmethod
+    def root_of(uri: str) -> str:
+        """``root_uri`` of the store at ``uri``, without building a client."""
+        bucket, prefix = parse_s3_uri(uri)
+        return f"s3://{bucket}/{prefix}".rstrip("/")
+
+    def runs(self) -> list[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        names: list[str] = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+            names += [p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        return sorted(n for n in names if n and not n.startswith("."))
+
+    def top(self, run_id: str) -> tuple[dict[str, float], set[str]]:
+        """One delimited listing: the folder's own objects and its sub-folders, never their contents."""
+        base = self._key(run_id) + "/"
+        files: dict[str, float] = {}
+        folders: set[str] = set()
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(base):]
+                if name and not name.startswith("."):
+                    files[name] = obj["LastModified"].timestamp()
+            folders.update(p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", []))
+        return files, folders
+
     def _key(self, run_id: str, key: str = "") -> str:
         parts = [p for p in (self.prefix, run_id, key.lstrip("/")) if p]
         return "/".join(parts)

@@ -30,6 +30,7 @@ from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
 from prefect_sgpu.errors import DocumentRefused, InfrastructureLost, SGPUConfigError
 from prefect_sgpu.jobfolder import Alive, JobFolder, LaunchDocument, launch_key, new_key, ssm_key_parameter
 from prefect_sgpu.store_s3 import S3Store
+from prefect_sgpu.sweep import Sweeper
 from support.threads import run_in_thread
 
 pytestmark = pytest.mark.e2e
@@ -183,16 +184,19 @@ _DRIVER = textwrap.dedent(
 
     settings = json.loads(sys.argv[1])
     compute = EC2InstanceCompute.from_settings(settings, session=boto3_session())
-    job = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False)(wait_forever)
+    job = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute)(wait_forever)
     job.distributed()
     """
 )
 
 
-def test_killed_driver_nodes_terminate_themselves(ec2: EC2Env, tmp_path: Path) -> None:
+def _kill_a_driver_mid_run(ec2: EC2Env, tmp_path: Path) -> tuple[str, list[str], float]:
+    """A driver process whose 2-node job is running, SIGKILLed: no finally, no release.
+    Returns its run id, its instances and when it died (monotonic)."""
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
     env = {**os.environ, **ec2.aws.env, "PREFECT_SGPU_HOME": str(tmp_path / "home"),
+           "MLFLOW_TRACKING_URI": _mlflow_uri(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
     driver = subprocess.Popen([sys.executable, str(script), json.dumps(ec2.settings)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -210,32 +214,105 @@ def test_killed_driver_nodes_terminate_themselves(ec2: EC2Env, tmp_path: Path) -
                             run_id = obj["Key"].split("/")[1]
         output = driver.stdout.read().decode() if driver.poll() is not None else ""
         assert run_id, f"the job never started: {output}"
-        os.killpg(driver.pid, signal.SIGKILL)  # no finally, no release: the driver is just gone
-        driver.wait(timeout=10)
-        ids = [i["InstanceId"] for i in ec2.instances(run_id)]
-        assert len(ids) == 2
-        deadline = time.monotonic() + HEARTBEAT_TTL_S + 90
-        while time.monotonic() < deadline:
-            states = {i["State"]["Name"] for i in ec2.instances(run_id)}
-            if states == {"terminated"}:
-                break
-            time.sleep(1)
-        assert {i["State"]["Name"] for i in ec2.instances(run_id)} == {"terminated"}, ec2.simulator.describe()
-        assert ec2.simulator.wait_powered_off(ids, timeout=20)
-        ssm = ec2.aws.client("ssm")
-        with pytest.raises(ssm.exceptions.ParameterNotFound):  # node 0 deleted the key on its way out
-            ssm.get_parameter(Name=ssm_key_parameter(run_id))
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait(timeout=10)
-        if run_id:  # what a dead driver leaves besides instances: its groups (tagged; cleaned here)
-            from prefect_sgpu.compute.ec2.instances import EC2Provisioner
-            from prefect_sgpu.compute.ec2.settings import EC2Settings
+        driver.wait(timeout=10)
+    died = time.monotonic()
+    ids = [i["InstanceId"] for i in ec2.instances(run_id)]
+    assert len(ids) == 2
+    assert _mlflow_status(tmp_path, run_id) == "RUNNING", "a killed driver cannot end its MLflow run"
+    return run_id, ids, died
 
-            fields = EC2Settings.model_fields
-            EC2Provisioner(EC2Settings(**{k: v for k, v in ec2.settings.items() if k in fields}),
-                           session=ec2.aws.session()).terminate(run_id)
+
+def _mlflow_uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def _mlflow_run(tmp_path: Path, run_id: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(_mlflow_uri(tmp_path))
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              f"tags.`sgpu.run_id` = '{run_id}'")
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def _mlflow_status(tmp_path: Path, run_id: str) -> str:
+    return str(_mlflow_run(tmp_path, run_id).info.status)
+
+
+def _hello(x: int) -> int:
+    return x + runtime.rank()
+
+
+def test_killed_driver_nodes_terminate_themselves_and_the_next_job_sweeps_the_rest(
+        ec2: EC2Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_id, ids, died = _kill_a_driver_mid_run(ec2, tmp_path)
+    deadline = time.monotonic() + HEARTBEAT_TTL_S + 90
+    while time.monotonic() < deadline:
+        states = {i["State"]["Name"] for i in ec2.instances(run_id)}
+        if states == {"terminated"}:
+            break
+        time.sleep(1)
+    assert {i["State"]["Name"] for i in ec2.instances(run_id)} == {"terminated"}, ec2.simulator.describe()
+    assert ec2.simulator.wait_powered_off(ids, timeout=20)
+    ssm = ec2.aws.client("ssm")
+    with pytest.raises(ssm.exceptions.ParameterNotFound):  # node 0 deleted the key on its way out
+        ssm.get_parameter(Name=ssm_key_parameter(run_id))
+    left = ec2.leftovers(run_id)
+    assert any(x.startswith("security group") for x in left) and any("/heartbeat" in x for x in left), \
+        f"what a node cannot remove stays until a sweep: {left}"
+    # the next job of the same store sweeps it all before it launches (TTL + half the TTL after the kill)
+    time.sleep(max(0.0, died + HEARTBEAT_TTL_S * 1.5 + 1 - time.monotonic()))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", _mlflow_uri(tmp_path))
+    job = distributed(gpus=1, gpu_type="A10", remote=True, compute=ec2.compute())(_hello).job(5)
+    assert job.run().values == [5]
+    assert ec2.leftovers(run_id) == [] and ec2.leftovers(job.run_id) == []
+    swept = _mlflow_run(tmp_path, run_id)
+    assert swept.info.status == "KILLED" and "heartbeat" in swept.data.tags["sgpu.swept"]
+    assert _mlflow_status(tmp_path, job.run_id) == "FINISHED"
+
+
+def _gc(ec2: EC2Env, tmp_path: Path, *args: str) -> "subprocess.Popen[str]":
+    env = {**os.environ, **ec2.aws.env, "MLFLOW_TRACKING_URI": _mlflow_uri(tmp_path)}
+    argv = [sys.executable, "-m", "prefect_sgpu.cli", "gc", "--store", f"s3://{ec2.bucket}/jobs",
+            "--region", ec2.aws.region, "--endpoint-url", ec2.aws.endpoint_url, "--json", *args]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _report(proc: "subprocess.Popen[str]") -> dict[str, Any]:
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, f"gc failed ({proc.returncode}): {out}\n{err}"
+    return dict(json.loads(out))
+
+
+def test_gc_removes_what_a_killed_driver_left_and_ends_its_mlflow_run_killed(ec2: EC2Env, tmp_path: Path) -> None:
+    run_id, ids, died = _kill_a_driver_mid_run(ec2, tmp_path)
+    for iid in ids:  # hung VMs: their own TTL never fires, only a sweep removes them
+        ec2.simulator.freeze(iid)
+    early = Sweeper.for_ec2(ec2.compute(), _mlflow_uri(tmp_path)).sweep()  # seconds after the kill
+    assert run_id in early.live and not [x for x in early.found if x.run_id == run_id], \
+        "a run whose heartbeat is younger than its TTL is left alone"
+    time.sleep(max(0.0, died + HEARTBEAT_TTL_S * 1.5 + 1 - time.monotonic()))
+    dry = _report(_gc(ec2, tmp_path, "--dry-run"))
+    found = {(x["kind"], x["name"]) for x in dry["found"] if x["run_id"] == run_id}
+    kinds = {kind for kind, _ in found}
+    assert {("instance", i) for i in ids} <= found, dry
+    assert {"security group", "placement group", "SSM parameter", "store files", "MLflow run"} <= kinds, dry
+    assert not dry["removed"] and len(ec2.leftovers(run_id)) >= 5, "a dry run removes nothing"
+    both = [_gc(ec2, tmp_path), _gc(ec2, tmp_path)]  # two sweepers at once
+    reports = [_report(p) for p in both]
+    removed = {(x["kind"], x["name"]) for r in reports for x in r["removed"] if x["run_id"] == run_id}
+    assert found == removed, reports
+    assert ec2.leftovers(run_id) == []
+    assert {i["State"]["Name"] for i in ec2.instances(run_id)} == {"terminated"}
+    assert ec2.simulator.wait_powered_off(ids, timeout=30)
+    swept = _mlflow_run(tmp_path, run_id)
+    assert swept.info.status == "KILLED" and "past the TTL" in swept.data.tags["sgpu.swept"]
+    again = _report(_gc(ec2, tmp_path))
+    assert not [x for x in again["found"] if x["run_id"] == run_id], "a second sweep finds nothing"
 
 
 def _sleep_after_hello() -> int:

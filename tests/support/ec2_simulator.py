@@ -298,6 +298,22 @@ class EC2Simulator:
         thread.start()
         return thread
 
+    def freeze(self, instance_id: str) -> None:
+        """A hung VM: every process of the node stops (SIGSTOP) and nothing on it runs again
+        until the instance is terminated (powering off kills stopped processes too)."""
+        import psutil
+
+        node = self.nodes[instance_id]
+        try:
+            tree = [psutil.Process(node.proc.pid), *psutil.Process(node.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for proc in tree:
+            try:
+                proc.send_signal(signal.SIGSTOP)
+            except psutil.NoSuchProcess:
+                pass
+
     # -- what tests ask -------------------------------------------------------------
 
     def address_of(self, instance_id: str) -> tuple[str, str]:

@@ -210,7 +210,8 @@ class EC2InstanceCompute(Compute):
         if not 1024 <= port <= 65535:
             raise SGPUConfigError("rendezvous_port", port, "a port between 1024 and 65535")
         return cls(
-            EC2Provisioner(provisioner_settings, session=session),
+            EC2Provisioner(provisioner_settings, session=session,
+                           run_tags=rq.run_tags(S3Store.root_of(str(store_uri)), float(ttl))),
             S3Store(str(store_uri), session=session, region=region, endpoint_url=endpoint_url),
             region,
             session=session,
@@ -283,6 +284,7 @@ class EC2InstanceCompute(Compute):
         progress("requested", f"{request.plan.nodes} x {request.instance_type} in {self.region}")
         try:
             with self._driver_heartbeat(folder):  # nodes must not think the driver died while we wait
+                self._sweep(request)
                 self._put_key(allocation)  # before any instance exists: nodes verify from their first read
                 try:
                     allocation.instances = self.provisioner.provision(
@@ -303,6 +305,15 @@ class EC2InstanceCompute(Compute):
             self._give_back(allocation)
             raise
         return allocation
+
+    def _sweep(self, request: EC2Request) -> None:
+        """What dead drivers of this store left (:mod:`prefect_sgpu.sweep`): removed before launching,
+        without waiting for anything, never failing the job."""
+        from prefect_sgpu.sweep import start_of_job_pass
+        from prefect_sgpu.tracking import default_tracking_uri, mlflow_available
+
+        tracking_uri = default_tracking_uri() if request.spec.mlflow and mlflow_available() else None
+        start_of_job_pass(self, request.run_id, tracking_uri)
 
     def _wait_for_agents(self, allocation: EC2Allocation, deadline: float, cancel: threading.Event) -> None:
         """Every node's bootstrap has announced itself (a sealed alive document of its instance).

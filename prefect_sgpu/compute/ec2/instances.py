@@ -94,8 +94,11 @@ class Attempt:
 class EC2Provisioner:
     """Launches, waits for and terminates one run's instances (see the module docstring)."""
 
-    def __init__(self, settings: EC2Settings, session: Any | None = None) -> None:
+    def __init__(self, settings: EC2Settings, session: Any | None = None,
+                 run_tags: dict[str, str] | None = None) -> None:
         self.settings = settings
+        #: tags every resource of every run gets besides the settings' own (store, heartbeat TTL)
+        self.run_tags = dict(run_tags or {})
         self._session = session
         self._clients: dict[str, Any] = {}
         self._launched: dict[str, set[str]] = {}
@@ -132,7 +135,7 @@ class EC2Provisioner:
         return self._expiry[run_id]
 
     def tags(self, run_id: str, market: str | None = None) -> list[dict[str, str]]:
-        return rq.tags(self.settings, run_id, self.expiry(run_id), market)
+        return rq.tags(self.settings, run_id, self.expiry(run_id), market, self.run_tags)
 
     def client_token(self, run_id: str, attempt: int) -> str:
         return rq.client_token(run_id, attempt)
@@ -144,14 +147,14 @@ class EC2Provisioner:
                               market: str | None = None, **options: Any) -> dict[str, Any]:
         """One ``run_instances`` request (see :func:`request.run_instances_request`), checked for secrets."""
         request = rq.run_instances_request(self.settings, run_id, plan, user_data, self.expiry(run_id),
-                                           subnet_id, market, **options)
+                                           subnet_id, market, extra_tags=self.run_tags, **options)
         rq.refuse_secrets(request, rq.known_secrets(self.session))
         return request
 
     def attempts(self, run_id: str, plan: Any, user_data: str) -> tuple[LaunchAttempt, ...]:
         """Every try a launch makes, in failover order, rendered before any call."""
         return rq.launch_attempts(self.settings, run_id, plan, user_data, self.expiry(run_id),
-                                  rq.known_secrets(self.session))
+                                  rq.known_secrets(self.session), self.run_tags)
 
     # -- provisioning --------------------------------------------------------------
 
@@ -407,12 +410,14 @@ class EC2Provisioner:
 
     # -- cleanup -------------------------------------------------------------------
 
-    def terminate(self, run_id: str) -> list[str]:
+    def terminate(self, run_id: str, wait: bool = True) -> list[str]:
         """Terminate the run's instances (by id and by tag), wait, then delete its groups.
 
         Idempotent: a second call, or a call for a run that never launched, does nothing
         harmful. Only groups tagged with the run id are deleted, never a given one.
         Returns what it removed (instance ids, "security group sg-...", "placement group ...").
+        With ``wait=False`` it does not wait for the instances to go: a group they still
+        use stays (for the next sweep) instead of being waited for.
         """
         ec2 = self.client("ec2")
         gone: list[str] = []
@@ -420,7 +425,7 @@ class EC2Provisioner:
         if ids:
             live = self._terminate_ids(sorted(ids))
             gone += live
-            if live:
+            if live and wait:
                 ec2.get_waiter("instance_terminated").wait(
                     InstanceIds=live,
                     WaiterConfig={
@@ -437,12 +442,13 @@ class EC2Provisioner:
                 ec2.delete_placement_group(GroupName=group["GroupName"])
                 gone.append(f"placement group {group['GroupName']}")
             except ClientError as exc:
-                if _error_of(exc)[0] != "InvalidPlacementGroup.Unknown":
+                code = _error_of(exc)[0]
+                if code != "InvalidPlacementGroup.Unknown" and (wait or code != "InvalidPlacementGroup.InUse"):
                     raise
         for group in ec2.describe_security_groups(Filters=run_filter).get("SecurityGroups", []):
             if group["GroupId"] != self.settings.security_group_id:
-                self._delete_security_group(group["GroupId"])
-                gone.append(f"security group {group['GroupId']}")
+                if self._delete_security_group(group["GroupId"], wait=wait):
+                    gone.append(f"security group {group['GroupId']}")
         return gone
 
     def _live_by_tag(self, run_id: str) -> list[str]:
@@ -474,18 +480,21 @@ class EC2Provisioner:
                 remaining = [i for i in remaining if i not in gone]
         return []
 
-    def _delete_security_group(self, group_id: str) -> None:
-        """Delete, waiting out the minutes AWS may take to detach terminated instances' ENIs."""
+    def _delete_security_group(self, group_id: str, wait: bool = True) -> bool:
+        """Delete, waiting out the minutes AWS may take to detach terminated instances' ENIs.
+        Returns whether this call deleted it (``wait=False``: one try, False while in use)."""
         ec2 = self.client("ec2")
         deadline = time.monotonic() + SG_DELETE_TIMEOUT_S
         while True:
             try:
                 ec2.delete_security_group(GroupId=group_id)
-                return
+                return True
             except ClientError as exc:
                 code = _error_of(exc)[0]
                 if code == "InvalidGroup.NotFound":
-                    return
+                    return False
+                if code == "DependencyViolation" and not wait:
+                    return False
                 if code != "DependencyViolation" or time.monotonic() > deadline:
                     raise
                 time.sleep(5)

@@ -20,10 +20,11 @@ import datetime as _dt
 import hashlib
 import json
 import logging
+import math
 import os
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from prefect_sgpu import catalog
 from prefect_sgpu.compute.ec2.settings import EC2Settings
@@ -36,6 +37,10 @@ RUN_ID_TAG = "sgpu:run-id"
 OWNER_TAG = "sgpu:owner"
 TTL_TAG = "sgpu:ttl"
 MARKET_TAG = "sgpu:market"
+#: the job store a run belongs to: a sweeper judges only its own store's runs (by their heartbeat there)
+STORE_TAG = "sgpu:store"
+#: seconds without a driver heartbeat after which the run's nodes stop themselves
+HEARTBEAT_TTL_TAG = "sgpu:heartbeat-ttl"
 DEFAULT_ROOT_DEVICE = "/dev/sda1"  # Ubuntu Deep Learning AMIs
 MIN_SECRET_LEN = 12  # AWS key ids are 20 characters, secrets 40: shorter strings are not keys
 
@@ -67,13 +72,21 @@ def expiry(ttl_minutes: int, now: _dt.datetime | None = None) -> str:
     return (now + _dt.timedelta(minutes=ttl_minutes)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def tags(settings: EC2Settings, run_id: str, expires: str, market: str | None = None) -> list[dict[str, str]]:
-    """Every resource's tags: the run id (cleanup finds resources by it), owner, expiry, user tags."""
+def run_tags(store_uri: str, heartbeat_ttl_s: float) -> dict[str, str]:
+    """The tags that let a sweeper judge a run (:mod:`prefect_sgpu.sweep`): its store and its TTL."""
+    return {STORE_TAG: store_uri, HEARTBEAT_TTL_TAG: str(int(math.ceil(heartbeat_ttl_s)))}
+
+
+def tags(settings: EC2Settings, run_id: str, expires: str, market: str | None = None,
+         extra: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """Every resource's tags: the run id (cleanup finds resources by it), owner, expiry, the
+    run's store and heartbeat TTL (``extra``, see :func:`run_tags`), user tags."""
     values = {
         "Name": f"sgpu-{run_id}",
         RUN_ID_TAG: run_id,
         OWNER_TAG: settings.owner_name,
         TTL_TAG: expires,
+        **(extra or {}),
         **settings.tags,
     }
     if market:
@@ -126,6 +139,7 @@ def run_instances_request(
     image_id: str | None = None,
     security_group_id: str | None = None,
     root_device: str = DEFAULT_ROOT_DEVICE,
+    extra_tags: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The exact keyword arguments of one ``run_instances`` call.
 
@@ -139,7 +153,7 @@ def run_instances_request(
     subnet_id = subnet_id or (s.subnet_ids[0] if s.subnet_ids else None)
     itype = instance_type_for(s, plan)
     sg = security_group_id or s.security_group_id or created_group_placeholder(run_id)
-    resource_tags = tags(s, run_id, expires, market)
+    resource_tags = tags(s, run_id, expires, market, extra_tags)
     resource_types = ["instance", "volume", "network-interface"]
     if market == "spot":
         resource_types.append("spot-instances-request")
@@ -223,7 +237,8 @@ def created_group_placeholder_of(params: dict[str, Any]) -> str | None:
 
 
 def launch_attempts(settings: EC2Settings, run_id: str, plan: Plan, user_data: str, expires: str,
-                    secrets: list[tuple[str, str]]) -> tuple[LaunchAttempt, ...]:
+                    secrets: list[tuple[str, str]],
+                    extra_tags: Mapping[str, str] | None = None) -> tuple[LaunchAttempt, ...]:
     """Every (market, subnet) try in failover order, each with its own request and ClientToken.
 
     Reserved tries outside the reservation's zone are dropped at launch time (finding
@@ -233,7 +248,7 @@ def launch_attempts(settings: EC2Settings, run_id: str, plan: Plan, user_data: s
     pairs = [(m, sub) for m in settings.markets() for sub in subnets]
     attempts = tuple(
         LaunchAttempt(market, subnet, run_instances_request(settings, run_id, plan, user_data, expires, subnet,
-                                                            market, attempt=number))
+                                                            market, attempt=number, extra_tags=extra_tags))
         for number, (market, subnet) in enumerate(pairs)
     )
     for attempt in attempts:

@@ -23,7 +23,7 @@ MARKETS = ("spot", "on-demand", "reserved")
 #: set to 1 to launch on the configured market even when a capacity reservation is set
 SKIP_RESERVATION_ENV = "PREFECT_SGPU_SKIP_RESERVATION"
 RESERVED_TAG_PREFIXES = ("aws:", "sgpu:")
-MAX_USER_TAGS = 45  # AWS allows 50 tags per resource; sgpu adds 4 plus Name
+MAX_USER_TAGS = 43  # AWS allows 50 tags per resource; sgpu adds 6 plus Name
 
 _PATTERNS = {
     "subnet_ids": (r"^subnet-[0-9a-f]{8,17}$", "subnet ids like subnet-0123456789abcdef0"),

@@ -1,0 +1,110 @@
+"""``prefect-sgpu``: the command line.
+
+    prefect-sgpu gc [--dry-run] [--compute-block SLUG/NAME | --store URI] [options]
+
+``gc`` removes what dead drivers left behind (:mod:`prefect_sgpu.sweep`): with
+``--compute-block`` the store, region and credentials of a saved compute block; with
+``--store s3://...`` that store and the EC2 resources of its runs in ``--region``;
+with ``--store /folder`` or nothing, a local job store. Exit status 0 when the pass
+finished, 1 when part of it failed (it says which), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+#: EC2Compute's default ttl_minutes, in seconds: runs whose resources do not say their TTL
+EC2_DEFAULT_TTL_S = 15 * 60.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefect-sgpu", description="prefect-sgpu command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gc = commands.add_parser("gc", help="remove what dead drivers left: instances, groups, SSM keys, control "
+                                        "files, RUNNING MLflow runs")
+    where = gc.add_mutually_exclusive_group()
+    where.add_argument("--compute-block", metavar="SLUG/NAME",
+                       help="a saved compute block, e.g. sgpu-ec2-compute/h100-pool")
+    where.add_argument("--store", metavar="URI", help="an s3://bucket/prefix or a local job folder "
+                                                      "(default: $PREFECT_SGPU_HOME/jobs)")
+    gc.add_argument("--region", help="AWS region of an s3:// store's instances (default: the AWS config's)")
+    gc.add_argument("--endpoint-url", help="a custom AWS endpoint (private links, tests)")
+    gc.add_argument("--ttl-seconds", type=float, help="heartbeat TTL of runs whose resources do not carry "
+                                                      "sgpu:heartbeat-ttl (default: the compute's)")
+    gc.add_argument("--grace-seconds", type=float, default=None, help="added to a run's TTL before it counts as "
+                                                                      "dead (default: 60, or half the TTL if less)")
+    gc.add_argument("--tracking-uri", help="MLflow tracking URI whose RUNNING runs of dead jobs end KILLED "
+                                           "(default: MLFLOW_TRACKING_URI or prefect-sgpu's own store)")
+    gc.add_argument("--no-mlflow", action="store_true", help="leave MLflow runs alone")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    gc.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def _sweeper(args: argparse.Namespace) -> Any:
+    from prefect_sgpu.sweep import Sweeper, sweeper
+
+    tracking_uri = None
+    if not args.no_mlflow:
+        from prefect_sgpu.tracking import default_tracking_uri, mlflow_available
+
+        tracking_uri = args.tracking_uri or (default_tracking_uri() if mlflow_available() else None)
+    options: dict[str, Any] = {"grace_s": args.grace_seconds}
+    if args.ttl_seconds is not None:
+        options["ttl_s"] = args.ttl_seconds
+    if args.compute_block:
+        from prefect.blocks.core import Block
+
+        compute = Block.load(args.compute_block).get_compute()
+        made = sweeper(compute, None, tracking_uri, **options)
+        if args.ttl_seconds is not None:
+            made.ttl_s = args.ttl_seconds
+        return made
+    if args.store and args.store.startswith("s3://"):
+        from prefect_sgpu import aws
+        from prefect_sgpu.compute.ec2.instances import EC2Provisioner
+        from prefect_sgpu.compute.ec2.settings import EC2Settings
+        from prefect_sgpu.store_s3 import S3Store
+
+        region = args.region or _default_region()
+        settings = EC2Settings(region=region, endpoint_url=args.endpoint_url)
+        store = S3Store(args.store, region=region, endpoint_url=args.endpoint_url)
+        options.setdefault("ttl_s", EC2_DEFAULT_TTL_S)
+        return Sweeper(store, ec2=EC2Provisioner(settings),
+                       ssm=aws.client("ssm", None, region, args.endpoint_url),
+                       tracking_uri=tracking_uri, **options)
+    from prefect_sgpu.store import LocalStore
+
+    return sweeper(None, LocalStore(args.store) if args.store else None, tracking_uri, **options)
+
+
+def _default_region() -> str:
+    import boto3
+
+    return boto3.session.Session().region_name or "us-east-1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from prefect_sgpu.errors import SGPUConfigError
+
+    try:
+        made = _sweeper(args)
+    except SGPUConfigError as exc:
+        print(f"prefect-sgpu gc: {exc}", file=sys.stderr)
+        return 2
+    report = made.sweep(dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(f"store {made.store.root_uri}" + (" (dry run)" if args.dry_run else ""))
+        for line in report.lines():
+            print(f"  {line}")
+    return 1 if report.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
