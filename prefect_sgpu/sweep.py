@@ -27,7 +27,7 @@ and two sweepers (a scheduled flow and a job's start) can run at once. ``dry_run
 lists what would go and touches nothing.
 
 Entry points: ``prefect-sgpu gc`` (:mod:`prefect_sgpu.cli`), the ``prefect-sgpu-gc``
-flow (:func:`gc_flow`), and a pass at the start of every EC2 job (non-blocking: it
+flow (:func:`prefect_sgpu.adapters.sweep_flow.gc`), and a pass at the start of every EC2 job (non-blocking: it
 never waits for instances to go, so a group still in use stays for the next pass).
 """
 
@@ -329,7 +329,7 @@ def sweeper(compute: Any = None, store: Any = None, tracking_uri: str | None = N
     if store is None:
         from prefect_sgpu.store import LocalStore
 
-        store = compute.default_store() if compute is not None else LocalStore()
+        store = (compute.default_store() if compute is not None else None) or LocalStore()
     from prefect_sgpu.compute.local import heartbeat_ttl
 
     options.setdefault("ttl_s", heartbeat_ttl())
@@ -342,39 +342,3 @@ def start_of_job_pass(compute: "EC2InstanceCompute", run_id: str, tracking_uri: 
         Sweeper.for_ec2(compute, tracking_uri, exclude=[run_id]).sweep(scan_store=False, wait=False)
     except Exception:  # noqa: BLE001 - tidying up must not cost a job
         logger.warning("the sweep before job %s failed; the job goes on", run_id, exc_info=True)
-
-
-def gc_flow_fn(compute_block: str | None = None, store_block: str | None = None, tracking_uri: str | None = None,
-               dry_run: bool = False, grace_s: float | None = None) -> dict[str, Any]:
-    """Sweep the store of a compute block (``sgpu-ec2-compute/name``, ``sgpu-local-compute/name``)
-    or of a store block; publishes what it removed as a table artifact."""
-    from prefect import get_run_logger
-    from prefect.artifacts import create_table_artifact
-    from prefect.blocks.core import Block
-
-    from prefect_sgpu.tracking import default_tracking_uri
-
-    compute = Block.load(compute_block).get_compute() if compute_block else None
-    store = Block.load(store_block).get_store() if store_block else None
-    report = sweeper(compute, store, tracking_uri or default_tracking_uri(), grace_s=grace_s).sweep(dry_run=dry_run)
-    log = get_run_logger()
-    for line in report.lines():
-        log.info(line)
-    rows = [asdict(x) for x in (report.found if dry_run else report.removed)]
-    create_table_artifact(rows or [{"run_id": "", "kind": "", "name": "nothing to remove", "why": ""}],
-                          key="prefect-sgpu-gc", description="What the sweep " +
-                          ("would remove" if dry_run else "removed"))
-    if report.errors:
-        raise RuntimeError("the sweep could not finish: " + "; ".join(report.errors))
-    return report.as_dict()
-
-
-def __getattr__(name: str) -> Any:
-    """``gc_flow``: a Prefect flow built on first use, so importing this module needs no Prefect."""
-    if name == "gc_flow":
-        from prefect import flow
-
-        value = flow(name="prefect-sgpu-gc", log_prints=True)(gc_flow_fn)
-        globals()[name] = value
-        return value
-    raise AttributeError(name)

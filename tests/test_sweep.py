@@ -122,3 +122,30 @@ def test_the_gc_command_sweeps_a_local_store(world: dict[str, object]) -> None:
     bad = subprocess.run([*argv, "--store", "x", "--compute-block", "y"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "not allowed with argument" in bad.stderr
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_the_gc_flow_sweeps_and_publishes_what_it_removed(world: dict[str, object]) -> None:
+    from prefect.client.orchestration import get_client
+
+    from prefect_sgpu.adapters.sweep_flow import gc
+
+    store, uri = world["store"], str(world["uri"])
+    assert isinstance(store, LocalStore)
+    state = gc(store=str(store.root), tracking_uri=uri, return_state=True)
+    assert state.is_completed(), state
+    report = state.result()
+    assert {(x["run_id"], x["kind"]) for x in report["removed"]} == {
+        ("dead", "store files"), ("dead", "MLflow run"), ("ended", "MLflow run")}
+    with get_client(sync_client=True) as client:
+        artifact = client.read_latest_artifacts(key="prefect-sgpu-gc")
+    assert artifact and "dead" in str(artifact[0].data)
+
+
+def test_the_sweeper_of_the_local_compute_is_the_local_job_store(sgpu_home: Path) -> None:
+    from prefect_sgpu.compute.local import LocalProcessCompute, heartbeat_ttl
+    from prefect_sgpu.sweep import sweeper
+
+    made = sweeper(LocalProcessCompute())
+    assert made.store.root_uri == str(sgpu_home / "jobs") and made.ttl_s == heartbeat_ttl()
+    assert made.ec2 is None and made.ssm is None
