@@ -1,0 +1,30 @@
+"""Concurrent jobs on one machine: from one driver, from two driver processes, through a work pool
+with two workers; every job gets its own ranks' values (full size: ``./dev bench load``)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from support import load
+
+pytestmark = pytest.mark.e2e
+
+
+def test_jobs_of_one_driver_and_of_a_second_driver_process_at_once_never_cross(tmp_path: Path) -> None:
+    other = load.start_driver(3, "other", tmp_path / "other.json")  # a second driver process, meanwhile
+    mine = load.submit_jobs(3, "mine")
+    out, _ = other.communicate(timeout=900)
+    assert other.returncode == 0, out.decode(errors="replace")[-3000:]
+    theirs = json.loads((tmp_path / "other.json").read_text())
+    assert mine["problems"] == [] and theirs["problems"] == [], (mine, theirs)
+    assert (mine["jobs"], theirs["jobs"]) == (3, 3)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_flow_runs_queued_in_an_sgpu_pool_with_two_workers_all_complete_with_their_own_values() -> None:
+    report = load.pool_runs(f"sgpu-load-{uuid.uuid4().hex[:8]}", runs=4, workers=2, limit=1, timeout_s=900)
+    assert report["problems"] == [], report
