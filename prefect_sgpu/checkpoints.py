@@ -143,6 +143,16 @@ class Location:
         if self.remote:
             self.store.put("", f"{name}/{MARKER}", data)
 
+    def marker(self, step: int) -> bytes | None:
+        """The ``COMPLETE`` marker of ``step`` as written (its JSON says when), or None."""
+        name = f"{step_dir_name(step)}/{MARKER}"
+        if self.remote:
+            return self.store.get("", name)
+        try:
+            return (self.local / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
     def fetch(self, name: str) -> Path:
         """``name`` as a complete local folder: downloaded (marker last) unless this node has it already."""
         target = self.local / name

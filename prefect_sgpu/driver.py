@@ -353,7 +353,7 @@ class Job:
         """The newest complete checkpoint step and the seconds of work the lost gang did after it."""
         import json
 
-        from prefect_sgpu.checkpoints import DIR_ENV, MARKER, URI_ENV, Location, step_dir_name
+        from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV, Location
 
         env = {**self._checkpoint_env(), **self.spec.env}
         uri = env.get(URI_ENV) or env.get(DIR_ENV)
@@ -364,9 +364,7 @@ class Job:
             steps = location.complete_steps()
             if not steps:
                 return None, time.monotonic() - gang_started
-            name = f"{step_dir_name(steps[-1])}/{MARKER}"
-            raw = location.store.get("", name) if location.remote else (location.local / name).read_bytes()
-            written = json.loads(raw or b"{}").get("written_at")
+            written = json.loads(location.marker(steps[-1]) or b"{}").get("written_at")
             return steps[-1], (max(0.0, time.time() - written) if written else None)
         except Exception:  # noqa: BLE001 - a report, not a reason to fail the relaunch
             logger.debug("could not read the checkpoints of job %s", self.run_id, exc_info=True)
