@@ -5,6 +5,12 @@ Each simulated node is one torch elastic agent process. Where the kernel allows
 private ``/dev/shm``, so nodes on one host behave like separate hosts (Mosaic
 Streaming's shared memory does not collide) and, when the agent exits, the kernel
 kills whatever its ranks left behind.
+
+A CUDA job leases whole GPUs of this machine from ``acquire`` to ``release``
+(:mod:`prefect_sgpu.compute.leases`): ranks of two jobs never share a GPU, whether the
+jobs run in one driver process or in several. Each node agent inherits the lease on its
+own GPUs, so GPUs left busy by the agents of a killed driver stay leased until those
+agents exit.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from prefect_sgpu.compute.base import (
     Request,
     node_base_environment,
 )
-from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.compute import leases
+from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.launch.processes import kill_and_reap
 from prefect_sgpu.spec import JobSpec, Plan, plan_local
 
@@ -48,6 +55,10 @@ logger = logging.getLogger("prefect_sgpu.compute.local")
 
 Isolation = Literal["auto", "namespaces", "none"]
 HEARTBEAT_TTL_ENV = "PREFECT_SGPU_HEARTBEAT_TTL"
+#: seconds between two tries for GPUs while acquire waits for other jobs to release them
+LEASE_POLL_S = 0.5
+#: seconds between two driver heartbeats while acquire waits
+BEAT_INTERVAL_S = 2.0
 
 
 def heartbeat_ttl() -> float:
@@ -117,6 +128,10 @@ class LocalAllocation(Allocation):
     processes: dict[int, "subprocess.Popen[bytes]"] = field(default_factory=dict)
     reported: set[int] = field(default_factory=set)
     announced: set[int] = field(default_factory=set)
+    #: the GPU ids leased for the job, in rank order (node N runs on its N-th slice); empty for CPU jobs
+    gpus: list[str] = field(default_factory=list)
+    #: the driver's hold on ``gpus`` (its node agents hold it too), until ``release``
+    lease: leases.GpuLease | None = None
 
 
 class LocalProcessCompute(Compute):
@@ -173,28 +188,81 @@ class LocalProcessCompute(Compute):
                     f"--shm-size={request.shm_size}"]
         return argv
 
-    def node_env(self, plan: Plan, node: int) -> dict[str, str]:
+    def node_env(self, allocation: LocalAllocation, node: int) -> dict[str, str]:
+        """Node ``node``'s device environment: its own slice of the allocation's leased GPUs."""
+        plan = allocation.plan
         # every simulated node shares this host's cores: each rank gets its share of them
         # (torch otherwise starts one thread per core in every rank, and they fight)
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // plan.world_size))}
         if plan.device != "cuda":
             return {"SGPU_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", **threads}
-        gpus = visible_gpus()
-        mine = gpus[node * plan.procs_per_node : (node + 1) * plan.procs_per_node]
+        mine = allocation.gpus[node * plan.procs_per_node : (node + 1) * plan.procs_per_node]
+        if len(mine) != plan.procs_per_node:
+            raise RuntimeError(f"node {node} of job {allocation.run_id} has {len(mine)} leased GPU(s), "
+                               f"needs {plan.procs_per_node}")
         return {"SGPU_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ",".join(mine), **threads}
 
     def acquire(self, request: Request, folder: "JobFolder", deadline: float,
                 cancel: threading.Event) -> LocalAllocation:
+        """Loopback addresses for the nodes and, for a CUDA job, a lease on ``world_size`` GPUs.
+
+        Waits while other jobs (of any process on this machine) hold the GPUs it needs,
+        holding none of them meanwhile; ends with ``LaunchTimeout`` (phase "waiting for
+        GPUs") at ``deadline`` and ``JobCancelled`` once ``cancel`` is set."""
         # one loopback address per simulated node (all of 127.0.0.0/8 is local): torch
         # elastic tells nodes apart by address and pid, and in PID namespaces every agent is pid 1
         nodes = [AllocatedNode(index=i, address=f"127.0.0.{i + 1}", host=socket.gethostname())
                  for i in range(request.plan.nodes)]
-        return LocalAllocation(request=request, folder=folder, nodes=nodes)
+        allocation = LocalAllocation(request=request, folder=folder, nodes=nodes)
+        if request.plan.device == "cuda":
+            allocation.lease = self._lease_gpus(request, folder, deadline, cancel)
+            allocation.gpus = list(allocation.lease.gpus)
+            if cancel.is_set():
+                allocation.lease.close()
+                raise JobCancelled(f"job {request.run_id} was cancelled")
+        return allocation
+
+    def _lease_gpus(self, request: Request, folder: "JobFolder", deadline: float,
+                    cancel: threading.Event) -> leases.GpuLease:
+        gpus, needed = visible_gpus(), request.plan.world_size
+        if needed > len(gpus):  # plan() refuses this; a request planned elsewhere must not wait forever
+            raise SGPUConfigError("gpus", needed, f"at most {len(gpus)} on this machine")
+        waiting = False
+        last_beat = time.monotonic()
+        while True:
+            try:
+                lease, busy = leases.try_lease(gpus, needed, request.run_id)
+            except OSError as exc:
+                raise ProvisioningError(
+                    f"job {request.run_id} cannot lease GPUs ({exc}): set {leases.LEASE_DIR_ENV} to a folder "
+                    "every driver on this machine can write") from exc
+            if lease is not None:
+                if waiting:
+                    logger.info("job %s: leased GPU(s) %s", request.run_id, ",".join(lease.gpus))
+                return lease
+            if not waiting:
+                waiting = True
+                logger.warning(
+                    "job %s waits for %d GPU(s) of this machine's %d (lease folder %s); in use by other jobs: %s",
+                    request.run_id, needed, len(gpus), leases.lease_dir(),
+                    "; ".join(f"GPU {g}: {leases.holder(g)}" for g in busy) or "none (retrying)",
+                )
+            if cancel.wait(LEASE_POLL_S):
+                raise JobCancelled(f"job {request.run_id} was cancelled while waiting for GPUs")
+            if time.monotonic() > deadline:
+                raise LaunchTimeout(request.run_id, request.spec.timeout, phase="waiting for GPUs")
+            if time.monotonic() - last_beat > BEAT_INTERVAL_S:
+                last_beat = time.monotonic()
+                try:
+                    folder.beat()
+                except Exception:  # noqa: BLE001 - the next beat may succeed
+                    logger.debug("heartbeat failed", exc_info=True)
 
     def start(self, allocation: Allocation, launch: JobLaunch) -> None:
         assert isinstance(allocation, LocalAllocation)
+        ppn = allocation.plan.procs_per_node
         for command in launch.commands:
-            ours = self.node_env(allocation.plan, command.node)
+            ours = self.node_env(allocation, command.node)
             if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in launch.env:
                 ours.pop("OMP_NUM_THREADS")  # the user's choice wins
             env = {**node_base_environment(dict(os.environ)), **launch.env, **ours,
@@ -207,9 +275,11 @@ class LocalProcessCompute(Compute):
             with self._lock, open(out, "ab") as fh:
                 if allocation.released:
                     return
+                # the agent holds the lease on its GPUs too: each lasts until the driver and the agent closed it
+                mine = allocation.lease.fds[command.node * ppn : (command.node + 1) * ppn] if allocation.lease else []
                 allocation.processes[command.node] = subprocess.Popen(
                     self.command_line(allocation.request, command), env=env, stdin=subprocess.DEVNULL,
-                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=mine,
                 )
 
     def poll(self, allocation: Allocation) -> list[Event]:
@@ -264,11 +334,22 @@ class LocalProcessCompute(Compute):
                 logger.error("node process %s did not exit after SIGKILL", proc.pid)
 
     def release(self, allocation: Allocation) -> Released:
+        """Stop every node process tree, then close the driver's hold on the GPU lease.
+
+        The lease ends when the last process holding it closed it: here, once no node
+        agent runs any more. Idempotent."""
         assert isinstance(allocation, LocalAllocation)
         with self._lock:
             allocation.released = True
-        self.stop(allocation, grace=0.0)
-        return Released(gone=[f"node {i} process tree (pid {p.pid})" for i, p in sorted(allocation.processes.items())])
+        try:
+            self.stop(allocation, grace=0.0)
+        finally:
+            if allocation.lease is not None:
+                allocation.lease.close()
+        gone = [f"node {i} process tree (pid {p.pid})" for i, p in sorted(allocation.processes.items())]
+        if allocation.gpus:
+            gone.append(f"lease on GPU(s) {','.join(allocation.gpus)}")
+        return Released(gone=gone)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import os
 import shlex
-from contextlib import AbstractContextManager
+import tempfile
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from support.processes import job_processes
 
 #: the computes the suite runs against (fixtures ``<name>_case`` in tests/compute/conftest.py)
 CASES = ["local", "ray", "ec2"]
 #: those whose acquire can be made to wait (timeout and cancel during acquire)
-STALLABLE: list[str] = ["ray", "ec2"]
+STALLABLE: list[str] = ["local", "ray", "ec2"]
 
 
 class ComputeCase(Protocol):
@@ -55,7 +56,6 @@ class LocalCase:
     """Local processes: the embedded default."""
 
     name = "local"
-    stalled_acquire = None  # acquiring local processes never waits
 
     def options(self, **overrides: Any) -> dict[str, Any]:
         return {"gpus": 4, "nodes": 2, "mlflow": False, **overrides}
@@ -63,6 +63,31 @@ class LocalCase:
     def leftovers(self, run_id: str) -> list[str]:
         job_dir = Path(os.environ["PREFECT_SGPU_HOME"]) / "jobs" / run_id
         return job_processes(run_id) + control_files(job_dir)
+
+    @contextmanager
+    def stalled_acquire(self) -> Iterator[None]:
+        """Four fake GPUs, every one leased by someone else: a CUDA job waits for them."""
+        from prefect_sgpu.compute import leases
+
+        fake = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "PREFECT_SGPU_DEVICE": "cuda",
+                "PREFECT_SGPU_LEASE_DIR": tempfile.mkdtemp(prefix="sgpu-leases-")}
+        saved = {key: os.environ.get(key) for key in fake}
+        os.environ.update(fake)
+        blocker, _ = leases.try_lease(["0", "1", "2", "3"], 4, "someone-else")
+        assert blocker is not None
+        try:
+            yield
+            blocker.close()
+            after, _ = leases.try_lease(["0", "1", "2", "3"], 4, "check")
+            assert after is not None, "the job that waited holds no GPU afterwards"
+            after.close()
+        finally:
+            blocker.close()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
         allocation = job.allocation
