@@ -722,5 +722,9 @@ def test_a_node_whose_bootstrap_never_takes_over_powers_itself_off(ec2: EC2Env, 
         assert not ec2.instances(run_id, live=True), f"{why}: the instance was not terminated\n" + \
             ec2.simulator.console(iid)
         assert "-h now" in ec2.simulator.shutdowns(iid), f"{why}: terminated by its own shutdown"
+        assert ec2.leftovers(run_id), "its groups and key stay: the node cannot remove them"
+        report = Sweeper.for_ec2(compute).sweep()  # no job folder: the job has ended, all of it goes
+        assert "security group" in {x.kind for x in report.removed if x.run_id == run_id}, report
+        assert ec2.leftovers(run_id) == []
     finally:
-        compute.provisioner.terminate(run_id)  # the groups a dead driver leaves (no sweeper yet)
+        compute.provisioner.terminate(run_id)  # a failed assertion above must not leak the instance
