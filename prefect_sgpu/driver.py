@@ -31,6 +31,7 @@ from prefect_sgpu.compute.base import (
     NodeUp,
     Released,
     Request,
+    rank_prefect_environment,
 )
 from prefect_sgpu.errors import (
     InfrastructureLost,
@@ -207,6 +208,7 @@ class Job:
             "PYTHONUNBUFFERED": "1",
             **self._checkpoint_env(),
             **self._tracking_env(),
+            **rank_prefect_environment(),  # last: no Prefect credential reaches a rank, not even via env=
         }
         commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
                     for i, address in enumerate(addresses)]

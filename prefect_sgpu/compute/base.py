@@ -26,6 +26,7 @@ conformance suite (``tests/compute/test_conformance.py``).
 from __future__ import annotations
 
 import threading
+from functools import lru_cache
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -43,9 +44,38 @@ SECRET_ENV = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_CLOUD_API_K
 MASKED_ENV = ("SGPU_PAYLOAD_KEY",)
 
 
+@lru_cache(maxsize=1)
+def prefect_secret_settings() -> tuple[str, ...]:
+    """The environment variables of every secret Prefect setting (API key, auth strings, database
+    password and URL), read from Prefect's own settings schema so a new one is covered too."""
+    names = set(SECRET_ENV)
+    try:
+        from prefect.settings.models.root import Settings
+
+        schema = Settings.model_json_schema()
+    except Exception:  # noqa: BLE001 - an older or newer Prefect: the known names still go
+        return tuple(sorted(names))
+    for model in [schema, *schema.get("$defs", {}).values()]:
+        for prop in model.get("properties", {}).values():
+            kinds = [prop, *prop.get("anyOf", [])]
+            if any(isinstance(k, dict) and k.get("format") == "password" for k in kinds):
+                names.update(prop.get("supported_environment_variables") or [])
+    return tuple(sorted(names))
+
+
 def node_base_environment(environ: dict[str, str]) -> dict[str, str]:
     """The caller's environment minus secrets that ranks must not see."""
-    return {k: v for k, v in environ.items() if k not in SECRET_ENV}
+    secret = set(prefect_secret_settings())
+    return {k: v for k, v in environ.items() if k not in secret}
+
+
+def rank_prefect_environment() -> dict[str, str]:
+    """What every rank's environment says about Prefect's secret settings: empty. An environment
+    variable outranks every other source Prefect reads (a profile, ``.env``, ``prefect.toml``,
+    ``pyproject.toml`` in the working directory), so none of them hands a rank a credential.
+    The database URL is only removed, not emptied: Prefect derives its default from the rank's
+    own Prefect home (the node agent gives every job one)."""
+    return {name: "" for name in prefect_secret_settings() if "CONNECTION_URL" not in name}
 
 
 def masked(env: dict[str, str]) -> dict[str, str]:

@@ -174,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
                        check=True)
     os.environ["SGPU_JOB_DIR"] = str(job_dir)
     os.environ["SGPU_RUN_ID"] = args.run_id
+    # ranks get a Prefect home of the job's own: no profile of the user's (and so no API key in one)
+    prefect_home = job_dir / "prefect-home"
+    prefect_home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.environ["PREFECT_HOME"] = str(prefect_home)
+    os.environ["PREFECT_PROFILES_PATH"] = str(prefect_home / "profiles.toml")
     if args.heartbeat_ttl > 0:
         threading.Thread(
             target=_watch_heartbeat, args=(folder, args.heartbeat_ttl), daemon=True

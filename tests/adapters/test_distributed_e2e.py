@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -210,9 +211,54 @@ def test_env_reaches_ranks_but_prefect_api_key_does_not(monkeypatch: pytest.Monk
 
     @distributed(gpus=1, mlflow=False, env={"MY_SETTING": "42"})
     def read_env() -> tuple[str | None, str | None]:
-        return os.environ.get("MY_SETTING"), os.environ.get("PREFECT_API_KEY")
+        return os.environ.get("MY_SETTING"), os.environ.get("PREFECT_API_KEY") or None
 
     assert read_env.distributed() == [("42", None)]
+
+
+_KEY_DRIVER = """
+import json, sys
+from prefect.settings import get_current_settings
+from prefect_sgpu import distributed
+
+
+def prefect_in_a_rank():
+    from prefect.settings import get_current_settings
+
+    s = get_current_settings()
+    secret = lambda v: v.get_secret_value() if v is not None else None
+    return {"key": secret(s.api.key), "auth": secret(s.api.auth_string), "home": str(s.home),
+            "password": secret(s.server.database.password)}
+
+
+mine = get_current_settings().api.key
+ranks = distributed(gpus=1, mlflow=False, env={"PREFECT_API_KEY": "pnu_passed_as_env"})(prefect_in_a_rank)
+print(json.dumps({"driver": mine.get_secret_value() if mine else None, "ranks": ranks.distributed()}))
+"""
+
+
+def test_a_rank_that_imports_prefect_finds_no_credential_in_a_profile_dotenv_or_toml(tmp_path: Path) -> None:
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    (home / "profiles.toml").write_text('active = "team"\n[profiles.team]\n'
+                                        'PREFECT_API_KEY = "pnu_from_the_profile_0123456789"\n')
+    project = tmp_path / "project"  # the driver's working directory, which ranks share
+    project.mkdir()
+    (project / ".env").write_text("PREFECT_API_KEY=pnu_from_dotenv_0123456789\n"
+                                  "PREFECT_API_AUTH_STRING=admin:from-dotenv\n")
+    (project / "prefect.toml").write_text('[server.database]\npassword = "db-password-from-toml"\n')
+    (project / "driver.py").write_text(_KEY_DRIVER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") or k == "PREFECT_SGPU_HOME"}
+    env.update({"PREFECT_HOME": str(home), "PREFECT_SGPU_DEVICE": "cpu",
+                "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    out = subprocess.run([sys.executable, "driver.py"], cwd=project, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["driver"] == "pnu_from_dotenv_0123456789", "the driver itself reads .env (the setup is real)"
+    [rank] = seen["ranks"]
+    assert (rank["key"] or None, rank["auth"] or None, rank["password"] or None) == (None, None, None), rank
+    assert rank["home"] != str(home) and rank["home"].endswith("prefect-home"), "a Prefect home of the job's own"
 
 
 SCRIPT = """

@@ -25,7 +25,7 @@ def _job_dirs() -> set[str]:
 def rank_info(offset: int) -> dict:
     print(f"rank {runtime.rank()} says hi")
     return {"rank": runtime.rank(), "value": runtime.rank() + offset,
-            "strategy": os.environ.get("SGPU_STRATEGY"), "has_api_key": "PREFECT_API_KEY" in os.environ}
+            "strategy": os.environ.get("SGPU_STRATEGY"), "has_api_key": bool(os.environ.get("PREFECT_API_KEY"))}
 
 
 @task
