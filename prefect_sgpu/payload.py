@@ -10,10 +10,12 @@ key, bound to the job and the rank, before anything is unpickled.
 from __future__ import annotations
 
 import inspect
+import io
 import os
 import pickle
 import threading
 import types
+from collections import ChainMap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -29,10 +31,40 @@ def max_payload_bytes() -> int:
     return int(float(mb) * 1024 * 1024) if mb else DEFAULT_MAX_PAYLOAD_BYTES
 
 
+#: the file name cloudpickle >= 3.1.3 gives every code object it ships by value
+DYNAMIC_CODE = "<dynamic-code>"
+
+
+def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, with the code's own file name.
+
+    cloudpickle >= 3.1.3 writes ``<dynamic-code>`` for every function shipped by value
+    (to make payloads deterministic); a rank's traceback then names no file and shows no
+    source line. The file name is put back, so a user's traceback reads as it would locally.
+    """
+    from cloudpickle import cloudpickle as cp
+
+    rebuild, args = cp._code_reduce(code)
+    return rebuild, tuple(code.co_filename if isinstance(a, str) and a == DYNAMIC_CODE else a for a in args)
+
+
+def _pickler_class() -> type:
+    import cloudpickle
+
+    class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+        dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table)
+
+    return _Pickler
+
+
 def _dumps(obj: Any) -> bytes:
     import cloudpickle
 
-    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if not hasattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce"):
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buffer = io.BytesIO()
+    _pickler_class()(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def _referenced_globals(code: types.CodeType) -> set[str]:
