@@ -109,12 +109,16 @@ class LocalStore(Store):
         return files, folders
 
     def local_dir(self, run_id: str) -> Path:
+        """The job's folder, created readable by its owner only (payload, logs, results are the user's)."""
         path = self.root / run_id
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.is_dir():
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
         return path
 
     def put(self, run_id: str, key: str, data: bytes) -> None:
         path = self._path(run_id, key)
+        self.local_dir(run_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
 

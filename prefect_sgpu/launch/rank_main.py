@@ -19,7 +19,7 @@ from typing import Any
 
 def _redirect_output(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)

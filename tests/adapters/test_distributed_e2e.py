@@ -227,8 +227,12 @@ def prefect_in_a_rank():
 
     s = get_current_settings()
     secret = lambda v: v.get_secret_value() if v is not None else None
+    import os, stat
+    job = os.environ["SGPU_JOB_DIR"]
+    mode = lambda p: oct(stat.S_IMODE(os.stat(p).st_mode))
     return {"key": secret(s.api.key), "auth": secret(s.api.auth_string), "home": str(s.home),
-            "password": secret(s.server.database.password)}
+            "password": secret(s.server.database.password), "job_dir": mode(job),
+            "log": mode(os.path.join(job, "logs", "rank-00000.log"))}
 
 
 mine = get_current_settings().api.key
@@ -237,7 +241,7 @@ print(json.dumps({"driver": mine.get_secret_value() if mine else None, "ranks": 
 """
 
 
-def test_a_rank_that_imports_prefect_finds_no_credential_in_a_profile_dotenv_or_toml(tmp_path: Path) -> None:
+def test_a_rank_finds_no_prefect_credential_in_a_profile_dotenv_or_toml_and_its_files_are_private(tmp_path: Path) -> None:
     home = tmp_path / "prefect-home"
     home.mkdir()
     (home / "profiles.toml").write_text('active = "team"\n[profiles.team]\n'
@@ -259,6 +263,7 @@ def test_a_rank_that_imports_prefect_finds_no_credential_in_a_profile_dotenv_or_
     [rank] = seen["ranks"]
     assert (rank["key"] or None, rank["auth"] or None, rank["password"] or None) == (None, None, None), rank
     assert rank["home"] != str(home) and rank["home"].endswith("prefect-home"), "a Prefect home of the job's own"
+    assert (rank["job_dir"], rank["log"]) == ("0o700", "0o600"), "the job folder and logs are the user's alone"
 
 
 SCRIPT = """

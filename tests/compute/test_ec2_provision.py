@@ -222,6 +222,21 @@ def test_request_refuses_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
         ).run_instances_request("r-sec", make_plan(), USER_DATA)
 
 
+@pytest.mark.parametrize("leak", [
+    "export AWS_ACCESS_KEY_ID=AKIAZZZZZZZZZZZZZZZZ",
+    "aws configure set aws_secret_access_key=whatever",
+    "echo pnb_abcdefghijklmnopqrstuvwxyz0123456789 > key",
+    "cat <<EOF > id\n-----BEGIN OPENSSH PRIVATE KEY-----\nEOF",
+])
+def test_a_credential_of_anyone_in_setup_commands_is_refused_before_launch(leak: str) -> None:
+    """Not only the caller's own keys: anything shaped like a credential stays out of user-data."""
+    prov = EC2Provisioner(EC2Settings(subnet_ids=["subnet-0123456789abcdef0"]), session=None)
+    with pytest.raises(SGPUConfigError, match="no credentials") as raised:
+        prov.run_instances_request("r-sec", make_plan(), USER_DATA + leak)
+    assert "AKIAZZ" not in str(raised.value) and "pnb_" not in str(raised.value)
+    prov.run_instances_request("r-sec", make_plan(), USER_DATA + "pip install prefect-sgpu")  # no false alarm
+
+
 # -- moto: happy paths -------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -299,8 +300,18 @@ def render_user_data(
     return "\n".join(lines) + "\n"
 
 
+#: what a credential looks like, whoever's it is: found in a launch request, it is refused
+CREDENTIAL_PATTERNS = (
+    ("an AWS access key id", re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")),
+    ("an AWS secret access key setting", re.compile(r"aws_secret_access_key\s*[=:]", re.IGNORECASE)),
+    ("a Prefect API key", re.compile(r"(?<![A-Za-z0-9])pn[ub]_[A-Za-z0-9]{36}(?![A-Za-z0-9])")),
+    ("a private key", re.compile(r"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----")),
+)
+
+
 def refuse_secrets(request: dict[str, Any], secrets: list[tuple[str, str]]) -> None:
-    """Fail if the caller's AWS keys or the Prefect API key would reach the instances."""
+    """Fail if the caller's AWS keys or the Prefect API key, or anything shaped like a credential
+    (in ``setup_commands``, tags, the user-data), would reach the instances."""
     text = json.dumps(request)
     for name, secret in secrets:
         if len(secret) >= MIN_SECRET_LEN and secret in text:
@@ -308,6 +319,14 @@ def refuse_secrets(request: dict[str, Any], secrets: list[tuple[str, str]]) -> N
                 "user_data/tags", "<redacted>",
                 f"no credentials: the request contains the {name}; nodes get AWS access from "
                 "the instance profile and never need the Prefect API key",
+            )
+    for name, pattern in CREDENTIAL_PATTERNS:
+        if pattern.search(text):
+            raise SGPUConfigError(
+                "setup_commands/tags", "<redacted>",
+                f"no credentials in what instances are launched with: it contains {name}; nodes get AWS "
+                "access from the instance profile, and user-data and tags are readable by anyone who can "
+                "describe the instance",
             )
 
 
