@@ -79,8 +79,8 @@ class Location:
         if self._store is None:
             from prefect_sgpu.store_s3 import S3Store
 
-            self._store = S3Store(self.uri, region=os.environ.get(REGION_ENV) or None,
-                                  endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
+            self._store = S3Store.from_env(self.uri, region=os.environ.get(REGION_ENV) or None,
+                                           endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
         return self._store
 
     def _keys(self, under: str = "") -> list[str]:
@@ -89,7 +89,8 @@ class Location:
         root = store._key("") + "/" if store.prefix else ""
         prefix = root + (under.strip("/") + "/" if under else "")
         keys: list[str] = []
-        for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=prefix):
+        for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=prefix,
+                                                                            **store.owner_args()):
             keys += [obj["Key"][len(root):] for obj in page.get("Contents", [])]
         return keys
 
@@ -131,7 +132,8 @@ class Location:
             rel = path.relative_to(self.local).as_posix()
             if path.name == MARKER or path.name.endswith(".tmp"):
                 continue
-            self.store.client.upload_file(str(path), self.store.bucket, self.store._key("", rel))
+            self.store.client.upload_file(str(path), self.store.bucket, self.store._key("", rel),
+                                          ExtraArgs=self.store.write_args())
             sent += path.stat().st_size
         return sent
 
@@ -165,7 +167,8 @@ class Location:
             dest = self.local / key
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(dest.name + ".part")
-            self.store.client.download_file(self.store.bucket, self.store._key("", key), str(tmp))
+            self.store.client.download_file(self.store.bucket, self.store._key("", key), str(tmp),
+                                            ExtraArgs=self.store.owner_args() or None)
             os.replace(tmp, dest)
         return target
 

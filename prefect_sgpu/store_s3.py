@@ -9,6 +9,7 @@ bytes of a rank log with a ranged GET.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 from urllib.parse import urlparse
@@ -19,6 +20,9 @@ from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.store import Store
 
 BODY_ATTEMPTS = 3
+#: the store's KMS key and expected bucket owner, as nodes and ranks get them (:meth:`S3Store.env`)
+KMS_ENV = "SGPU_STORE_KMS_KEY"
+OWNER_ENV = "SGPU_STORE_BUCKET_OWNER"
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -40,10 +44,17 @@ class S3Store(Store):
         endpoint_url: str | None = None,
         retry_mode: str = "standard",
         client: Any | None = None,
+        kms_key_id: str | None = None,
+        bucket_owner: str | None = None,
     ) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.region = region
         self.endpoint_url = endpoint_url
+        #: SSE-KMS with this key for every object written; without one, SSE-S3 (AES256), asked explicitly
+        self.kms_key_id = kms_key_id or None
+        #: the account that must own the bucket (ExpectedBucketOwner on every call): a bucket of the
+        #: same name in another account (deleted and re-created by someone else) gets nothing
+        self.bucket_owner = bucket_owner or None
         self.client = client or aws.client("s3", session, region, endpoint_url, retry_mode)
 
     def __repr__(self) -> str:
@@ -52,6 +63,25 @@ class S3Store(Store):
     @property
     def root_uri(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    @classmethod
+    def from_env(cls, uri: str, **options: Any) -> "S3Store":
+        """The store as the driver configured it for this node or rank (encryption, bucket owner)."""
+        return cls(uri, kms_key_id=os.environ.get(KMS_ENV) or None, bucket_owner=os.environ.get(OWNER_ENV) or None,
+                   **options)
+
+    def env(self) -> dict[str, str]:
+        """What a node or rank needs to write this store as the driver does (see :meth:`from_env`)."""
+        return {k: v for k, v in ((KMS_ENV, self.kms_key_id), (OWNER_ENV, self.bucket_owner)) if v}
+
+    def owner_args(self) -> dict[str, str]:
+        return {"ExpectedBucketOwner": self.bucket_owner} if self.bucket_owner else {}
+
+    def write_args(self) -> dict[str, str]:
+        """Extra arguments of every write: server-side encryption and the expected bucket owner."""
+        sse = ({"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": self.kms_key_id} if self.kms_key_id
+               else {"ServerSideEncryption": "AES256"})
+        return {**sse, **self.owner_args()}
 
     @staticmethod
     def root_of(uri: str) -> str:
@@ -63,7 +93,7 @@ class S3Store(Store):
         base = f"{self.prefix}/" if self.prefix else ""
         names: list[str] = []
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+        for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=base, Delimiter="/"):
             names += [p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", [])]
         return sorted(n for n in names if n and not n.startswith("."))
 
@@ -73,7 +103,7 @@ class S3Store(Store):
         files: dict[str, float] = {}
         folders: set[str] = set()
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+        for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=base, Delimiter="/"):
             for obj in page.get("Contents", []):
                 name = obj["Key"][len(base):]
                 if name and not name.startswith("."):
@@ -89,7 +119,7 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self._key(run_id, key)}"
 
     def put(self, run_id: str, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(run_id, key), Body=data)
+        self.client.put_object(Bucket=self.bucket, Key=self._key(run_id, key), Body=data, **self.write_args())
 
     def _read(self, **request: Any) -> tuple[dict[str, Any], bytes]:
         """GET and read the body; a body that fails its checksum is fetched again.
@@ -100,7 +130,7 @@ class S3Store(Store):
         from botocore.exceptions import FlexibleChecksumError, IncompleteReadError, ResponseStreamingError
 
         for attempt in range(BODY_ATTEMPTS):
-            response = self.client.get_object(Bucket=self.bucket, **request)
+            response = self.client.get_object(Bucket=self.bucket, **request, **self.owner_args())
             try:
                 return response, bytes(response["Body"].read())
             except (FlexibleChecksumError, IncompleteReadError, ResponseStreamingError):
@@ -140,7 +170,7 @@ class S3Store(Store):
         root = self._key(run_id) + "/"
         keys: list[str] = []
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=base):
+        for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=base):
             for obj in page.get("Contents", []):
                 rel = obj["Key"][len(root):]
                 name = rel.rsplit("/", 1)[-1]
@@ -153,9 +183,9 @@ class S3Store(Store):
         full = self._key(run_id, key)
         batch: list[dict[str, str]] = [{"Key": full}]
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=full.rstrip("/") + "/"):
+        for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=full.rstrip("/") + "/"):
             batch += [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
         for start in range(0, len(batch), 1000):
             self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": batch[start:start + 1000], "Quiet": True}
+                Bucket=self.bucket, Delete={"Objects": batch[start:start + 1000], "Quiet": True}, **self.owner_args()
             )

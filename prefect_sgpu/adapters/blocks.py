@@ -155,7 +155,12 @@ class EC2Compute(Block):
         default=29400, ge=1024, le=65535, description="Port of the c10d rendezvous on node 0."
     )
     kms_key_id: Optional[str] = Field(
-        default=None, description="KMS key of the SSM parameter that carries the payload signing key."
+        default=None, description="KMS key of the job key's SSM parameter and of every object written to the "
+                                  "store (SSE-KMS; without one, SSE-S3)."
+    )
+    bucket_owner: Optional[str] = Field(
+        default=None, description="12-digit account id that must own the store's bucket (ExpectedBucketOwner "
+                                  "on every S3 call); empty skips the check."
     )
     endpoint_url: Optional[str] = Field(default=None, description="Custom AWS endpoint (tests, private links).")
     if AwsCredentials is not None:

@@ -547,6 +547,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-id", required=True)
     p.add_argument("--region", required=True)
     p.add_argument("--endpoint-url", default=None)
+    p.add_argument("--store-kms-key", default=None, help="KMS key of the store's objects (SSE-KMS)")
+    p.add_argument("--bucket-owner", default=None, help="account id that must own the store's bucket")
     p.add_argument("--heartbeat-ttl", type=float, default=900.0)
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--backstop-marker", default=None,
@@ -573,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     node: NodeBootstrap | None = None
     try:
         identity = fetch_identity()
-        store = S3Store(args.store, region=args.region, endpoint_url=args.endpoint_url)
+        store = S3Store(args.store, region=args.region, endpoint_url=args.endpoint_url,
+                        kms_key_id=args.store_kms_key, bucket_owner=args.bucket_owner)
         node_dir = Path(os.environ.get(NODE_DIR_ENV) or default_home() / "node-jobs")
         node = NodeBootstrap(store, args.run_id, identity, node_dir, args.heartbeat_ttl, region=args.region,
                              endpoint_url=args.endpoint_url, interval=args.interval)

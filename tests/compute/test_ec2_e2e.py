@@ -728,3 +728,43 @@ def test_a_node_whose_bootstrap_never_takes_over_powers_itself_off(ec2: EC2Env, 
         assert ec2.leftovers(run_id) == []
     finally:
         compute.provisioner.terminate(run_id)  # a failed assertion above must not leak the instance
+
+
+def _write_a_checkpoint_file() -> int:
+    from prefect_sgpu.checkpoints import Location, step_dir_name
+
+    location = Location(runtime.checkpoint_uri())
+    step = location.local / step_dir_name(1)
+    step.mkdir(parents=True, exist_ok=True)
+    (step / f"rank-{runtime.rank()}.bin").write_bytes(b"weights")
+    location.upload(step_dir_name(1))
+    print(f"rank {runtime.rank()} wrote its checkpoint file", flush=True)
+    return runtime.rank()
+
+
+def test_every_store_object_is_kms_encrypted_and_every_s3_call_names_the_bucket_owner(ec2: EC2Env) -> None:
+    """Driver, bootstraps and ranks all write the store with SSE-KMS under the block's key, and
+    every S3 request of the job carries ExpectedBucketOwner."""
+    assert ec2.proxy is not None
+    kms = ec2.aws.client("kms").create_key(Description="sgpu store")["KeyMetadata"]["KeyId"]
+    owner = ec2.aws.client("sts").get_caller_identity()["Account"]
+    compute = ec2.compute(kms_key_id=kms, bucket_owner=owner)
+    before = len(ec2.proxy.requests)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)
+    job = fn(_write_a_checkpoint_file).job()
+    assert job.run().values == [0, 1]
+    rest = [r for r in ec2.proxy.requests[before:] if r.service == "rest"]  # S3: REST calls
+    s3 = ec2.aws.client("s3")
+    keys = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=ec2.bucket, Prefix=f"jobs/{job.run_id}/"):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    written_by = {"driver/nodes": [k for k in keys if "/logs/" in k],
+                  "ranks": [k for k in keys if "/checkpoints/" in k]}
+    assert all(written_by.values()), keys
+    for key in keys:
+        head = s3.head_object(Bucket=ec2.bucket, Key=key)
+        assert (head.get("ServerSideEncryption"), kms in head.get("SSEKMSKeyId", "")) == ("aws:kms", True), key
+    assert rest and all(r.params.get("x-amz-expected-bucket-owner") == owner for r in rest), \
+        {tuple(sorted(r.params)) for r in rest if r.params.get("x-amz-expected-bucket-owner") != owner}
+    with pytest.raises(SGPUConfigError, match="bucket_owner"):
+        ec2.compute(bucket_owner="not-an-account")

@@ -508,4 +508,5 @@ def _identify(headers: dict[str, str], body: bytes) -> tuple[str, str, Params]:
         auth = lower.get("authorization", "")
         service = auth.split("Credential=")[-1].split("/")[3] if "Credential=" in auth else "query"
         return service, params.get("Action", ""), params
-    return "rest", "", {}
+    return "rest", "", {k: v for k, v in lower.items() if k.startswith("x-amz-") and k not in (
+        "x-amz-date", "x-amz-content-sha256", "x-amz-security-token")}

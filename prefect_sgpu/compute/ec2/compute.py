@@ -69,7 +69,7 @@ DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 HEARTBEAT_INTERVAL_S = 2.0
 #: settings this class reads itself; everything else configures the provisioner
 OWN_SETTINGS = ("store_uri", "heartbeat_ttl_s", "agent_timeout_s", "rendezvous_port",
-                "poll_interval_s", "node_silence_s", "python", "setup_commands", "kms_key_id")
+                "poll_interval_s", "node_silence_s", "python", "setup_commands", "kms_key_id", "bucket_owner")
 
 
 class _Progress:
@@ -212,7 +212,8 @@ class EC2InstanceCompute(Compute):
         return cls(
             EC2Provisioner(provisioner_settings, session=session,
                            run_tags=rq.run_tags(S3Store.root_of(str(store_uri)), float(ttl))),
-            S3Store(str(store_uri), session=session, region=region, endpoint_url=endpoint_url),
+            S3Store(str(store_uri), session=session, region=region, endpoint_url=endpoint_url,
+                    kms_key_id=settings.get("kms_key_id") or None, bucket_owner=_bucket_owner(settings)),
             region,
             session=session,
             endpoint_url=endpoint_url,
@@ -249,7 +250,8 @@ class EC2InstanceCompute(Compute):
         return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
                                    endpoint_url=self.endpoint_url, python=self.python,
                                    setup=self.setup_commands,
-                                   backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s))
+                                   backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
+                                   kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner)
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
@@ -368,6 +370,7 @@ class EC2InstanceCompute(Compute):
         assert isinstance(allocation, EC2Allocation)
         env = {k: v for k, v in launch.env.items() if k not in MASKED_ENV}  # the key travels through SSM only
         env[STORE_REGION_ENV] = self.region  # ranks reach the checkpoint location on S3 themselves
+        env.update(self.store.env())  # and write it as the driver does (SSE-KMS key, bucket owner)
         if self.endpoint_url:
             env[STORE_ENDPOINT_ENV] = self.endpoint_url
         for command in launch.commands:
@@ -523,6 +526,14 @@ class EC2InstanceCompute(Compute):
         finally:
             done.set()
             thread.join(timeout=5)
+
+
+def _bucket_owner(settings: dict[str, Any]) -> str | None:
+    owner = str(settings.get("bucket_owner") or "").strip()
+    if owner and not (len(owner) == 12 and owner.isdigit()):
+        raise SGPUConfigError("bucket_owner", owner, "the 12-digit id of the AWS account that owns the store's "
+                              "bucket, or empty")
+    return owner or None
 
 
 def _provisioner_settings(settings_cls: Any, settings: dict[str, Any]) -> dict[str, Any]:

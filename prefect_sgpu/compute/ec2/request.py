@@ -266,6 +266,8 @@ def render_user_data(
     python: str = "python3",
     setup: str = "",
     backstop_s: float | None = None,
+    kms_key_id: str | None = None,
+    bucket_owner: str | None = None,
 ) -> str:
     """The instance's user-data: a short shell script, with no credential and no key in it.
 
@@ -282,6 +284,10 @@ def render_user_data(
             f"--region={region}", f"--heartbeat-ttl={heartbeat_ttl:g}"]
     if endpoint_url:
         argv.append(f"--endpoint-url={endpoint_url}")
+    if kms_key_id:
+        argv.append(f"--store-kms-key={kms_key_id}")
+    if bucket_owner:
+        argv.append(f"--bucket-owner={bucket_owner}")
     backstop = float(backstop_s or heartbeat_ttl)
     marker = f"${{HOME:-/root}}/.prefect-sgpu-{run_id}.up"
     lines = [
