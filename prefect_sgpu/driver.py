@@ -10,6 +10,7 @@ job folder (:mod:`prefect_sgpu.jobfolder`).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -39,6 +40,7 @@ from prefect_sgpu.errors import (
     JobHung,
     LaunchTimeout,
     RankFailedError,
+    SGPUConfigError,
     SGPUError,
     StoreUnreachable,
 )
@@ -185,6 +187,7 @@ class Job:
         self.folder: JobFolder | None = None
         self.started_at = 0.0
         self._prepared: tuple[Request, bytes, str] | None = None
+        self._secrets: dict[str, str] | None = None
         self.recoveries: list[Recovery] = []
         self._released: list[Released] = []
         self._reprovision_started: float | None = None
@@ -212,7 +215,24 @@ class Job:
         }
         commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
                     for i, address in enumerate(addresses)]
-        return JobLaunch(env=env, commands=commands, rendezvous=endpoint)
+        return JobLaunch(env=env, commands=commands, rendezvous=endpoint, secrets=self.secret_values())
+
+    def secret_values(self) -> dict[str, str]:
+        """The ``secrets=`` of the spec, read from their Prefect Secret blocks once (in memory only);
+        a block that cannot be read fails the job before anything is started."""
+        if self._secrets is None:
+            values: dict[str, str] = {}
+            for name, block in sorted(self.spec.secrets.items()):
+                try:
+                    from prefect.blocks.system import Secret
+
+                    value = Secret.load(block, _sync=True).get()
+                except Exception as exc:  # noqa: BLE001 - named, with the block, for the user
+                    raise SGPUConfigError(f"secrets[{name}]", block, "the name of a Prefect Secret block this "
+                                          f"driver can read ({type(exc).__name__}: {exc})") from None
+                values[name] = value if isinstance(value, str) else json.dumps(value)
+            self._secrets = values
+        return self._secrets
 
     def _relays_mlflow(self) -> bool:
         """Remote nodes cannot write the driver's tracking file: they relay through the job store."""
@@ -258,6 +278,7 @@ class Job:
 
     def _run(self) -> JobResult:
         request, body, key = self.prepare()
+        self.secret_values()  # an unreadable Secret block fails here, before anything is spent
         plan = self.plan = request.plan
         self.started_at = time.monotonic()
         deadline = self.started_at + self.spec.timeout

@@ -116,6 +116,11 @@ def ssm_key_parameter(run_id: str) -> str:
     return f"/prefect-sgpu/{run_id}/payload-key"
 
 
+def ssm_secrets_parameter(run_id: str) -> str:
+    """Where an EC2 job's ``secrets=`` values live (a SecureString of JSON), derived like the key's."""
+    return f"/prefect-sgpu/{run_id}/secrets"
+
+
 def new_key() -> str:
     return secrets.token_hex(32)
 
@@ -147,6 +152,8 @@ class LaunchDocument(_Doc):
 
     argv: list[str]
     env: dict[str, str] = Field(default_factory=dict)
+    #: the job has ``secrets=``: the node reads them from :func:`ssm_secrets_parameter`, never from here
+    secrets: bool = False
 
 
 class Alive(_Doc):

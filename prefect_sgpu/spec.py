@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Mapping
 
@@ -70,6 +71,23 @@ Nodes = Annotated[int | None, Field(ge=1, description="Nodes; derived when omitt
 Timeout = Annotated[float, BeforeValidator(_seconds), Field(gt=0, description="Seconds before every rank is stopped.")]
 Restarts = Annotated[int, Field(ge=0, description="Worker-group restarts torch elastic may do.")]
 Env = Annotated[dict[str, str], BeforeValidator(_env_strings), Field(description="Extra environment for every rank.")]
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _secret_names(value: Any) -> Any:
+    value = _env_strings(value)
+    if isinstance(value, dict):
+        for name, block in value.items():
+            if not _ENV_NAME.match(name):
+                raise SGPUConfigError(f"secrets[{name}]", name, "an environment variable name (letters, digits, _)")
+            if not block.strip():
+                raise SGPUConfigError(f"secrets[{name}]", block, "the name of a Prefect Secret block")
+    return value
+
+
+Secrets = Annotated[dict[str, str], BeforeValidator(_secret_names),
+                    Field(description="Environment variables of every rank read from Prefect Secret blocks "
+                                      "(variable -> block name); they travel encrypted, never in a document.")]
 Recoveries = Annotated[int, Field(ge=0, description="Relaunches after infrastructure loss (spot reclaim, lost node).")]
 HangTimeout = Annotated[float | None, BeforeValidator(_seconds),
                         Field(gt=0, description="Seconds without progress from a rank before the job fails; "
@@ -87,6 +105,7 @@ class JobArgs(TypedDict, total=False):
     timeout: float | _dt.timedelta
     max_restarts: int
     env: dict[str, str] | None
+    secrets: dict[str, str] | None
     mlflow: bool
     max_recoveries: int
     hang_timeout: float | _dt.timedelta | None
@@ -100,8 +119,8 @@ class TaskArgs(JobArgs, total=False):
 
 
 #: every field of a job spec, in the order users meet them
-FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "mlflow", "max_recoveries",
-          "hang_timeout", "strategy", "return_all")
+FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "secrets", "mlflow",
+          "max_recoveries", "hang_timeout", "strategy", "return_all")
 
 
 def _check_shape(gpus: int | None, nodes: int | None) -> None:
@@ -124,6 +143,7 @@ class SpecLayer(BaseModel):
     timeout: Timeout | None = None
     max_restarts: Restarts | None = None
     env: Env | None = None
+    secrets: Secrets | None = None
     mlflow: bool | None = None
     max_recoveries: Recoveries | None = None
     hang_timeout: HangTimeout = None
@@ -152,6 +172,7 @@ class JobSpec(BaseModel):
     timeout: Timeout = DEFAULT_TIMEOUT_S
     max_restarts: Restarts = 0
     env: Env = Field(default_factory=dict)
+    secrets: Secrets = Field(default_factory=dict)
     mlflow: bool = Field(True, description="Open one MLflow run per call and hand it to every rank.")
     max_recoveries: Recoveries = DEFAULT_MAX_RECOVERIES
     hang_timeout: HangTimeout = DEFAULT_HANG_TIMEOUT_S
@@ -203,11 +224,11 @@ def environment_layer(environ: Mapping[str, str] | None = None) -> SpecLayer:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None or raw == "":
             continue
-        if name == "env":
+        if name in ("env", "secrets"):
             try:
                 given[name] = json.loads(raw)
             except ValueError:
-                raise SGPUConfigError(ENV_PREFIX + "ENV", raw, "a JSON object of strings") from None
+                raise SGPUConfigError(ENV_PREFIX + name.upper(), raw, "a JSON object of strings") from None
         elif name in ("gpu_type", "strategy"):
             given[name] = None if raw.lower() == "none" else raw
         elif name == "hang_timeout" and raw.lower() in ("none", "off"):

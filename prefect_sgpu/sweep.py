@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from prefect_sgpu import aws
-from prefect_sgpu.jobfolder import CONTROL, HEARTBEAT, PAYLOAD, STOP, ssm_key_parameter
+from prefect_sgpu.jobfolder import CONTROL, HEARTBEAT, PAYLOAD, STOP, ssm_key_parameter, ssm_secrets_parameter
 
 if TYPE_CHECKING:
     from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
@@ -53,7 +53,7 @@ logger = logging.getLogger("prefect_sgpu.sweep")
 #: half the TTL when that is less
 DEFAULT_GRACE_S = 60.0
 SSM_ROOT = "/prefect-sgpu/"
-_SSM_NAME = re.compile(r"^/prefect-sgpu/(?P<run>[^/]+)/payload-key$")
+_SSM_NAME = re.compile(r"^/prefect-sgpu/(?P<run>[^/]+)/(?:payload-key|secrets)$")
 #: the files a live driver keeps in its job folder; none of them means the job has ended
 _LIVE_FILES = (HEARTBEAT, PAYLOAD, STOP)
 _LIVE_STATES = ["pending", "running", "stopping", "stopped"]
@@ -261,7 +261,8 @@ class Sweeper:
         for page in self.ssm.get_paginator("describe_parameters").paginate(ParameterFilters=filters):
             for parameter in page.get("Parameters", []):
                 match = _SSM_NAME.match(parameter["Name"])
-                if match and parameter["Name"] == ssm_key_parameter(match["run"]):
+                if match and parameter["Name"] in (ssm_key_parameter(match["run"]),
+                                                   ssm_secrets_parameter(match["run"])):
                     run(match["run"]).ssm.append(parameter["Name"])
 
     def _find_mlflow(self, run: Any) -> None:

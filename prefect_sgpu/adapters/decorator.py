@@ -164,6 +164,7 @@ class DistributedFunction(Generic[P, R]):
         cancel = threading.Event()
         job = self.job(*args, cancel_event=cancel, **kwargs)
         job.prepare()  # bad resources or payload raise here, not in the future
+        job.secret_values()  # and so does a Secret block that cannot be read
         interrupts.install()  # from the caller's (main) thread: signal handlers and the exit hook
         return DistributedFuture(_start(job), cancel)
 

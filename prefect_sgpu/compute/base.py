@@ -166,12 +166,15 @@ class JobLaunch:
     env: dict[str, str]
     commands: list[NodeCommand]
     rendezvous: str
+    #: rank environment read from Prefect Secret blocks: each compute delivers it through a channel
+    #: of its own that nothing stores in plaintext (process environment, SSM SecureString, Ray)
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
 
     def describe(self, compute: "Compute", request: Request) -> list[dict[str, Any]]:
         import shlex
 
-        return [{"index": c.node, "command": shlex.join(compute.command_line(request, c)), "env": masked(self.env)}
-                for c in self.commands]
+        return [{"index": c.node, "command": shlex.join(compute.command_line(request, c)), "env": masked(self.env),
+                 "secrets": sorted(self.secrets)} for c in self.commands]
 
 
 # --- what poll() reports ---------------------------------------------------------------------

@@ -265,7 +265,7 @@ class LocalProcessCompute(Compute):
             ours = self.node_env(allocation, command.node)
             if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in launch.env:
                 ours.pop("OMP_NUM_THREADS")  # the user's choice wins
-            env = {**node_base_environment(dict(os.environ)), **launch.env, **ours,
+            env = {**node_base_environment(dict(os.environ)), **launch.env, **launch.secrets, **ours,
                    "SGPU_PAYLOAD_KEY": allocation.folder.key}
             # the caller's import path, so modules importable here are importable in the ranks
             paths = [p or os.getcwd() for p in sys.path] + env.get("PYTHONPATH", "").split(os.pathsep)

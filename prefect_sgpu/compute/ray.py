@@ -315,7 +315,8 @@ class RayTrainCompute(Compute):
         sealed = folder.store.get(folder.run_id, jobfolder.PAYLOAD)
         if sealed is None:
             raise FileNotFoundError(f"{folder.uri(jobfolder.PAYLOAD)} is missing")
-        env = {**launch.env, "SGPU_DEVICE": allocation.plan.device}
+        # secrets= ride in the run's config: the cluster is one trust domain (docs/security.md)
+        env = {**launch.env, **launch.secrets, "SGPU_DEVICE": allocation.plan.device}
         with allocation.lock:
             if allocation.released:
                 return

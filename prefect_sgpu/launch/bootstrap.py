@@ -38,6 +38,7 @@ and the node does not matter, and a forged or replayed heartbeat keeps nothing a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -61,6 +62,7 @@ from prefect_sgpu.jobfolder import (
     NodeStatus,
     agent_output_key,
     ssm_key_parameter,
+    ssm_secrets_parameter,
     unseal,
 )
 from prefect_sgpu.launch.processes import kill_and_reap
@@ -342,10 +344,19 @@ class NodeBootstrap:
         argv = [f"--job-dir={self.job_dir}" if a.startswith("--job-dir=") else a for a in doc.argv]
         if len(argv) > 2 and argv[1] == "-m":  # the driver's interpreter path means nothing here
             argv[0] = sys.executable
-        env = {**os.environ, **{k: v for k, v in doc.env.items() if k != KEY_ENV},
+        env = {**os.environ, **{k: v for k, v in doc.env.items() if k != KEY_ENV}, **self.read_secrets(doc),
                "SGPU_JOB_DIR": str(self.job_dir), "SGPU_RUN_ID": self.run_id, KEY_ENV: self.key,
                "SGPU_INSTANCE_ID": self.identity.instance_id}
         return argv, env
+
+    def read_secrets(self, doc: LaunchDocument) -> dict[str, str]:
+        """The job's ``secrets=`` from their SecureString, when the (sealed) launch document says it has some."""
+        if not doc.secrets:
+            return {}
+        name = ssm_secrets_parameter(self.run_id)
+        response = self._client("ssm").get_parameter(Name=name, WithDecryption=True)
+        values = json.loads(response["Parameter"]["Value"])
+        return {str(k): str(v) for k, v in values.items()}
 
     def start_agent(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         out = self.job_dir / agent_output_key(self.index)
@@ -454,10 +465,11 @@ class NodeBootstrap:
             except Exception:  # noqa: BLE001 - termination matters more than the notice
                 pass
         if self.key is not None and self.index == 0:
-            try:
-                self._client("ssm").delete_parameter(Name=ssm_key_parameter(self.run_id))
-            except Exception:  # noqa: BLE001 - the parameter may already be gone
-                pass
+            for name in (ssm_key_parameter(self.run_id), ssm_secrets_parameter(self.run_id)):
+                try:
+                    self._client("ssm").delete_parameter(Name=name)
+                except Exception:  # noqa: BLE001 - the parameter may already be gone, or never was
+                    pass
         self._client("ec2").terminate_instances(InstanceIds=[self.identity.instance_id])
         self.terminated = True
         return 0

@@ -768,3 +768,45 @@ def test_every_store_object_is_kms_encrypted_and_every_s3_call_names_the_bucket_
         {tuple(sorted(r.params)) for r in rest if r.params.get("x-amz-expected-bucket-owner") != owner}
     with pytest.raises(SGPUConfigError, match="bucket_owner"):
         ec2.compute(bucket_owner="not-an-account")
+
+
+def _token_digest() -> str:
+    import hashlib
+
+    return hashlib.sha256(os.environ["MY_TOKEN"].encode()).hexdigest()  # never the value itself
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_secrets_reach_ec2_ranks_through_ssm_and_no_document_or_object_holds_them(ec2: EC2Env) -> None:
+    import hashlib
+
+    from prefect.blocks.system import Secret
+
+    from prefect_sgpu.jobfolder import ssm_secrets_parameter
+
+    value = f"tok-{uuid.uuid4().hex}"
+    Secret(value=value).save("sgpu-ec2-token", overwrite=True)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=300,
+                     secrets={"MY_TOKEN": "sgpu-ec2-token"})(_token_digest)
+    job = fn.job()
+    seen: dict[str, bytes] = {}
+
+    def watch() -> None:  # every object of the job while it runs: launch documents included
+        while not done.is_set():
+            seen.update(ec2.objects(job.run_id))
+            time.sleep(0.5)
+
+    done = threading.Event()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert job.run().values == [hashlib.sha256(value.encode()).hexdigest()] * 2
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+    assert any(k.endswith(".launch") for k in seen), "the launch documents were seen"
+    assert not [k for k, body in {**seen, **ec2.objects(job.run_id)}.items() if value.encode() in body]
+    ssm = ec2.aws.client("ssm")
+    with pytest.raises(ssm.exceptions.ParameterNotFound):
+        ssm.get_parameter(Name=ssm_secrets_parameter(job.run_id))
+    assert ec2.leftovers(job.run_id) == []

@@ -25,6 +25,7 @@ calls and job-folder documents.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -54,7 +55,7 @@ from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
-from prefect_sgpu.jobfolder import LaunchDocument, ssm_key_parameter
+from prefect_sgpu.jobfolder import LaunchDocument, ssm_key_parameter, ssm_secrets_parameter
 from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store_s3 import S3Store
 
@@ -122,6 +123,8 @@ class EC2Allocation(Allocation):
     instances: list[Instance] = field(default_factory=list)
     started: float = 0.0
     key_parameter: str | None = None
+    #: the SecureString of the job's ``secrets=``, once written
+    secrets_parameter: str | None = None
     #: the run_instances requests actually sent (failover tries included), in order
     sent: list[dict[str, Any]] = field(default_factory=list)
     progress: Any = None
@@ -373,19 +376,25 @@ class EC2InstanceCompute(Compute):
         env.update(self.store.env())  # and write it as the driver does (SSE-KMS key, bucket owner)
         if self.endpoint_url:
             env[STORE_ENDPOINT_ENV] = self.endpoint_url
+        if launch.secrets:  # encrypted in SSM, beside the key; the documents only say they exist
+            self._put_secure(allocation, ssm_secrets_parameter(allocation.run_id), json.dumps(launch.secrets),
+                             "prefect-sgpu secrets= of one job (deleted when the job ends)", "secrets_parameter")
         for command in launch.commands:
-            allocation.folder.put_launch(command.node, LaunchDocument(argv=list(command.argv), env=env),
-                                         instance_id=allocation.instance_id(command.node))
+            doc = LaunchDocument(argv=list(command.argv), env=env, secrets=bool(launch.secrets))
+            allocation.folder.put_launch(command.node, doc, instance_id=allocation.instance_id(command.node))
         allocation.launched = True
 
     def _put_key(self, allocation: EC2Allocation) -> None:
-        name = ssm_key_parameter(allocation.run_id)
+        self._put_secure(allocation, ssm_key_parameter(allocation.run_id), allocation.folder.key,
+                         "prefect-sgpu job key of one job (deleted when the job ends)", "key_parameter")
+
+    def _put_secure(self, allocation: EC2Allocation, name: str, value: str, description: str, field: str) -> None:
+        """A SecureString (under ``kms_key_id`` when set), recorded on the allocation *before* the
+        put, so that even a failed put is cleaned up by release."""
         extra = {"KeyId": self.kms_key_id} if self.kms_key_id else {}
-        allocation.key_parameter = name  # set first: a failed put is still cleaned up
-        self._client("ssm").put_parameter(
-            Name=name, Value=allocation.folder.key, Type="SecureString", Overwrite=True,
-            Description="prefect-sgpu job key of one job (deleted when the job ends)", **extra,
-        )
+        setattr(allocation, field, name)
+        self._client("ssm").put_parameter(Name=name, Value=value, Type="SecureString", Overwrite=True,
+                                          Description=description, **extra)
 
     def poll(self, allocation: Allocation) -> list[Event]:
         """Sealed node statuses; a node whose instance died or went silent is lost."""
@@ -494,8 +503,9 @@ class EC2InstanceCompute(Compute):
         try:
             gone += self.provisioner.terminate(allocation.run_id)
         finally:
-            if allocation.key_parameter and self._delete_key(allocation.key_parameter):
-                gone.append(f"SSM parameter {allocation.key_parameter}")
+            for name in (allocation.key_parameter, allocation.secrets_parameter):
+                if name and self._delete_key(name):
+                    gone.append(f"SSM parameter {name}")
         return Released(gone=gone)
 
     def _delete_key(self, name: str) -> bool:
