@@ -810,3 +810,90 @@ def test_secrets_reach_ec2_ranks_through_ssm_and_no_document_or_object_holds_the
     with pytest.raises(ssm.exceptions.ParameterNotFound):
         ssm.get_parameter(Name=ssm_secrets_parameter(job.run_id))
     assert ec2.leftovers(job.run_id) == []
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_planted_secrets_appear_in_no_log_user_data_tag_artifact_mlflow_record_or_store_object(
+        ec2: EC2Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """A GPU task on EC2 whose driver holds AWS keys and a Prefect API key and whose ranks get a
+    user secret: none of the three is anywhere the job wrote, during the run or after it."""
+    import base64
+    import hashlib
+
+    import boto3
+    from mlflow.tracking import MlflowClient
+    from prefect import flow
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from prefect_sgpu import GPUTaskRunner, gpu_task
+
+    aws_id, aws_secret = "AKIA" + uuid.uuid4().hex[:16].upper(), uuid.uuid4().hex + uuid.uuid4().hex[:8]
+    prefect_key = "pnu_" + uuid.uuid4().hex + "abcd"
+    user_secret = f"user-{uuid.uuid4().hex}"
+    planted = {"AWS access key id": aws_id, "AWS secret key": aws_secret, "Prefect API key": prefect_key,
+               "user secret": user_secret}
+    monkeypatch.setenv("PREFECT_API_KEY", prefect_key)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    Secret(value=user_secret).save("sgpu-planted", overwrite=True)
+    session = boto3.Session(aws_access_key_id=aws_id, aws_secret_access_key=aws_secret, region_name=ec2.aws.region)
+    compute = EC2InstanceCompute.from_settings(ec2.settings, session=session)
+
+    @gpu_task(gpus=2, gpu_type="A10", remote=True, secrets={"MY_TOKEN": "sgpu-planted"}, timeout=300)
+    def train() -> str:
+        print(f"rank {runtime.rank()} trains", flush=True)
+        return hashlib.sha256(os.environ["MY_TOKEN"].encode()).hexdigest()
+
+    @flow(task_runner=GPUTaskRunner(compute=compute))
+    def pipeline() -> str:
+        return train()
+
+    seen: dict[str, bytes] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for page in ec2.aws.client("s3").get_paginator("list_objects_v2").paginate(Bucket=ec2.bucket):
+                for obj in page.get("Contents", []):
+                    body = ec2.aws.client("s3").get_object(Bucket=ec2.bucket, Key=obj["Key"])["Body"].read()
+                    seen[obj["Key"]] = body
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        state = pipeline(return_state=True)
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+    assert state.is_completed(), state
+    assert state.result() == hashlib.sha256(user_secret.encode()).hexdigest()
+    places: dict[str, str] = {f"s3://{ec2.bucket}/{k}": b.decode("utf-8", "replace") for k, b in seen.items()}
+    assert any(k.endswith(".launch") for k in places) and any("/logs/" in k for k in places), sorted(places)
+    ec2_client = ec2.aws.client("ec2")
+    for page in ec2_client.get_paginator("describe_instances").paginate(
+            Filters=[{"Name": "tag-key", "Values": [RUN_ID_TAG]}]):
+        for reservation in page["Reservations"]:
+            for inst in reservation["Instances"]:
+                if any(t["Key"] == "sgpu:store" and ec2.bucket in t["Value"] for t in inst.get("Tags", [])):
+                    data = ec2_client.describe_instance_attribute(InstanceId=inst["InstanceId"],
+                                                                  Attribute="userData")["UserData"]
+                    places[f"user-data {inst['InstanceId']}"] = base64.b64decode(data.get("Value", "")).decode()
+                    places[f"tags {inst['InstanceId']}"] = json.dumps(inst.get("Tags", []))
+    assert any(k.startswith("user-data") for k in places)
+    client = MlflowClient(uri)
+    for run in client.search_runs([e.experiment_id for e in client.search_experiments()]):
+        places[f"mlflow run {run.info.run_id}"] = json.dumps([run.data.params, run.data.tags])
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        logs = prefect.read_logs()
+    assert artifacts, "the GPU task published its artifact"
+    places.update({f"artifact {a.key or a.id}": json.dumps(a.data, default=str) for a in artifacts})
+    places["prefect logs"] = "\n".join(log.message for log in logs)
+    out, err = capfd.readouterr()
+    places["driver output"] = out + err
+    found = [(what, where) for where, text in places.items() for what, value in planted.items() if value in text]
+    assert found == [], found
