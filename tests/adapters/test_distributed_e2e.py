@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.processes import default_sigint, job_processes
+from support.tokens import digest_of, token_digest
 from prefect_sgpu import LaunchTimeout, RankFailedError, distributed, run_script, runtime
 from prefect_sgpu.compute.local import LocalProcessCompute, namespaces_available
 from prefect_sgpu.errors import JobCancelled
@@ -381,15 +382,8 @@ def test_collective_timeout_applies_to_process_groups_user_code_creates() -> Non
     assert timeouts == [123.0, 123.0]
 
 
-def _token_digest() -> str:
-    import hashlib
-
-    return hashlib.sha256(os.environ["MY_TOKEN"].encode()).hexdigest()  # never the value itself
-
-
 @pytest.mark.usefixtures("prefect_server")
 def test_secrets_reach_every_rank_from_secret_blocks_and_rest_nowhere(sgpu_home: Path) -> None:
-    import hashlib
     import uuid
 
     from prefect.blocks.system import Secret
@@ -398,16 +392,16 @@ def test_secrets_reach_every_rank_from_secret_blocks_and_rest_nowhere(sgpu_home:
 
     value = f"tok-{uuid.uuid4().hex}"
     Secret(value=value).save("sgpu-test-token", overwrite=True)
-    fn = distributed(gpus=2, mlflow=False, secrets={"MY_TOKEN": "sgpu-test-token"})(_token_digest)
+    fn = distributed(gpus=2, mlflow=False, secrets={"MY_TOKEN": "sgpu-test-token"})(token_digest)
     shown = json.dumps(fn.dry_run(), default=str)
     assert "MY_TOKEN" in shown and value not in shown
     job = fn.job()
-    assert job.run().values == [hashlib.sha256(value.encode()).hexdigest()] * 2
+    assert job.run().values == [digest_of(value)] * 2
     left = [p for p in (sgpu_home / "jobs" / job.run_id).rglob("*") if p.is_file() and value.encode() in p.read_bytes()]
     assert left == [], "a secret rests in the job folder"
     before = {p.name for p in (sgpu_home / "jobs").iterdir()}
     with pytest.raises(SGPUConfigError, match=r"secrets\[MY_TOKEN\]"):
-        distributed(gpus=1, mlflow=False, secrets={"MY_TOKEN": "no-such-block"})(_token_digest).distributed()
+        distributed(gpus=1, mlflow=False, secrets={"MY_TOKEN": "no-such-block"})(token_digest).distributed()
     assert {p.name for p in (sgpu_home / "jobs").iterdir()} == before, "refused before anything was started"
     with pytest.raises(SGPUConfigError, match="environment variable name"):
-        distributed(gpus=1, secrets={"NOT A NAME": "sgpu-test-token"})(_token_digest)
+        distributed(gpus=1, secrets={"NOT A NAME": "sgpu-test-token"})(token_digest)

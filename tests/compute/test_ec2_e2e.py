@@ -32,6 +32,7 @@ from prefect_sgpu.jobfolder import Alive, JobFolder, LaunchDocument, launch_key,
 from prefect_sgpu.store_s3 import S3Store
 from prefect_sgpu.sweep import Sweeper
 from support.threads import run_in_thread
+from support.tokens import digest_of, token_digest
 
 pytestmark = pytest.mark.e2e
 
@@ -770,16 +771,8 @@ def test_every_store_object_is_kms_encrypted_and_every_s3_call_names_the_bucket_
         ec2.compute(bucket_owner="not-an-account")
 
 
-def _token_digest() -> str:
-    import hashlib
-
-    return hashlib.sha256(os.environ["MY_TOKEN"].encode()).hexdigest()  # never the value itself
-
-
 @pytest.mark.usefixtures("prefect_server")
 def test_secrets_reach_ec2_ranks_through_ssm_and_no_document_or_object_holds_them(ec2: EC2Env) -> None:
-    import hashlib
-
     from prefect.blocks.system import Secret
 
     from prefect_sgpu.jobfolder import ssm_secrets_parameter
@@ -787,7 +780,7 @@ def test_secrets_reach_ec2_ranks_through_ssm_and_no_document_or_object_holds_the
     value = f"tok-{uuid.uuid4().hex}"
     Secret(value=value).save("sgpu-ec2-token", overwrite=True)
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=300,
-                     secrets={"MY_TOKEN": "sgpu-ec2-token"})(_token_digest)
+                     secrets={"MY_TOKEN": "sgpu-ec2-token"})(token_digest)
     job = fn.job()
     seen: dict[str, bytes] = {}
 
@@ -800,7 +793,7 @@ def test_secrets_reach_ec2_ranks_through_ssm_and_no_document_or_object_holds_the
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        assert job.run().values == [hashlib.sha256(value.encode()).hexdigest()] * 2
+        assert job.run().values == [digest_of(value)] * 2
     finally:
         done.set()
         watcher.join(timeout=30)
@@ -843,7 +836,7 @@ def test_planted_secrets_appear_in_no_log_user_data_tag_artifact_mlflow_record_o
 
     @gpu_task(gpus=2, gpu_type="A10", remote=True, secrets={"MY_TOKEN": "sgpu-planted"}, timeout=300)
     def train() -> str:
-        print(f"rank {runtime.rank()} trains", flush=True)
+        print(f"rank {runtime.rank()} trains", flush=True)  # EC2 nodes import no test helper: inline
         return hashlib.sha256(os.environ["MY_TOKEN"].encode()).hexdigest()
 
     @flow(task_runner=GPUTaskRunner(compute=compute))
@@ -869,7 +862,7 @@ def test_planted_secrets_appear_in_no_log_user_data_tag_artifact_mlflow_record_o
         done.set()
         watcher.join(timeout=30)
     assert state.is_completed(), state
-    assert state.result() == hashlib.sha256(user_secret.encode()).hexdigest()
+    assert state.result() == digest_of(user_secret)
     places: dict[str, str] = {f"s3://{ec2.bucket}/{k}": b.decode("utf-8", "replace") for k, b in seen.items()}
     assert any(k.endswith(".launch") for k in places) and any("/logs/" in k for k in places), sorted(places)
     ec2_client = ec2.aws.client("ec2")

@@ -102,7 +102,7 @@ def prefect_env() -> dict[str, str]:
 
     return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "5",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
 
 
 def pool_runs(pool: str, runs: int, workers: int, limit: int, timeout_s: float = 3600) -> dict[str, Any]:
