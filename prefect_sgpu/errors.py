@@ -145,5 +145,11 @@ class InfrastructureLost(RankFailedError):
                              self.node, self.recoveries))
 
 
+class CheckpointRefused(SGPUError):
+    """A checkpoint file that could run code when loaded (or is not what ``Checkpointer`` writes):
+    refused before it is unpickled. Whoever can write the checkpoint location can stop a resume,
+    never run code in a rank."""
+
+
 class StoreUnreachable(SGPUError):
     """The job store failed every call for longer than the nodes' heartbeat TTL: they have stopped."""

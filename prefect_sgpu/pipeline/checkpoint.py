@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import time
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefect_sgpu import runtime
 from prefect_sgpu.checkpoints import MARKER, Location, step_dir_name
-from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
 
 if TYPE_CHECKING:
     from prefect_sgpu.pipeline.strategies import Wrapped
@@ -89,13 +90,15 @@ def _flag_group() -> Any:
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every RNG's state in types ``torch.load(weights_only=True)`` accepts (tensors, numbers, tuples)."""
     import torch
 
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, key, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = (str(kind), torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
     except ImportError:
         pass
     if runtime.uses_gpu():
@@ -111,9 +114,46 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, key, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and runtime.uses_gpu():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+#: harmless builtins a checkpoint's pickled metadata may name (no callables that reach further)
+_SAFE_BUILTINS = frozenset({"set", "frozenset", "slice", "complex", "bytearray", "tuple", "list", "dict", "int",
+                            "float", "bool", "str", "bytes", "object"})
+_SAFE_GLOBALS = frozenset({("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                           ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                           ("pathlib", "PureWindowsPath"), ("copyreg", "_reconstructor"),
+                           ("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles torch.distributed.checkpoint's ``.metadata``: its own classes, torch sizes and dtypes,
+    paths and plain containers; any other global (``os.system``, ``builtins.eval``, ...) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        allowed = ((module == "torch.distributed.checkpoint.metadata" and name[:1].isupper())
+                   or (module == "torch.distributed.checkpoint.metadata" and name == "_MEM_FORMAT_ENCODING")
+                   or (module, name) in _SAFE_GLOBALS
+                   or (module == "builtins" and name in _SAFE_BUILTINS)
+                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not allowed:
+            raise CheckpointRefused(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def check_dcp_metadata(path: Path) -> None:
+    """Refuse a DCP ``.metadata`` that names anything but DCP's own types (it is unpickled by DCP)."""
+    try:
+        with open(path, "rb") as fh:
+            _MetadataUnpickler(fh).load()
+    except CheckpointRefused as exc:
+        raise CheckpointRefused(f"checkpoint metadata {path} names {exc}, which DCP's loader would call: "
+                                "refused") from None
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
@@ -266,9 +306,16 @@ class Checkpointer:
         return int(state["step"]), dict(state["extra"])
 
     def _load(self, path: Path) -> Any:
+        """A file this class wrote: tensors, numbers, strings and containers only (``weights_only``)."""
         import torch
 
-        return torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointRefused(
+                f"checkpoint file {path} holds more than tensors and plain values, so loading it could run "
+                f"code: refused ({str(exc).splitlines()[0]}). Keep `extra` to tensors, numbers, strings, "
+                "lists, tuples and dicts.") from None
 
     def _load_training_state(self, source: Path) -> None:
         w = self.wrapped
@@ -282,6 +329,7 @@ class Checkpointer:
 
             model_state, optim_state = get_state_dict(w.module, w.optimizer)
             state = {"model": model_state, "optimizer": optim_state}
+            check_dcp_metadata(source / "dcp" / ".metadata")  # DCP unpickles it: only its own types
             dcp.load(state, checkpoint_id=str(source / "dcp"))
             set_state_dict(w.module, w.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])

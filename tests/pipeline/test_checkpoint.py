@@ -119,3 +119,51 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path: Path, field: str
         Checkpointer(_wrapped(), tmp_path / "never", **kwargs)
     assert info.value.field == field
     assert not (tmp_path / "never").exists()
+
+
+class _Planted:
+    """A pickle that creates ``marker`` when it is loaded (what a store writer would plant)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_tampered_checkpoint_file_is_refused_and_never_runs(tmp_path: Path) -> None:
+    from prefect_sgpu.errors import CheckpointRefused
+
+    w = _wrapped()
+    ckpt = Checkpointer(w, tmp_path / "ckpt", every=1, keep=2)
+    _train_step(w)
+    ckpt.save(1, {"note": "fine"})
+    marker = tmp_path / "pwned"
+    for name in ("model.pt", "extra-rank-00000.pt"):
+        good = (tmp_path / "ckpt" / "step-00000001" / name).read_bytes()
+        torch.save({"model": _Planted(marker)}, tmp_path / "ckpt" / "step-00000001" / name)
+        with pytest.raises(CheckpointRefused, match=name):
+            Checkpointer(_wrapped(seed=1), tmp_path / "ckpt", every=1).restore()
+        assert not marker.exists(), "the planted pickle ran"
+        (tmp_path / "ckpt" / "step-00000001" / name).write_bytes(good)
+    step, extra = Checkpointer(_wrapped(seed=1), tmp_path / "ckpt", every=1).restore()
+    assert (step, extra) == (1, {"note": "fine"}), "the untouched checkpoint still restores (RNG states included)"
+
+
+def test_a_tampered_dcp_metadata_is_refused_before_dcp_reads_it(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from prefect_sgpu.errors import CheckpointRefused
+    from prefect_sgpu.pipeline.checkpoint import check_dcp_metadata
+
+    model = nn.Linear(4, 2)
+    with pytest.warns(UserWarning):  # one process, no process group: DCP says so
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    check_dcp_metadata(tmp_path / "dcp" / ".metadata")  # DCP's own metadata passes
+    marker = tmp_path / "pwned"
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(CheckpointRefused, match="builtins.open|io.open"):
+        check_dcp_metadata(tmp_path / "dcp" / ".metadata")
+    assert not marker.exists()
