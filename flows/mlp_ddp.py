@@ -78,7 +78,7 @@ def train_mlp(num_epochs: int = 5, batch_size: int = 64, lr: float = 1e-3, seed:
             return self.net(x)
 
     if data_path:
-        data = torch.load(data_path)
+        data = torch.load(data_path, weights_only=True)  # tensors only: a planted pickle never runs
         x, y = data["x"], data["y"]
     else:  # the same data set on every rank
         gen = torch.Generator().manual_seed(seed)
@@ -98,7 +98,7 @@ def train_mlp(num_epochs: int = 5, batch_size: int = 64, lr: float = 1e-3, seed:
     ckpt = runtime.checkpoint_dir() / "mlp.pt"
     start_epoch = 0
     if ckpt.exists():  # every rank loads the same state, so DDP replicas stay identical
-        state = torch.load(ckpt, map_location=device)
+        state = torch.load(ckpt, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["epoch"] + 1

@@ -119,7 +119,7 @@ def train_digits(epochs: int = 3, batch_size: int = 64, lr: float = 3e-3, num_wo
 
     model = _cnn()
     with result.checkpoint.as_directory() as folder:
-        model.load_state_dict(torch.load(Path(folder) / "model.pt", map_location="cpu"))
+        model.load_state_dict(torch.load(Path(folder) / "model.pt", map_location="cpu", weights_only=True))
     model.eval()
     with torch.no_grad():
         logits = model(torch.from_numpy(x_test / 16.0))
