@@ -847,11 +847,14 @@ def test_planted_secrets_appear_in_no_log_user_data_tag_artifact_mlflow_record_o
     done = threading.Event()
 
     def watch() -> None:
+        s3 = ec2.aws.client("s3")
         while not done.is_set():
-            for page in ec2.aws.client("s3").get_paginator("list_objects_v2").paginate(Bucket=ec2.bucket):
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=ec2.bucket):
                 for obj in page.get("Contents", []):
-                    body = ec2.aws.client("s3").get_object(Bucket=ec2.bucket, Key=obj["Key"])["Body"].read()
-                    seen[obj["Key"]] = body
+                    try:
+                        seen[obj["Key"]] = s3.get_object(Bucket=ec2.bucket, Key=obj["Key"])["Body"].read()
+                    except s3.exceptions.NoSuchKey:  # deleted between the listing and the read
+                        continue
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch, daemon=True)
