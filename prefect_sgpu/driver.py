@@ -374,8 +374,6 @@ class Job:
 
     def _checkpoint_progress(self, gang_started: float) -> tuple[int | None, float | None]:
         """The newest complete checkpoint step and the seconds of work the lost gang did after it."""
-        import json
-
         from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV, Location
 
         env = {**self._checkpoint_env(), **self.spec.env}

@@ -17,6 +17,7 @@ import threading
 import types
 from collections import ChainMap
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,7 +49,9 @@ def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
     return rebuild, tuple(code.co_filename if isinstance(a, str) and a == DYNAMIC_CODE else a for a in args)
 
 
+@lru_cache(maxsize=1)
 def _pickler_class() -> type:
+    """Built once per process (every payload and every result envelope goes through it)."""
     import cloudpickle
 
     class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]

@@ -83,12 +83,6 @@ class S3Store(Store):
                else {"ServerSideEncryption": "AES256"})
         return {**sse, **self.owner_args()}
 
-    @staticmethod
-    def root_of(uri: str) -> str:
-        """``root_uri`` of the store at ``uri``, without building a client."""
-        bucket, prefix = parse_s3_uri(uri)
-        return f"s3://{bucket}/{prefix}".rstrip("/")
-
     def runs(self) -> list[str]:
         base = f"{self.prefix}/" if self.prefix else ""
         names: list[str] = []

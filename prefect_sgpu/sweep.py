@@ -132,10 +132,8 @@ class Sweeper:
     @classmethod
     def for_ec2(cls, compute: "EC2InstanceCompute", tracking_uri: str | None = None,
                 **options: Any) -> "Sweeper":
-        """The sweeper of an EC2 compute: its store, region, credentials and TTL."""
-        ssm = aws.client("ssm", compute.session, compute.region, compute.endpoint_url,
-                         retry_mode=compute.settings.retry_mode, max_attempts=compute.settings.max_attempts)
-        return cls(compute.store, ttl_s=compute.heartbeat_ttl_s, ec2=compute.provisioner, ssm=ssm,
+        """The sweeper of an EC2 compute: its store, region, credentials, clients and TTL."""
+        return cls(compute.store, ttl_s=compute.heartbeat_ttl_s, ec2=compute.provisioner, ssm=compute._client("ssm"),
                    tracking_uri=tracking_uri, **options)
 
     # -- the pass -------------------------------------------------------------------

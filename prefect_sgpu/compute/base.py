@@ -26,9 +26,9 @@ conformance suite (``tests/compute/test_conformance.py``).
 from __future__ import annotations
 
 import threading
-from functools import lru_cache
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from prefect_sgpu.spec import JobSpec, Plan

@@ -212,11 +212,12 @@ class EC2InstanceCompute(Compute):
         port = int(settings.get("rendezvous_port") or DEFAULT_RENDEZVOUS_PORT)
         if not 1024 <= port <= 65535:
             raise SGPUConfigError("rendezvous_port", port, "a port between 1024 and 65535")
+        store = S3Store(str(store_uri), session=session, region=region, endpoint_url=endpoint_url,
+                        kms_key_id=settings.get("kms_key_id") or None, bucket_owner=_bucket_owner(settings))
         return cls(
             EC2Provisioner(provisioner_settings, session=session,
-                           run_tags=rq.run_tags(S3Store.root_of(str(store_uri)), float(ttl))),
-            S3Store(str(store_uri), session=session, region=region, endpoint_url=endpoint_url,
-                    kms_key_id=settings.get("kms_key_id") or None, bucket_owner=_bucket_owner(settings)),
+                           run_tags=rq.run_tags(store.root_uri, float(ttl))),
+            store,
             region,
             session=session,
             endpoint_url=endpoint_url,
