@@ -103,11 +103,12 @@ class _Run:
     placement_groups: list[str] = field(default_factory=list)
     ssm: list[str] = field(default_factory=list)
     mlflow_runs: list[str] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
     tagged_ttl: float | None = None
 
     @property
     def cloud(self) -> bool:
-        return bool(self.instances or self.security_groups or self.placement_groups)
+        return bool(self.instances or self.security_groups or self.placement_groups or self.roles)
 
 
 class Sweeper:
@@ -120,8 +121,9 @@ class Sweeper:
 
     def __init__(self, store: "Store", *, ttl_s: float, ec2: "EC2Provisioner | None" = None,
                  ssm: Any | None = None, tracking_uri: str | None = None, grace_s: float | None = None,
-                 exclude: Iterable[str] = ()) -> None:
+                 exclude: Iterable[str] = (), iam: Any | None = None) -> None:
         self.store = store
+        self.iam = iam
         self.ttl_s = ttl_s
         self.ec2 = ec2
         self.ssm = ssm
@@ -133,8 +135,9 @@ class Sweeper:
     def for_ec2(cls, compute: "EC2InstanceCompute", tracking_uri: str | None = None,
                 **options: Any) -> "Sweeper":
         """The sweeper of an EC2 compute: its store, region, credentials, clients and TTL."""
+        iam = compute._client("iam") if compute.settings.job_roles else None
         return cls(compute.store, ttl_s=compute.heartbeat_ttl_s, ec2=compute.provisioner, ssm=compute._client("ssm"),
-                   tracking_uri=tracking_uri, **options)
+                   tracking_uri=tracking_uri, iam=iam, **options)
 
     # -- the pass -------------------------------------------------------------------
 
@@ -148,7 +151,7 @@ class Sweeper:
         def run(run_id: str) -> _Run:
             return runs.setdefault(run_id, _Run(run_id))
 
-        for step in (self._find_cloud, self._find_ssm, self._find_mlflow):
+        for step in (self._find_cloud, self._find_roles, self._find_ssm, self._find_mlflow):
             try:
                 step(run)
             except Exception as exc:  # noqa: BLE001 - one unreachable service must not stop the rest
@@ -193,6 +196,7 @@ class Sweeper:
         items += [("security group", g) for g in found.security_groups]
         items += [("placement group", g) for g in found.placement_groups]
         items += [("SSM parameter", p) for p in found.ssm]
+        items += [("IAM role", r) for r in found.roles]
         if control:
             items.append(("store files", ", ".join(control)))
         items += [("MLflow run", r) for r in found.mlflow_runs]
@@ -209,6 +213,11 @@ class Sweeper:
         for name in found.ssm:
             if self._delete_parameter(name):
                 removed.add(("SSM parameter", name))
+        if found.roles and self.iam is not None:
+            from prefect_sgpu.compute.ec2 import roles
+
+            if any(g.startswith("IAM role") for g in roles.delete(self.iam, found.run_id)):
+                removed |= {("IAM role", r) for r in found.roles}
         if control:
             for key in CONTROL:
                 self.store.delete(found.run_id, key)
@@ -251,6 +260,23 @@ class Sweeper:
         for group in client.describe_placement_groups(Filters=tagged).get("PlacementGroups", []):
             if group.get("State") != "deleted" and (run_id := ours(group.get("Tags", []))):
                 run(run_id).placement_groups.append(group["GroupName"])
+
+    def _find_roles(self, run: Any) -> None:
+        """Job roles (``job_roles=True``) of this store's runs."""
+        if self.iam is None:
+            return
+        from prefect_sgpu.compute.ec2 import request as rq
+        from prefect_sgpu.compute.ec2 import roles
+
+        for run_id, tags in roles.job_role_runs(self.iam).items():
+            if tags.get(rq.STORE_TAG) == self.store.root_uri:
+                found = run(run_id)
+                found.roles.append(roles.role_name(run_id))
+                if found.tagged_ttl is None and rq.HEARTBEAT_TTL_TAG in tags:
+                    try:
+                        found.tagged_ttl = float(tags[rq.HEARTBEAT_TTL_TAG])
+                    except ValueError:
+                        pass
 
     def _find_ssm(self, run: Any) -> None:
         if self.ssm is None:

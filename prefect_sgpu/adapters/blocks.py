@@ -108,7 +108,17 @@ class EC2Compute(Block):
         default=None, description="Security group; empty creates one that only admits itself."
     )
     instance_profile: Optional[str] = Field(
-        default=None, description="IAM instance profile name that grants the nodes access to the S3 store."
+        default=None, description="IAM instance profile name that grants the nodes access to the S3 store "
+        "(shared by every job; leave empty with job_roles)."
+    )
+    job_roles: bool = Field(
+        default=False, description="Give every job an IAM role and instance profile of its own, created and "
+        "deleted with the job: its nodes reach only that job's store folder, key and instances "
+        "(policies in prefect_sgpu/policies/).",
+    )
+    node_permissions_boundary: Optional[str] = Field(
+        default=None, description="ARN of the managed policy every job role is created under "
+        "(policies/node-boundary.json); the shipped driver policy requires it.",
     )
     ami_id: Optional[str] = Field(default=None, description="AMI to boot; overrides ami_ssm_parameter.")
     ami_ssm_parameter: str = Field(

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from support.aws_fixtures import FAKE_CREDENTIALS, MotoAWS, Network
+from support.aws_fixtures import FAKE_CREDENTIALS, MotoAWS, Network, free_port
 from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env
 from support.ec2_simulator import REPO_ROOT
 from prefect_sgpu import LaunchTimeout, distributed, runtime
@@ -893,3 +893,117 @@ def test_planted_secrets_appear_in_no_log_user_data_tag_artifact_mlflow_record_o
     places["driver output"] = out + err
     found = [(what, where) for where, text in places.items() for what, value in planted.items() if value in text]
     assert found == [], found
+
+
+def _wait_for_go(go: str) -> int:
+    deadline = time.monotonic() + 240
+    while not Path(go).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return 7
+
+
+def _reach_into_another_job(other_run: str, other_instance: str, bucket: str, prefix: str) -> dict[str, Any]:
+    """From a rank, with the node's own (instance profile) credentials: the other job's key, launch
+    document and node, then this job's own folder."""
+    import boto3
+
+    where = {"endpoint_url": os.environ["SGPU_STORE_ENDPOINT_URL"], "region_name": os.environ["SGPU_STORE_REGION"]}
+    result = _all_reduce("probe")
+    if runtime.rank() != 0:
+        return result
+
+    def code_of(call: Any) -> str:
+        try:
+            call()
+            return "allowed"
+        except Exception as exc:  # noqa: BLE001 - the error code is the answer
+            return getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
+
+    ssm, s3, ec2 = (boto3.client(s, **where) for s in ("ssm", "s3", "ec2"))
+    result["key"] = code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run), WithDecryption=True))
+    result["launch"] = code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{other_run}/{launch_key(0)}",
+                                                     Body=b"forged"))
+    result["terminate"] = code_of(lambda: ec2.terminate_instances(InstanceIds=[other_instance]))
+    result["own"] = code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{runtime.run_id()}/probe.txt",
+                                                  Body=b"mine"))
+    return result
+
+
+def test_with_job_roles_a_rank_cannot_read_forge_or_stop_another_job(ec2: EC2Env, tmp_path: Path) -> None:
+    """Done-when 1 of the security issue: jobs A and B at once, each with its own role, the driver
+    under the shipped driver policy and the roles under the shipped boundary, every call judged per
+    resource (support.iam_gate). A rank of A gets AccessDenied on B's key, B's launch document and
+    B's node; both jobs return the right values; both roles are gone afterwards."""
+    import boto3
+
+    from prefect_sgpu.compute.ec2 import roles
+    from support.iam_gate import ACCOUNT, IAMGate
+
+    assert ec2.proxy is not None
+    iam = ec2.aws.client("iam")
+    store_uri = ec2.settings["store_uri"]
+    tag = uuid.uuid4().hex[:8]
+    boundary = iam.create_policy(PolicyName=f"sgpu-node-boundary-{tag}", PolicyDocument=json.dumps(
+        roles.node_boundary(store_uri, ec2.aws.region, ACCOUNT)))["Policy"]["Arn"]
+    user = f"sgpu-driver-{tag}"
+    iam.create_user(UserName=user)
+    iam.put_user_policy(UserName=user, PolicyName="prefect-sgpu-driver", PolicyDocument=json.dumps(
+        roles.driver_policy(store_uri, ec2.aws.region, ACCOUNT, boundary)))
+    keys = iam.create_access_key(UserName=user)["AccessKey"]
+    gate = IAMGate(ec2.aws.region)
+    gate.watch_user(user)
+    gate.watch_roles_matching("sgpu-*")
+    driver = boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
+                           region_name=ec2.aws.region)
+    settings = {**ec2.settings, "instance_profile": None, "job_roles": True, "node_permissions_boundary": boundary}
+    compute = EC2InstanceCompute.from_settings(settings, session=driver)
+    go = tmp_path / "go"
+    ec2.proxy.iam_gate = gate
+    try:
+        job_b = distributed(gpus=1, gpu_type="A10", remote=True, compute=compute, mlflow=False,
+                            timeout=300)(_wait_for_go).job(str(go))
+        outcome_b: list[Any] = []
+        thread_b = threading.Thread(target=lambda: outcome_b.append(_run_catching(job_b)), name="job-b")
+        thread_b.start()
+        deadline = time.monotonic() + 120
+        while not ec2.instances(job_b.run_id, live=True) and time.monotonic() < deadline and thread_b.is_alive():
+            time.sleep(0.5)
+        (b_instance,) = [i["InstanceId"] for i in ec2.instances(job_b.run_id, live=True)]
+        try:
+            # its own rendezvous port: simulated nodes share this host, where c10d binds every address
+            compute_a = EC2InstanceCompute.from_settings({**settings, "rendezvous_port": free_port()}, session=driver)
+            result_a = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute_a, mlflow=False,
+                                   timeout=300)(_reach_into_another_job).job(
+                job_b.run_id, b_instance, ec2.bucket, "jobs").run()
+        finally:
+            go.write_text("go")
+            thread_b.join(timeout=180)
+    finally:
+        ec2.proxy.iam_gate = None
+    (result_b,) = outcome_b
+    assert not isinstance(result_b, BaseException), result_b
+    assert result_b.values == [7]
+    probe = result_a.values[0]
+    assert (probe["key"], probe["launch"], probe["terminate"]) == (
+        "AccessDeniedException", "AccessDenied", "UnauthorizedOperation"), probe
+    assert probe["own"] == "allowed", probe
+    assert [v["sum"] for v in result_a.values] == [1.0, 1.0] and [v["world"] for v in result_a.values] == [2, 2]
+    # the only refusals were the three reaches; the driver policy and the job roles allowed everything else
+    refused = {(d.identity, d.action, d.resource.split(":")[-1]) for d in gate.denied}
+    assert refused == {
+        (f"role/{roles.role_name(result_a.run_id)}", "ssm:GetParameter", f"parameter{ssm_key_parameter(job_b.run_id)}"),
+        (f"role/{roles.role_name(result_a.run_id)}", "s3:PutObject", f"{ec2.bucket}/jobs/{job_b.run_id}/{launch_key(0)}"),
+        (f"role/{roles.role_name(result_a.run_id)}", "ec2:TerminateInstances", f"instance/{b_instance}"),
+    }, gate.denied
+    role_a = f"role/{roles.role_name(result_a.run_id)}"
+    assert {(f"user/{user}", a) for a in ("iam:CreateRole", "iam:PassRole", "ec2:RunInstances",
+                                          "ec2:TerminateInstances", "ssm:PutParameter", "s3:PutObject",
+                                          "iam:DeleteRole")} <= gate.allowed, "the driver's calls were judged"
+    assert {(role_a, a) for a in ("ssm:GetParameter", "s3:GetObject", "s3:PutObject")} <= gate.allowed
+    for run_id in (result_a.run_id, job_b.run_id):
+        assert f"IAM role {roles.role_name(run_id)}" in (result_a if run_id == result_a.run_id else result_b).released
+        with pytest.raises(iam.exceptions.NoSuchEntityException):
+            iam.get_role(RoleName=roles.role_name(run_id))
+        with pytest.raises(iam.exceptions.NoSuchEntityException):
+            iam.get_instance_profile(InstanceProfileName=roles.role_name(run_id))
+        assert ec2.leftovers(run_id) == []

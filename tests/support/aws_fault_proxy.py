@@ -165,6 +165,8 @@ class AWSFaultProxy:
         #: called with the instance ids of every TerminateInstances moto accepted, before the caller
         #: hears back: moto marks instances terminated at once, a real one is powered off by then
         self.on_terminate: Callable[[list[str]], None] | None = None
+        #: per-resource IAM authorization of the identities it watches (support.iam_gate), when set
+        self.iam_gate: Any = None
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -286,6 +288,15 @@ class AWSFaultProxy:
             rule = next((r for r in self.rules if r.matches(action, params)), None)
             if rule is not None:
                 rule.hits += 1
+        gate = self.iam_gate
+        if gate is not None:
+            refused = gate.check(method, path, headers, body, service, action, params)
+            if refused is not None:
+                code, status = {"ec2": ("UnauthorizedOperation", 403), "rest": ("AccessDenied", 403)}.get(
+                    service, ("AccessDeniedException", 400) if service.startswith("json:") else ("AccessDenied", 403))
+                message = (f"User: {refused.identity} is not authorized to perform: {refused.action} on resource: "
+                           f"{refused.resource}")
+                return self._error(record, code, message, status, service)
         if rule is not None and not rule.after_forward:
             return self._error(record, rule.code, rule.message, rule.status, service)
         if service == "ec2" and action in (

@@ -196,12 +196,14 @@ class EC2Simulator:
         user_data = base64.b64decode(raw["UserData"].get("Value", "")).decode()
         moto_ip = inst.get("PrivateIpAddress", "")
         address = moto_ip if moto_ip.startswith("127.") else next(self._addresses)
+        role_credentials = self._role_credentials(inst)
         imds = FakeIMDS({
             "instance-id": iid,
             "ami-launch-index": str(inst.get("AmiLaunchIndex", 0)),
             "local-ipv4": address,
             "instance-type": inst.get("InstanceType", ""),
             "placement/availability-zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
+            **role_credentials,
         })
         home = self.workdir / iid
         (home / "home").mkdir(parents=True, exist_ok=True)
@@ -222,6 +224,9 @@ class EC2Simulator:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             **self.aws_env,
         }
+        if role_credentials:  # the instance profile's role, from IMDS, as on EC2: no keys in the environment
+            for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+                env.pop(name, None)
         if os.environ.get("TORCH_EXTENSIONS_DIR"):
             env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
         argv = ["bash", str(script)]
@@ -234,6 +239,34 @@ class EC2Simulator:
                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
         return SimulatedNode(iid, int(inst.get("AmiLaunchIndex", 0)), inst.get("PrivateIpAddress", ""),
                              address, imds, proc, log, user_data)
+
+    def _role_credentials(self, inst: dict[str, Any]) -> dict[str, str]:
+        """IMDS entries of the instance profile's role (temporary keys from STS), as EC2 serves them;
+        empty when the instance has no profile, or a profile without a role (the admin keys then)."""
+        profile = (inst.get("IamInstanceProfile") or {}).get("Arn", "").split("/")[-1]
+        if not profile:
+            return {}
+        import boto3
+
+        keys = {"endpoint_url": self.ec2.meta.endpoint_url, "region_name": self.ec2.meta.region_name,
+                "aws_access_key_id": self.aws_env.get("AWS_ACCESS_KEY_ID"),
+                "aws_secret_access_key": self.aws_env.get("AWS_SECRET_ACCESS_KEY")}
+        try:
+            found = boto3.client("iam", **keys).get_instance_profile(InstanceProfileName=profile)
+        except Exception:  # noqa: BLE001 - an unknown profile: moto launched it anyway
+            return {}
+        roles = found["InstanceProfile"].get("Roles") or []
+        if not roles:
+            return {}
+        role = roles[0]
+        creds = boto3.client("sts", **keys).assume_role(RoleArn=role["Arn"], RoleSessionName=inst["InstanceId"],
+                                                        DurationSeconds=43200)["Credentials"]
+        document = {"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": creds["AccessKeyId"],
+                    "SecretAccessKey": creds["SecretAccessKey"], "Token": creds["SessionToken"],
+                    "Expiration": creds["Expiration"].strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "LastUpdated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        return {"iam/security-credentials/": role["RoleName"],
+                f"iam/security-credentials/{role['RoleName']}": json.dumps(document)}
 
     def _install_shutdown(self, home: Path, instance_id: str) -> None:
         """The node's ``shutdown``: what instance-initiated shutdown with behaviour "terminate" does on EC2

@@ -49,6 +49,8 @@ from prefect_sgpu.compute.base import (
     Request,
 )
 from prefect_sgpu.compute.ec2 import request as rq
+from prefect_sgpu.compute.ec2 import roles
+from prefect_sgpu.compute.ec2.roles import ROLE_PATH
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
@@ -102,6 +104,8 @@ class EC2Request(Request):
     key_parameter: str = ""
     usd_per_hour: float | None = None
     agent_timeout_s: float = 900.0
+    #: the IAM role (and instance profile) acquire creates for this job, when the block asks for job roles
+    job_role: str = ""
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -112,6 +116,8 @@ class EC2Request(Request):
             "user_data": self.user_data,
             "store": self.store_uri,
             "payload_key": f"SSM SecureString {self.key_parameter} (deleted on release)",
+            **({"job_role": f"IAM role and instance profile {ROLE_PATH}{self.job_role} (policies/node-policy.json "
+                            "for this run; deleted on release)"} if self.job_role else {}),
             "estimated_usd_per_hour": self.usd_per_hour,
         }
 
@@ -125,6 +131,8 @@ class EC2Allocation(Allocation):
     key_parameter: str | None = None
     #: the SecureString of the job's ``secrets=``, once written
     secrets_parameter: str | None = None
+    #: the run's own IAM role, once acquire started creating it
+    job_role: str | None = None
     #: the run_instances requests actually sent (failover tries included), in order
     sent: list[dict[str, Any]] = field(default_factory=list)
     progress: Any = None
@@ -268,7 +276,8 @@ class EC2InstanceCompute(Compute):
                           heartbeat_ttl_s=self.heartbeat_ttl_s, region=self.region, instance_type=instance_type,
                           run_instances=attempts, user_data=user_data, store_uri=self.store.uri(run_id),
                           key_parameter=ssm_key_parameter(run_id), usd_per_hour=price,
-                          agent_timeout_s=self.agent_timeout_s)
+                          agent_timeout_s=self.agent_timeout_s,
+                          job_role=roles.role_name(run_id) if self.settings.job_roles else "")
 
     def replan(self, request: Request, gang: int) -> EC2Request:
         """The same launch tries in the same order (the first market first, then the fallback
@@ -292,6 +301,8 @@ class EC2InstanceCompute(Compute):
             with self._driver_heartbeat(folder):  # nodes must not think the driver died while we wait
                 self._sweep(request)
                 self._put_key(allocation)  # before any instance exists: nodes verify from their first read
+                if request.job_role:
+                    self._create_role(allocation)
                 try:
                     allocation.instances = self.provisioner.provision(
                         run_id, request.plan, request.user_data,
@@ -311,6 +322,34 @@ class EC2InstanceCompute(Compute):
             self._give_back(allocation)
             raise
         return allocation
+
+    def account(self) -> str:
+        """The AWS account the driver's credentials belong to (asked once)."""
+        with self._lock:
+            if not getattr(self, "_account", None):
+                self._account = str(self._client("sts").get_caller_identity()["Account"])
+            return self._account
+
+    def job_locations(self, request: EC2Request) -> list[str]:
+        """The ``s3://`` folders a job's nodes use: its run folder, and its checkpoint location."""
+        from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV
+
+        found = [self.store.uri(request.run_id)]
+        for name in (URI_ENV, DIR_ENV):
+            value = str(request.spec.env.get(name) or "")
+            if value.startswith("s3://"):
+                found.append(value)
+        return found
+
+    def _create_role(self, allocation: EC2Allocation) -> None:
+        """The run's own role and instance profile (recorded first, so a failed create is cleaned up)."""
+        request = allocation.request
+        assert isinstance(request, EC2Request)
+        allocation.job_role = request.job_role
+        policy = roles.node_policy(request.run_id, self.region, self.account(), self.job_locations(request),
+                                   self.kms_key_id)
+        tags = {rq.RUN_ID_TAG: request.run_id, **self.provisioner.run_tags}
+        roles.create(self._client("iam"), request.run_id, policy, tags, self.settings.node_permissions_boundary)
 
     def _sweep(self, request: EC2Request) -> None:
         """What dead drivers of this store left (:mod:`prefect_sgpu.sweep`): removed before launching,
@@ -507,6 +546,11 @@ class EC2InstanceCompute(Compute):
             for name in (allocation.key_parameter, allocation.secrets_parameter):
                 if name and self._delete_key(name):
                     gone.append(f"SSM parameter {name}")
+            if allocation.job_role:  # after the instances: their nodes use it until they end
+                try:
+                    gone += roles.delete(self._client("iam"), allocation.run_id)
+                except Exception as exc:  # noqa: BLE001 - the sweeper takes it later
+                    logger.warning("could not delete the IAM role of run %s: %s", allocation.run_id, exc)
         return Released(gone=gone)
 
     def _delete_key(self, name: str) -> bool:

@@ -44,6 +44,8 @@ from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.instances")
 
 #: errors that say "no room here right now": worth another zone or market
+#: how long a launch waits for EC2 to see a job's new instance profile
+PROFILE_PROPAGATION_S = 60.0
 CAPACITY_ERRORS = frozenset(
     {
         "InsufficientInstanceCapacity",
@@ -206,7 +208,7 @@ class EC2Provisioner:
                     sent.append(request)
                 say(f"run_instances {plan.nodes} x {itype} in {subnet_id} ({zone}), {market}")
                 try:
-                    response = self.client("ec2").run_instances(**request)
+                    response = self._run_instances(request, stop, deadline)
                 except ClientError as exc:
                     code, message = _error_of(exc)
                     if code not in CAPACITY_ERRORS:
@@ -235,6 +237,25 @@ class EC2Provisioner:
             except Exception:  # keep the launch error; the failed cleanup is logged
                 logger.exception("cleanup of run %s after a failed launch failed", run_id)
             raise
+
+    def _run_instances(self, request: dict[str, Any], stop: Callable[[], bool],
+                       deadline: float | None) -> dict[str, Any]:
+        """``run_instances``; a just-created instance profile that EC2 does not see yet (IAM is
+        eventually consistent: seconds) is waited for, up to ``PROFILE_PROPAGATION_S``."""
+        give_up = time.monotonic() + PROFILE_PROPAGATION_S
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        while True:
+            try:
+                return self.client("ec2").run_instances(**request)
+            except ClientError as exc:
+                code, message = _error_of(exc)
+                fresh_profile = (code == "InvalidParameterValue" and "iaminstanceprofile" in message.lower()
+                                 and self.settings.job_roles)
+                if not fresh_profile or time.monotonic() > give_up or stop():
+                    raise
+                logger.info("instance profile not visible to EC2 yet: retrying run_instances")
+                time.sleep(2.0)
 
     def _describe_subnets(self) -> dict[str, dict[str, Any]]:
         try:

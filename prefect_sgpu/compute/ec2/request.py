@@ -175,7 +175,9 @@ def run_instances_request(
         "InstanceInitiatedShutdownBehavior": "terminate",
         "TagSpecifications": [{"ResourceType": rt, "Tags": resource_tags} for rt in resource_types],
     }
-    if s.instance_profile:
+    if s.job_roles:  # created by acquire just before launching (prefect_sgpu.compute.ec2.roles)
+        request["IamInstanceProfile"] = {"Name": f"sgpu-{run_id}"}
+    elif s.instance_profile:
         key = "Arn" if s.instance_profile.startswith("arn:") else "Name"
         request["IamInstanceProfile"] = {key: s.instance_profile}
     efa = efa_interfaces(itype)

@@ -66,6 +66,10 @@ class EC2Settings(BaseModel):
     subnet_ids: list[str] = Field(default_factory=list)
     security_group_id: str | None = None
     instance_profile: str | None = None
+    #: a role and instance profile of its own for every job (prefect_sgpu.compute.ec2.roles)
+    job_roles: bool = False
+    #: the permissions boundary (policy ARN) every job role is created under
+    node_permissions_boundary: str | None = None
     ami_id: str | None = None
     ami_ssm_parameter: str = (
         "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
@@ -168,8 +172,19 @@ class EC2Settings(BaseModel):
             raise SGPUConfigError("owner", value, "a user name of at most 256 tag-safe characters")
         return value
 
+    @field_validator("node_permissions_boundary")
+    @classmethod
+    def _boundary(cls, value: str | None) -> str | None:
+        if value and not re.match(r"^arn:aws[a-z-]*:iam::(\d{12}|aws):policy/.+$", value):
+            raise SGPUConfigError("node_permissions_boundary", value,
+                                  "the ARN of an IAM managed policy, arn:aws:iam::<account>:policy/<name>")
+        return value or None
+
     @model_validator(mode="after")
     def _market_needs(self) -> EC2Settings:
+        if self.job_roles and self.instance_profile:
+            raise SGPUConfigError("instance_profile", self.instance_profile,
+                                  "empty when job_roles is set (each job gets a role of its own)")
         if self.market == "reserved" and not self.capacity_reservation_id:
             raise SGPUConfigError(
                 "capacity_reservation_id", None, "a capacity reservation id (cr-...) when market='reserved'"
@@ -217,11 +232,12 @@ class EC2Settings(BaseModel):
                 [],
                 "at least one subnet id in the region (one per availability zone for failover)",
             )
-        if not self.instance_profile:
+        if not self.instance_profile and not self.job_roles:
             raise SGPUConfigError(
                 "instance_profile",
                 None,
-                "an IAM instance profile name or ARN; nodes use it (never keys) to reach the store",
+                "an IAM instance profile name or ARN (nodes use it, never keys, to reach the store), "
+                "or job_roles=True for a role of each job's own",
             )
 
 

@@ -1,0 +1,221 @@
+"""A role of its own for every EC2 job: its nodes reach only that job's files, key and instances.
+
+With ``job_roles=True`` on the ``EC2Compute`` block (and no shared ``instance_profile``), the
+driver creates, before launching, an IAM role and an instance profile named for the run
+under the path ``/prefect-sgpu/``, with one inline policy rendered from
+``prefect_sgpu/policies/node-policy.json``:
+
+- S3 get/put/delete under the run's own folder of the store (and under the job's
+  checkpoint location when a GPU task keys it elsewhere), and a listing limited to those
+  prefixes;
+- ``ssm:GetParameter`` / ``ssm:DeleteParameter`` on ``/prefect-sgpu/<run id>/*`` only
+  (the job key, the job's ``secrets=``);
+- ``ec2:TerminateInstances`` only on instances tagged ``sgpu:run-id=<run id>``;
+- the store's KMS key when one is configured.
+
+Code in one job's ranks therefore gets AccessDenied on another job's key, documents and
+nodes. The role is created with the permissions boundary ``node_permissions_boundary`` (the
+account-wide ceiling, ``policies/node-boundary.json``), which is what lets the driver's own
+policy (``policies/driver-policy.json``) allow ``iam:CreateRole`` without letting a driver mint
+a stronger role. Role and profile are deleted when the job ends, on every path, and by the
+sweeper for a dead driver's runs.
+
+Why one role per run rather than one shared role with attribute-based conditions: a shared
+role's session would need a per-node session tag to tell runs apart, and EC2 instance
+profiles cannot set session tags; the run id in a role's own policy is plain and auditable.
+The cost is a few IAM calls per job and IAM's eventual consistency: a new instance profile
+takes seconds before EC2 accepts it, so the launch retries that one error (see
+:meth:`~prefect_sgpu.compute.ec2.instances.EC2Provisioner.provision`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from prefect_sgpu import aws
+
+logger = logging.getLogger("prefect_sgpu.ec2")
+
+ROLE_PATH = "/prefect-sgpu/"
+ROLE_POLICY_NAME = "prefect-sgpu-job"
+NODE_TRUST_POLICY = {
+    "Version": "2012-10-17",
+    "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}],
+}
+
+
+def policy_template(name: str) -> dict[str, Any]:
+    """One of the shipped policy documents (``node-policy``, ``node-boundary``, ``driver-policy``)."""
+    text = resources.files("prefect_sgpu.policies").joinpath(f"{name}.json").read_text()
+    return json.loads(text)
+
+
+def partition(region: str) -> str:
+    if region.startswith("cn-"):
+        return "aws-cn"
+    if region.startswith("us-gov-"):
+        return "aws-us-gov"
+    return "aws"
+
+
+def role_name(run_id: str) -> str:
+    """``sgpu-<run id>``: at most 48 characters (IAM allows 64)."""
+    return f"sgpu-{run_id}"
+
+
+def kms_key_arn(key_id: str | None, region: str, account: str) -> str | None:
+    if not key_id:
+        return None
+    if key_id.startswith("arn:"):
+        return key_id
+    return f"arn:{partition(region)}:kms:{region}:{account}:{key_id if key_id.startswith('alias/') else 'key/' + key_id}"
+
+
+def render(template: dict[str, Any], values: dict[str, str | None],
+           locations: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """``template`` with ``{{Name}}`` replaced by ``values``.
+
+    A statement naming ``{{Bucket}}`` or ``{{Prefix}}`` is repeated once per
+    ``(bucket, prefix)`` of ``locations``; a statement naming a value that is None (a KMS
+    key that is not configured) is left out.
+    """
+    out = []
+    for statement in template["Statement"]:
+        text = json.dumps(statement)
+        names = {part.split("}}")[0] for part in text.split("{{")[1:]}
+        if any(values.get(n, "") is None for n in names):
+            continue
+        per_location = [{}] if not ({"Prefix"} & names) or locations is None else [
+            {"Bucket": b, "Prefix": p} for b, p in locations]
+        for number, extra in enumerate(per_location):
+            filled = text
+            for name, value in {**values, **extra}.items():
+                if value is not None:
+                    filled = filled.replace("{{" + name + "}}", value)
+            if "{{" in filled:
+                missing = sorted({part.split("}}")[0] for part in filled.split("{{")[1:]})
+                raise ValueError(f"policy statement {statement.get('Sid')} needs {missing}")
+            rendered = json.loads(filled)
+            if number and "Sid" in rendered:  # statement ids are unique within a policy
+                rendered["Sid"] = f"{rendered['Sid']}{number}"
+            out.append(rendered)
+    return {"Version": template.get("Version", "2012-10-17"), "Statement": out}
+
+
+def s3_location(uri: str) -> tuple[str, str]:
+    """(bucket, key prefix ending in "/") of an ``s3://bucket/prefix`` URI."""
+    rest = uri[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def node_policy(run_id: str, region: str, account: str, locations: list[str],
+                kms_key_id: str | None = None) -> dict[str, Any]:
+    """The inline policy of run ``run_id``'s role: its ``s3://`` locations, its SSM path, its instances."""
+    return render(policy_template("node-policy"),
+                  {"Partition": partition(region), "Region": region, "Account": account, "RunId": run_id,
+                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account)},
+                  [s3_location(uri) for uri in dict.fromkeys(locations)])
+
+
+def driver_policy(store_uri: str, region: str, account: str, node_boundary_arn: str,
+                  kms_key_id: str | None = None) -> dict[str, Any]:
+    """The shipped driver policy for one store (what a Prefect worker's role needs)."""
+    bucket, prefix = s3_location(store_uri)
+    return render(policy_template("driver-policy"),
+                  {"Partition": partition(region), "Region": region, "Account": account, "Bucket": bucket,
+                   "StorePrefix": prefix, "StoreUri": store_uri.rstrip("/"), "NodeBoundaryArn": node_boundary_arn,
+                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account)})
+
+
+def node_boundary(store_uri: str, region: str, account: str) -> dict[str, Any]:
+    """The shipped permissions boundary every job role is created under, for one store."""
+    bucket, prefix = s3_location(store_uri)
+    return render(policy_template("node-boundary"),
+                  {"Partition": partition(region), "Region": region, "Account": account, "Bucket": bucket,
+                   "StorePrefix": prefix})
+
+
+@dataclass
+class JobRole:
+    """What :func:`create` made for one run (names, for release and for the launch request)."""
+
+    run_id: str
+    name: str
+    profile_arn: str = ""
+
+
+def create(iam: Any, run_id: str, policy: dict[str, Any], tags: dict[str, str],
+           boundary_arn: str | None = None) -> JobRole:
+    """Role + inline policy + instance profile for ``run_id``; idempotent (a retried acquire reuses them)."""
+    name = role_name(run_id)
+    tag_list = [{"Key": k, "Value": v} for k, v in tags.items()]
+    extra = {"PermissionsBoundary": boundary_arn} if boundary_arn else {}
+    try:
+        iam.create_role(RoleName=name, Path=ROLE_PATH, AssumeRolePolicyDocument=json.dumps(NODE_TRUST_POLICY),
+                        Description=f"prefect-sgpu nodes of run {run_id} (deleted with the run)",
+                        MaxSessionDuration=43200, Tags=tag_list, **extra)
+    except Exception as exc:  # noqa: BLE001
+        if aws.error_code(exc) != "EntityAlreadyExists":
+            raise
+    iam.put_role_policy(RoleName=name, PolicyName=ROLE_POLICY_NAME, PolicyDocument=json.dumps(policy))
+    try:
+        profile = iam.create_instance_profile(InstanceProfileName=name, Path=ROLE_PATH, Tags=tag_list)
+        arn = profile["InstanceProfile"]["Arn"]
+    except Exception as exc:  # noqa: BLE001
+        if aws.error_code(exc) != "EntityAlreadyExists":
+            raise
+        arn = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]["Arn"]
+    try:
+        iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
+    except Exception as exc:  # noqa: BLE001
+        if aws.error_code(exc) != "LimitExceeded":  # the profile holds its role already
+            raise
+    return JobRole(run_id=run_id, name=name, profile_arn=arn)
+
+
+def delete(iam: Any, run_id: str) -> list[str]:
+    """Remove run ``run_id``'s instance profile and role; what was deleted. "Already gone" is fine."""
+    name = role_name(run_id)
+    gone: list[str] = []
+
+    def attempt(call: Any, what: str | None = None, **kwargs: Any) -> None:
+        try:
+            call(**kwargs)
+            if what:
+                gone.append(what)
+        except Exception as exc:  # noqa: BLE001
+            if aws.error_code(exc) not in ("NoSuchEntity", "NoSuchEntityException"):
+                raise
+
+    attempt(iam.remove_role_from_instance_profile, InstanceProfileName=name, RoleName=name)
+    attempt(iam.delete_instance_profile, f"IAM instance profile {name}", InstanceProfileName=name)
+    attempt(iam.delete_role_policy, RoleName=name, PolicyName=ROLE_POLICY_NAME)
+    attempt(iam.delete_role, f"IAM role {name}", RoleName=name)
+    return gone
+
+
+def job_role_runs(iam: Any) -> dict[str, dict[str, str]]:
+    """Run id -> tags of every job role that exists (for the sweeper)."""
+    found: dict[str, dict[str, str]] = {}
+    for page in iam.get_paginator("list_roles").paginate(PathPrefix=ROLE_PATH):
+        for role in page.get("Roles", []):
+            name = role["RoleName"]
+            if not name.startswith("sgpu-"):
+                continue
+            tags = {t["Key"]: t["Value"] for t in role.get("Tags") or []}
+            if not tags:
+                try:
+                    got = iam.get_role(RoleName=name)["Role"]
+                    tags = {t["Key"]: t["Value"] for t in got.get("Tags") or []}
+                except Exception:  # noqa: BLE001 - deleted meanwhile
+                    continue
+            run = tags.get("sgpu:run-id")
+            if run:
+                found[run] = tags
+    return found

@@ -1,0 +1,293 @@
+"""IAM authorization in front of moto, per resource, for the identities a test names.
+
+Moto 5.2 can enforce IAM (``INITIAL_NO_AUTH_ACTION_COUNT``), but it authorizes SSM and EC2
+calls by action only (the resource is always ``*``) and evaluates one condition operator,
+so it cannot tell job A's SSM parameter or instance from job B's. This gate does what AWS
+does for the calls prefect-sgpu makes: it finds who signed a request (an IAM user's access
+key, or the temporary key of an assumed role, looked up in moto's own IAM and STS state),
+names the action (``ssm:GetParameter``) and every resource it touches (the parameter's,
+object's, bucket's, instance's, role's ARN) with the condition keys AWS sets
+(``ec2:ResourceTag/<key>`` from the instance's tags, ``s3:prefix``,
+``iam:PermissionsBoundary``, ``iam:PassedToService``), and evaluates the identity's policies
+and permissions boundary with AWS's rules: an explicit Deny wins, else an Allow is needed
+for every resource, and a boundary must allow too. A request it refuses gets the service's
+own AccessDenied error; every other request reaches moto unchanged.
+
+Only identities the gate was told about are judged (``watch_role``/``watch_user``): the
+test's admin keys and everyone else pass, as before.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import threading
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+ACCOUNT = "123456789012"  # moto's default account
+
+
+@dataclass
+class Decision:
+    action: str
+    resource: str
+    identity: str
+
+
+def _match(pattern: str, value: str, case: bool = True) -> bool:
+    if not case:
+        pattern, value = pattern.lower(), value.lower()
+    return fnmatch.fnmatchcase(value, pattern.replace("[", "[[]"))
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _condition_holds(condition: dict[str, dict[str, Any]], context: dict[str, list[str]]) -> bool:
+    for operator, pairs in condition.items():
+        for key, expected in pairs.items():
+            actual = context.get(key)
+            if operator == "Null":
+                if (actual is None) != (str(expected).lower() == "true"):
+                    return False
+                continue
+            if actual is None:
+                return False  # AWS: a missing key fails every operator but Null (and ...IfExists)
+            wants = [str(e) for e in _as_list(expected)]
+            if operator == "StringEquals":
+                ok = any(a == w for a in actual for w in wants)
+            elif operator in ("StringLike", "ArnLike"):
+                ok = any(_match(w, a) for a in actual for w in wants)
+            elif operator in ("StringNotEquals",):
+                ok = all(a != w for a in actual for w in wants)
+            else:
+                raise AssertionError(f"the IAM gate does not evaluate the {operator} operator")
+            if not ok:
+                return False
+    return True
+
+
+def evaluate(documents: list[dict[str, Any]], action: str, resource: str,
+             context: dict[str, list[str]]) -> str:
+    """"deny", "allow" or "neutral" for one action on one resource, over ``documents``."""
+    allowed = False
+    for doc in documents:
+        for statement in _as_list(doc.get("Statement", [])):
+            if "Action" in statement:
+                concerned = any(_match(a, action, case=False) for a in _as_list(statement["Action"]))
+            else:
+                concerned = not any(_match(a, action, case=False) for a in _as_list(statement["NotAction"]))
+            if not concerned:
+                continue
+            if not any(_match(r, resource) for r in _as_list(statement.get("Resource", "*"))):
+                continue
+            if "Condition" in statement and not _condition_holds(statement["Condition"], context):
+                continue
+            if statement["Effect"] == "Deny":
+                return "deny"
+            allowed = True
+    return "allow" if allowed else "neutral"
+
+
+class IAMGate:
+    """Judges requests of watched identities; see the module docstring."""
+
+    def __init__(self, region: str = "us-east-1") -> None:
+        self.region = region
+        self.roles: set[str] = set()
+        self.users: set[str] = set()
+        self.denied: list[Decision] = []
+        #: (identity, action) of every call of a watched identity that was allowed
+        self.allowed: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def watch_role(self, name: str) -> None:
+        with self._lock:
+            self.roles.add(name)
+
+    def watch_roles_matching(self, pattern: str) -> None:
+        with self._lock:
+            self.roles.add(pattern)
+
+    def watch_user(self, name: str) -> None:
+        with self._lock:
+            self.users.add(name)
+
+    # -- identity and policies, from moto's own state --------------------------------
+
+    @staticmethod
+    def _iam() -> Any:
+        from moto.iam.models import iam_backends
+
+        return iam_backends[ACCOUNT]["aws"]
+
+    def _identity(self, access_key: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]] | None:
+        """(name, identity policies, boundary policies) of a watched identity, else None."""
+        from moto.sts.models import sts_backends
+
+        iam = self._iam()
+        with self._lock:
+            roles, users = set(self.roles), set(self.users)
+        for assumed in list(sts_backends[ACCOUNT]["aws"].assumed_roles):
+            if assumed.access_key_id == access_key:
+                name = assumed.role_arn.split("/")[-1]
+                if not any(_match(p, name) for p in roles):
+                    return None
+                try:
+                    role = iam.get_role(name)
+                except Exception:  # noqa: BLE001 - the role was deleted: nothing allows anything
+                    return f"role/{name}", [], []
+                docs = [json.loads(d) if isinstance(d, str) else d for d in role.policies.values()]
+                docs += [self._managed(p) for p in role.managed_policies.values()]
+                boundary = [self._managed(iam.get_policy(role.permissions_boundary_arn))] \
+                    if role.permissions_boundary_arn else []
+                return f"role/{name}", docs, boundary
+        for user in list(iam.users.values()):
+            if user.name in users and any(k.access_key_id == access_key for k in user.access_keys):
+                docs = [json.loads(d) if isinstance(d, str) else d for d in user.policies.values()]
+                docs += [self._managed(p) for p in user.managed_policies.values()]
+                return f"user/{user.name}", docs, []
+        return None
+
+    @staticmethod
+    def _managed(policy: Any) -> dict[str, Any]:
+        doc = next(v.document for v in policy.versions if v.is_default)
+        return json.loads(doc) if isinstance(doc, str) else doc
+
+    # -- what a request does -----------------------------------------------------------
+
+    def _arn(self, service: str, resource: str, region: bool = True, account: str = ACCOUNT) -> str:
+        return f"arn:aws:{service}:{self.region if region else ''}:{account}:{resource}"
+
+    def _instance_tags(self, instance_id: str) -> dict[str, str]:
+        from moto.ec2.models import ec2_backends
+
+        try:
+            inst = ec2_backends[ACCOUNT][self.region].get_instance(instance_id)
+        except Exception:  # noqa: BLE001 - an unknown instance has no tags (EC2 refuses it itself)
+            return {}
+        return {t["key"]: t["value"] for t in inst.get_tags()}
+
+    def _role_arn(self, name: str, path: str | None = None) -> str:
+        if path is None:
+            try:
+                path = self._iam().get_role(name).path
+            except Exception:  # noqa: BLE001
+                path = "/"
+        return f"arn:aws:iam::{ACCOUNT}:role{path}{name}"
+
+    def _profile_arn(self, name: str, path: str | None = None) -> str:
+        if path is None:
+            try:
+                path = self._iam().get_instance_profile(name).path
+            except Exception:  # noqa: BLE001
+                path = "/"
+        return f"arn:aws:iam::{ACCOUNT}:instance-profile{path}{name}"
+
+    def requests(self, method: str, path: str, headers: dict[str, str], body: bytes,
+                 service: str, action: str, params: dict[str, str]) -> list[tuple[str, str, dict[str, list[str]]]]:
+        """(action, resource ARN, condition context) for everything one request needs."""
+        if service.startswith("json:"):
+            prefix = {"AmazonSSM": "ssm", "TrentService": "kms"}.get(service[5:], service[5:].lower())
+            name = params.get("Name", "")
+            if prefix == "ssm" and name:
+                owner = "" if name.startswith("/aws/") else ACCOUNT
+                arn = self._arn("ssm", "parameter" + (name if name.startswith("/") else "/" + name), account=owner)
+                return [(f"ssm:{action}", arn, {})]
+            return [(f"{prefix}:{action}", "*", {})]
+        if service == "rest":
+            return self._s3(method, path, headers, body)
+        if service == "ec2":
+            ids = [v for k, v in sorted(params.items()) if k.startswith("InstanceId.")]
+            if action == "TerminateInstances":
+                out = []
+                for iid in ids:
+                    tags = self._instance_tags(iid)
+                    out.append((f"ec2:{action}", self._arn("ec2", f"instance/{iid}"),
+                                {f"ec2:ResourceTag/{k}": [v] for k, v in tags.items()}))
+                return out
+            needs = [(f"ec2:{action}", "*", {})]
+            profile = params.get("IamInstanceProfile.Name") or params.get("IamInstanceProfile.Arn", "").split("/")[-1]
+            if action == "RunInstances" and profile:
+                try:
+                    role = self._iam().get_instance_profile(profile).roles[0].name
+                    needs.append(("iam:PassRole", self._role_arn(role),
+                                  {"iam:PassedToService": ["ec2.amazonaws.com"]}))
+                except Exception:  # noqa: BLE001 - moto refuses the unknown profile itself
+                    pass
+            return needs
+        if service == "iam":
+            context: dict[str, list[str]] = {}
+            if action == "CreateRole":
+                context["iam:PermissionsBoundary"] = [params["PermissionsBoundary"]] \
+                    if params.get("PermissionsBoundary") else []
+                if not context["iam:PermissionsBoundary"]:
+                    del context["iam:PermissionsBoundary"]
+            if "InstanceProfileName" in params:
+                arn = self._profile_arn(params["InstanceProfileName"], params.get("Path") if action.startswith(
+                    "Create") else None)
+            elif "RoleName" in params:
+                arn = self._role_arn(params["RoleName"], params.get("Path") if action == "CreateRole" else None)
+            else:
+                arn = "*"
+            return [(f"iam:{action}", arn, context)]
+        if service == "sts":
+            return [] if action == "GetCallerIdentity" else [(f"sts:{action}", "*", {})]
+        return [(f"{service}:{action}", "*", {})]
+
+    def _s3(self, method: str, path: str, headers: dict[str, str],
+            body: bytes) -> list[tuple[str, str, dict[str, list[str]]]]:
+        parts = urlsplit(path)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        bucket, _, key = unquote(parts.path).lstrip("/").partition("/")
+        bucket_arn = f"arn:aws:s3:::{bucket}"
+        if not key:
+            if method == "POST" and "delete" in query:
+                keys = [el.text or "" for el in ET.fromstring(body).iter() if el.tag.endswith("Key")]
+                return [("s3:DeleteObject", f"{bucket_arn}/{k}", {}) for k in keys]
+            if method in ("GET", "HEAD") and not ({"location", "versioning", "acl", "policy"} & set(query)):
+                return [("s3:ListBucket", bucket_arn, {"s3:prefix": [query.get("prefix", "")]})]
+            if method == "PUT":
+                return [("s3:CreateBucket", bucket_arn, {})]
+            return [("s3:GetBucket" + next(iter(query), "").capitalize(), bucket_arn, {})]
+        object_arn = f"{bucket_arn}/{key}"
+        if method in ("GET", "HEAD"):
+            return [("s3:GetObject", object_arn, {})]
+        if method == "DELETE":
+            return [("s3:AbortMultipartUpload" if "uploadId" in query else "s3:DeleteObject", object_arn, {})]
+        needs = [("s3:PutObject", object_arn, {})]
+        source = {k.lower(): v for k, v in headers.items()}.get("x-amz-copy-source")
+        if source:
+            needs.append(("s3:GetObject", f"arn:aws:s3:::{unquote(source).lstrip('/')}", {}))
+        return needs
+
+    # -- the check ---------------------------------------------------------------------
+
+    def check(self, method: str, path: str, headers: dict[str, str], body: bytes, service: str, action: str,
+              params: dict[str, str]) -> Decision | None:
+        """The first refused (action, resource) of a watched identity's request, else None."""
+        auth = {k.lower(): v for k, v in headers.items()}.get("authorization", "")
+        found = re.search(r"Credential=([A-Z0-9]+)/", auth)
+        if not found:
+            return None
+        who = self._identity(found.group(1))
+        if who is None:
+            return None
+        name, docs, boundary = who
+        for needed, resource, context in self.requests(method, path, headers, body, service, action, params):
+            verdict = evaluate(docs, needed, resource, context)
+            if verdict == "allow" and boundary:
+                verdict = evaluate(boundary, needed, resource, context)
+            if verdict != "allow":
+                decision = Decision(needed, resource, name)
+                with self._lock:
+                    self.denied.append(decision)
+                return decision
+            with self._lock:
+                self.allowed.add((name, needed))
+        return None
