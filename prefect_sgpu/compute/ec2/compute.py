@@ -192,6 +192,7 @@ class EC2InstanceCompute(Compute):
         self.setup_commands = setup_commands
         self.kms_key_id = kms_key_id
         self._clients: dict[str, Any] = {}
+        self._account: str | None = None
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -326,7 +327,7 @@ class EC2InstanceCompute(Compute):
     def account(self) -> str:
         """The AWS account the driver's credentials belong to (asked once)."""
         with self._lock:
-            if not getattr(self, "_account", None):
+            if self._account is None:
                 self._account = str(self._client("sts").get_caller_identity()["Account"])
             return self._account
 
