@@ -74,6 +74,19 @@ def _listening_sockets() -> list[dict[str, Any]]:
     return found
 
 
+def _ray_temp_dirs() -> set[str]:
+    """The ``--temp-dir`` the job's ``ray start`` was given."""
+    import psutil
+
+    found = set()
+    for proc in _job_processes():
+        try:
+            found |= {arg.split("=", 1)[1] for arg in proc.cmdline() if arg.startswith("--temp-dir=")}
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
 def _report_then_wait(handoff: str) -> dict[str, Any]:
     """The job's driver: start a worker, report the cluster's listeners, wait for the outside probe."""
     import os
@@ -93,9 +106,7 @@ def _report_then_wait(handoff: str) -> dict[str, Any]:
     token = os.environ["RAY_AUTH_TOKEN"]
     report = {"servers": servers, "driver_pid": os.getpid(), "listening": _listening_sockets(),
               "with_token": {server: _call(address, server, token) for server, address in servers.items()}}
-    temp_dirs = {arg.split("=", 1)[1] for proc in _job_processes() for arg in proc.cmdline()
-                 if arg.startswith("--temp-dir=")}
-    report["temp_dirs"] = {path: os.stat(Path(path).parent).st_mode & 0o777 for path in temp_dirs}
+    report["temp_dirs"] = {path: os.stat(Path(path).parent).st_mode & 0o777 for path in _ray_temp_dirs()}
     folder = Path(handoff)
     (folder / "report.json.tmp").write_text(json.dumps(report))
     (folder / "report.json.tmp").rename(folder / "report.json")
