@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect_sgpu.launch.node_agent import _Stop, _watch_heartbeat, job_folder, node_main
-from prefect_sgpu.ray.node_process import RayNodeProcess, RayNodeSpec, ray_ip
+from prefect_sgpu.ray.node_process import RAY_ENV, RayNodeProcess, RayNodeSpec, head_env, ray_ip
 
 POLL_S = 0.2
 
@@ -58,10 +58,16 @@ def _size_bytes(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
 
 
-def _temp_dir(run_id: str, node_index: int) -> str:
-    # short: Ray puts unix sockets under it, and their paths are limited to 107 bytes
-    digest = hashlib.sha1(run_id.encode()).hexdigest()[:10]
-    return os.path.join(tempfile.gettempdir(), "sgpu-ray", digest, f"n{node_index}")
+def _private_dir(node_index: int) -> str:
+    """A new folder for this node's Ray session: private (0700), unpredictable, short.
+
+    Ray keeps its sockets, logs and session files in ``ray/`` under it. Ray makes every
+    folder it uses world-writable (0777), the one it is given included, so that one is
+    a child of this private folder: no other user can reach anything below it, and a
+    fixed name in the shared temp folder could be taken over first. Short, because Ray
+    puts unix sockets under it and their paths are limited to 107 bytes.
+    """
+    return tempfile.mkdtemp(prefix=f"sgpu-ray{node_index}-", dir=tempfile.gettempdir())
 
 
 def _wait_for(paths: list[Path], timeout: float, what: str, give_up: Path | None = None) -> bool:
@@ -171,11 +177,15 @@ def run(args: argparse.Namespace) -> int:
     # a cluster only this job's nodes and driver can join (token auth), whatever ~/.ray holds
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=_cluster_token(os.environ["SGPU_PAYLOAD_KEY"]))
     host, port = args.gcs_endpoint.rsplit(":", 1)
-    gcs = f"{ray_ip(host)}:{port}"
+    head_ip = ray_ip(host, keep_loopback=args.nnodes == 1)
+    gcs = f"{head_ip}:{port}"
+    if args.node_index == 0:  # the driver and the sampler beside the head see what its processes see
+        os.environ.update(RAY_ENV, **head_env(head_ip))
+    private = _private_dir(args.node_index)
     spec = RayNodeSpec(
-        node_ip=args.node_ip, temp_dir=_temp_dir(args.run_id, args.node_index), num_cpus=args.num_cpus,
+        node_ip=args.node_ip, temp_dir=os.path.join(private, "ray"), num_cpus=args.num_cpus,
         num_gpus=args.num_gpus, gcs_port=int(port) if args.node_index == 0 else None,
-        head_address=None if args.node_index == 0 else gcs,
+        head_address=None if args.node_index == 0 else gcs, single_node=args.nnodes == 1,
         # Ray sizes its object store from /dev/shm: keep it inside a private one
         object_store_memory=_size_bytes(args.shm_size) // 2 if args.shm_size else None,
     )
@@ -200,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish stopping Ray before leaving
         node.stop()
     if status["exit_code"] == 0:
-        shutil.rmtree(spec.temp_dir, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
     else:
         print(f"[sgpu-ray] Ray's own logs of this node stay in {spec.temp_dir}", file=sys.stderr, flush=True)
     from prefect_sgpu.jobfolder import NodeStatus

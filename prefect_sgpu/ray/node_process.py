@@ -24,23 +24,48 @@ from prefect_sgpu.launch.processes import kill_and_reap
 #: what ``ray start`` prints once the node has registered with the GCS
 READY_LINE = "Ray runtime started"
 
-#: environment of every Ray process we start: no usage stats, no docker CPU warning, immediate stop
+#: environment of every Ray process we start: no usage stats, no metrics, no docker CPU warning,
+#: immediate stop. Nothing a job needs listens without being asked to: Ray's metrics
+#: collection (the dashboard agent's Prometheus exporter on ``--metrics-export-port``, and
+#: every process's reporting to it) is off, and the dashboard process's own Prometheus server
+#: gets a port outside 0-65535: Ray 2.x has no switch for that server, fails to start it,
+#: logs that once in ``dashboard.log`` and carries on without it.
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_enable_metrics_collection": "0",
+    "DASHBOARD_METRIC_PORT": "-1",
     "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
 }
 
+#: the one address Ray's own servers (GCS, raylet, core workers, dashboard agent) bind to
+#: alone; for any other node address they listen on every interface
+LOOPBACK = "127.0.0.1"
 
-def ray_ip(address: str) -> str:
+
+def ray_ip(address: str, keep_loopback: bool = False) -> str:
     """The address a Ray node may bind on this host.
 
-    Ray replaces 127.0.0.1 and localhost with the host's routable address; any other
-    loopback address (all of 127.0.0.0/8 is local) is kept as given, so simulated
-    nodes stay on loopback.
+    Ray replaces 127.0.0.1 and localhost with the host's routable address, in a joining
+    node's ``--address`` too. A head that no node joins keeps 127.0.0.1 when asked
+    (``keep_loopback``; ``head_env`` stops the replacement), so a one-node cluster listens
+    on loopback only; otherwise 127.0.0.1 becomes 127.0.1.1. Any other loopback address
+    (all of 127.0.0.0/8 is local) is kept as given, so simulated nodes stay on loopback.
     """
     host = address.strip()
-    return "127.0.1.1" if host in ("127.0.0.1", "localhost", "::1") else host
+    if host in ("localhost", "::1"):
+        host = LOOPBACK
+    return "127.0.1.1" if host == LOOPBACK and not keep_loopback else host
+
+
+def head_env(node_ip: str) -> dict[str, str]:
+    """Environment a head on ``node_ip`` (and drivers beside it) needs to keep that address.
+
+    Ray resolves 127.0.0.1 to the host's routable address unless it is told the cluster
+    is a one-host one (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which changes only that
+    resolution and makes ``ray start`` refuse to start a joining node).
+    """
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} if node_ip == LOOPBACK else {}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,30 +90,41 @@ class RayNodeSpec:
     gcs_port: int | None = None
     head_address: str | None = None
     resources: str | None = None  # JSON, e.g. '{"accelerator_type:A10G": 1}'
+    single_node: bool = False  # a head no node joins: it may stay on 127.0.0.1 (loopback only)
     object_store_memory: int | None = None
-    metrics_export_port: int | None = None
     extra_args: list[str] = field(default_factory=list)
 
     @property
     def is_head(self) -> bool:
         return self.head_address is None
 
+    @property
+    def ip(self) -> str:
+        """The address this node announces and binds to."""
+        return ray_ip(self.node_ip, keep_loopback=self.is_head and self.single_node)
+
+    def env(self) -> dict[str, str]:
+        """What ``ray start`` needs in its environment besides ``RAY_ENV``."""
+        return head_env(self.ip) if self.is_head else {}
+
     def argv(self) -> list[str]:
         """The ``ray start`` command line; every port a job-unique free one.
 
         Ray's workers take random ports: its default worker range (10002-19999)
         overlaps the listener ports chosen here, and ``ray start`` refuses to start
-        when the two meet.
+        when the two meet. Every service that takes an address gets the node's own;
+        no dashboard, no autoscaler monitor (whose Prometheus server would listen on
+        a fixed port) and no metrics export (``RAY_ENV``).
         """
-        ip = ray_ip(self.node_ip)
+        ip = self.ip
         argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
                 f"--node-ip-address={ip}", f"--temp-dir={self.temp_dir}",
-                "--min-worker-port=0", "--max-worker-port=0",
-                f"--dashboard-agent-listen-port={free_port(ip)}",
-                f"--metrics-export-port={self.metrics_export_port or free_port(ip)}"]
+                "--min-worker-port=0", "--max-worker-port=0", "--no-monitor",
+                f"--dashboard-agent-listen-port={free_port(ip)}", f"--runtime-env-agent-port={free_port(ip)}"]
         if self.is_head:
             argv += ["--head", f"--port={self.gcs_port or free_port(ip)}", "--include-dashboard=false",
-                     f"--dashboard-port={free_port(ip)}", f"--ray-client-server-port={free_port(ip)}"]
+                     f"--dashboard-host={ip}", f"--dashboard-port={free_port(ip)}",
+                     f"--ray-client-server-port={free_port(ip)}"]
         else:
             argv.append(f"--address={self.head_address}")
         if self.num_cpus is not None:
@@ -108,7 +144,7 @@ class RayNodeProcess:
     def __init__(self, spec: RayNodeSpec, env: dict[str, str] | None = None,
                  output: IO[str] | None = None) -> None:
         self.spec = spec
-        self.env = {**(env if env is not None else os.environ), **RAY_ENV}
+        self.env = {**(env if env is not None else os.environ), **RAY_ENV, **spec.env()}
         self.output = output if output is not None else sys.stdout
         self.proc: subprocess.Popen[str] | None = None
         self._ready = threading.Event()
