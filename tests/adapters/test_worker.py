@@ -148,3 +148,24 @@ def test_kill_infrastructure_refuses_a_process_of_another_host() -> None:
         if victim.poll() is None:
             victim.kill()
             victim.wait()
+
+
+def test_the_pool_offers_block_pickers_for_its_block_variables() -> None:
+    """The UI renders a block-document picker for a variable whose schema refers to a block type."""
+    from prefect_sgpu.adapters.worker import SGPUWorker
+
+    variables = SGPUWorker.get_default_base_job_template()["variables"]
+
+    def picked(field: str) -> set[str]:
+        refs = [o["$ref"].rsplit("/", 1)[-1] for o in variables["properties"][field]["anyOf"] if "$ref" in o]
+        return {variables["definitions"][name]["block_type_slug"] for name in refs}
+
+    assert picked("compute_block") == {"sgpu-local-compute", "sgpu-ec2-compute", "sgpu-ray-compute"}
+    assert picked("store_block") == {"sgpu-store"}
+    assert {"gpus", "gpu_type", "nodes", "strategy", "max_recoveries", "hang_timeout"} <= set(variables["properties"])
+
+
+def test_dev_without_arguments_prints_its_usage_only() -> None:
+    usage = subprocess.run([str(ROOT / "dev")], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 0, usage.stderr
+    assert usage.stdout.splitlines() == (ROOT / "dev").read_text().splitlines()[1:8]
