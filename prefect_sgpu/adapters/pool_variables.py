@@ -38,7 +38,8 @@ def _allowed(slugs: tuple[str, ...]) -> str:
             f"'<block-type-slug>/<block-name>' (for example '{slugs[0]}/my-block')")
 
 
-def variables_with_defaults(base_job_template: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+def variables_with_defaults(base_job_template: Mapping[str, Any],
+                            values: Mapping[str, Any]) -> dict[str, Any]:
     """The job variables in effect: the pool's defaults under the deployment's and flow run's values."""
     props = (base_job_template.get("variables") or {}).get("properties") or {}
     merged = {name: attrs["default"] for name, attrs in props.items()
@@ -82,13 +83,17 @@ async def block_reference(client: Any, field: str, raw: Any, slugs: tuple[str, .
     try:
         await client.read_block_document_by_name(name=name, block_type_slug=slug, include_secrets=False)
     except ObjectNotFound:
-        raise SGPUConfigError(field, raw, _allowed(slugs), f"no {slug} block named {name!r} is saved on this "
-                              "Prefect server: save it first (python blocks/save_blocks.py) or fix the name") from None
+        raise SGPUConfigError(field, raw, _allowed(slugs), f"no {slug} block named {name!r} is saved on "
+                              "this Prefect server: save it first (python blocks/save_blocks.py) or fix "
+                              "the name") from None
     return f"{slug}/{name}"
 
 
 def gpu_defaults(variables: Mapping[str, Any]) -> dict[str, Any]:
-    """The GPU-task defaults the job variables give, validated as a spec layer (SGPUConfigError names the variable)."""
+    """The GPU-task defaults the job variables give, validated as a spec layer.
+
+    An invalid one raises SGPUConfigError naming the job variable.
+    """
     from prefect_sgpu import spec
 
     given = {name: variables[name] for name in GPU_DEFAULTS if variables.get(name) not in (None, "")}

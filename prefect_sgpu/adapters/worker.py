@@ -37,7 +37,8 @@ StoreName = Annotated[str, Field(pattern=pv.slug_pattern(pv.STORE_SLUGS), title=
 
 
 def _gpu_description(what: str) -> str:
-    return f"{what}, for every GPU task of the flow run that does not set its own (a task or call setting wins)."
+    return (f"{what}, for every GPU task of the flow run that does not set its own"
+            " (a task or call setting wins).")
 
 
 class SGPUJobConfiguration(ProcessJobConfiguration):
@@ -67,7 +68,8 @@ class SGPUJobConfiguration(ProcessJobConfiguration):
         else:
             checked = await _checked_blocks(client, effective)
         defaults = pv.gpu_defaults(effective)
-        config = await super().from_template_and_values(base_job_template, {**values, **checked}, client=client)
+        config = await super().from_template_and_values(base_job_template, {**values, **checked},
+                                                         client=client)
         config.compute_block, config.store_block = checked["compute_block"], checked["store_block"]
         for name in pv.GPU_DEFAULTS:
             setattr(config, name, defaults.get(name))
@@ -105,7 +107,7 @@ class SGPUVariables(ProcessVariables):
         default=None, title="GPU Type",
         description=_gpu_description("Default accelerator from the catalog (A10, A100, H100, L4, ...)"))
     nodes: Optional[int] = Field(default=None, ge=1, title="Nodes",
-                                 description=_gpu_description("Default nodes of a GPU task; empty derives them"))
+                                 description=_gpu_description("Default nodes of a GPU task; empty: derived"))
     strategy: Optional[Literal["ddp", "fsdp", "deepspeed"]] = Field(
         default=None, title="Strategy", description=_gpu_description("Default training strategy"))
     max_recoveries: Optional[int] = Field(
@@ -176,7 +178,8 @@ class SGPUWorker(ProcessWorker):
         try:
             pid = int(raw_pid)
         except ValueError:
-            raise InfrastructureNotFound(f"infrastructure_pid {infrastructure_pid!r} names no process") from None
+            raise InfrastructureNotFound(f"infrastructure_pid {infrastructure_pid!r} names no process") \
+                from None
         try:
             root = psutil.Process(pid)
         except psutil.NoSuchProcess:

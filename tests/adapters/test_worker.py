@@ -27,7 +27,8 @@ def _env() -> dict[str, str]:
     from prefect.settings import PREFECT_API_URL
 
     path = os.pathsep.join(p for p in (str(ROOT), str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "PREFECT_WORKER_QUERY_SECONDS": "1",
+    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()),
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "5", "PYTHONPATH": path}
 
 
@@ -84,7 +85,8 @@ def test_pool_gpu_defaults_decide_a_gpu_task_that_gives_none(pool: str) -> None:
         run = client.create_flow_run_from_deployment(deployment_id)
         worker = _run_worker_once()
         finished = client.read_flow_run(run.id)
-    assert finished.state.is_completed(), f"{finished.state}\n{worker.stdout[-3000:]}\n{worker.stderr[-3000:]}"
+    assert finished.state.is_completed(), \
+        f"{finished.state}\n{worker.stdout[-3000:]}\n{worker.stderr[-3000:]}"
     assert "pool-defaults ranks=2 worlds=[2]" in _logs(run.id)
     assert finished.infrastructure_pid.startswith(f"{socket.gethostname()}:")
 
@@ -101,7 +103,8 @@ def test_a_block_that_does_not_exist_fails_the_run_before_it_starts(pool: str) -
                          "compute_block='sgpu-local-compute/no-such-block' is not allowed",
                          "no sgpu-local-compute block named 'no-such-block'"),
         "deleted-ref": ({"compute_block": {"$ref": {"block_document_id": str(deleted_id)}}},
-                        f"compute_block='block document {deleted_id}' is not allowed", "no such block document exists"),
+                        f"compute_block='block document {deleted_id}' is not allowed",
+                        "no such block document exists"),
         "missing-store": ({"store_block": "sgpu-store/nowhere"}, "store_block='sgpu-store/nowhere'",
                           "no sgpu-store block named 'nowhere'"),
         "unknown-gpu-type": ({"gpu_type": "Z100"}, "job variable gpu_type='Z100' is not allowed", "H100"),
@@ -113,7 +116,8 @@ def test_a_block_that_does_not_exist_fails_the_run_before_it_starts(pool: str) -
         client.delete_block_document(deleted_id)
         worker = _run_worker_once()
         finished = {name: client.read_flow_run(run_id) for name, run_id in runs.items()}
-        history = {name: [s.type.value for s in client.read_flow_run_states(run_id)] for name, run_id in runs.items()}
+        history = {name: [s.type.value for s in client.read_flow_run_states(run_id)]
+                   for name, run_id in runs.items()}
     for name, (_, names_value, says_why) in cases.items():
         state = finished[name].state
         assert state.is_crashed(), f"{name}: {state}\n{worker.stdout[-3000:]}\n{worker.stderr[-3000:]}"
@@ -139,7 +143,8 @@ def test_kill_infrastructure_refuses_a_process_of_another_host() -> None:
     try:
         worker = SGPUWorker(work_pool_name="any")
         with pytest.raises(InfrastructureNotAvailable, match="otherhost"):
-            asyncio.run(worker.kill_infrastructure(f"otherhost:{victim.pid}", configuration=None, grace_seconds=1))
+            asyncio.run(worker.kill_infrastructure(f"otherhost:{victim.pid}", configuration=None,
+                                                   grace_seconds=1))
         assert victim.poll() is None, "a process was killed on the word of another host"
         asyncio.run(worker.kill_infrastructure(f"{socket.gethostname()}:{victim.pid}", configuration=None,
                                                grace_seconds=5))
@@ -162,7 +167,8 @@ def test_the_pool_offers_block_pickers_for_its_block_variables() -> None:
 
     assert picked("compute_block") == {"sgpu-local-compute", "sgpu-ec2-compute", "sgpu-ray-compute"}
     assert picked("store_block") == {"sgpu-store"}
-    assert {"gpus", "gpu_type", "nodes", "strategy", "max_recoveries", "hang_timeout"} <= set(variables["properties"])
+    gpu_defaults = {"gpus", "gpu_type", "nodes", "strategy", "max_recoveries", "hang_timeout"}
+    assert gpu_defaults <= set(variables["properties"])
 
 
 def test_dev_without_arguments_prints_its_usage_only() -> None:

@@ -28,7 +28,8 @@ MARKER = "SGPU_README_STEPS_RUN"
 
 def deploy_steps() -> str:
     text = (ROOT / "README.md").read_text()
-    found = re.search(r"<!-- deploy-steps:begin -->\s*```bash\n(.*?)```\s*<!-- deploy-steps:end -->", text, re.S)
+    found = re.search(r"<!-- deploy-steps:begin -->\s*```bash\n(.*?)```\s*<!-- deploy-steps:end -->",
+                      text, re.S)
     assert found, "README.md has no deploy-steps block"
     return found.group(1)
 
@@ -81,8 +82,9 @@ def test_readme_deploy_steps_complete_a_flow_run_and_leave_nothing_running(tmp_p
     run_id = uuid.uuid4().hex
     out_file = tmp_path / "steps.out"
     with out_file.open("w") as out:
-        shell = subprocess.Popen(["bash", "-e", "-c", deploy_steps()], cwd=ROOT, env=_fresh_env(tmp_path, run_id),
-                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        shell = subprocess.Popen(["bash", "-e", "-c", deploy_steps()], cwd=ROOT,
+                                 env=_fresh_env(tmp_path, run_id), stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
     try:
         try:
             shell.wait(timeout=480)
@@ -90,7 +92,8 @@ def test_readme_deploy_steps_complete_a_flow_run_and_leave_nothing_running(tmp_p
             pass
 
         def report() -> str:
-            logs = [f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((tmp_path / "tmp").glob("*.log"))]
+            logs = [f"--- {p.name}\n{p.read_text()[-3000:]}"
+                    for p in sorted((tmp_path / "tmp").glob("*.log"))]
             return "\n".join([out_file.read_text()[-5000:], *logs])
 
         assert shell.returncode == 0, f"the steps did not finish (exit {shell.returncode}):\n{report()}"

@@ -18,5 +18,6 @@ def world() -> dict[str, int]:
 @flow(task_runner=GPUTaskRunner())
 def pool_defaults_flow() -> int:
     values = world()
-    get_run_logger().info("pool-defaults ranks=%d worlds=%s", len(values), sorted({v["world"] for v in values}))
+    worlds = sorted({v["world"] for v in values})
+    get_run_logger().info("pool-defaults ranks=%d worlds=%s", len(values), worlds)
     return len(values)
