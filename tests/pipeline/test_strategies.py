@@ -132,3 +132,56 @@ def test_strategy_defaults_to_env_and_rejects_unknown(monkeypatch: pytest.Monkey
     with pytest.raises(SGPUConfigError):
         resolve_strategy()
     assert os.environ["SGPU_STRATEGY"] == "horovod"
+
+
+def _deepspeed_tamper(folder: str) -> dict[str, Any]:
+    """Save a ZeRO-2 checkpoint, restore it, then plant a pickle in each file DeepSpeed reads and restore again."""
+    import torch
+    from torch import nn
+
+    from prefect_sgpu.errors import CheckpointRefused
+    from prefect_sgpu.pipeline.checkpoint import Checkpointer
+    from prefect_sgpu.pipeline.strategies import wrap
+
+    marker = Path(folder) / "pwned"
+
+    class Planted:
+        def __reduce__(self) -> tuple:
+            return (open, (str(marker), "w"))
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        return wrap(nn.Linear(8, 1), lambda params: torch.optim.AdamW(params, lr=0.05), micro_batch_size=4,
+                    zero_stage=2)
+
+    w = build()
+    loss = w.model(torch.randn(4, 8)).pow(2).mean()
+    w.zero_grad()
+    w.backward(loss)
+    w.step()
+    Checkpointer(w, folder, every=1).save(1, {"note": "fine"})
+    step = Path(folder) / "step-00000001"
+    restored = Checkpointer(build(), folder, every=1).restore()
+    refusals = {}
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        good = (step / name).read_bytes()
+        torch.save({"module": Planted(), "optimizer_state_dict": Planted()}, step / name)
+        try:
+            Checkpointer(build(), folder, every=1).restore()
+            refusals[name] = None
+        except CheckpointRefused as exc:
+            refusals[name] = str(exc)
+        (step / name).write_bytes(good)
+    return {"restored": restored, "refusals": refusals, "marker": marker.exists(),
+            "again": Checkpointer(build(), folder, every=1).restore()}
+
+
+def test_a_tampered_deepspeed_checkpoint_is_refused_and_never_runs(tmp_path: Path) -> None:
+    job = distributed(gpus=1, mlflow=False, env={"SGPU_STRATEGY": "deepspeed"})(_deepspeed_tamper)
+    [got] = job.distributed(folder=str(tmp_path))
+    assert got["restored"] == (1, {"note": "fine"}), "DeepSpeed's own files pass the weights-only loader"
+    for name, refusal in got["refusals"].items():
+        assert refusal is not None, f"a planted pickle in {name} was loaded"
+        assert name in refusal and "refused" in refusal
+    assert got["marker"] is False, "the planted pickle ran"
+    assert got["again"] == (1, {"note": "fine"}), "the restored files load again"
