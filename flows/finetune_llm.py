@@ -13,7 +13,8 @@ The pipeline a team runs every night, at toy size so it finishes on a laptop:
    A failed attempt is retried by Prefect and resumes from the newest complete
    checkpoint, mid-epoch.
 3. **evaluate** — perplexity of the trained model on the held-out blocks.
-4. **register** — params, metrics and the model go to MLflow; a new version gets the
+4. **register** — params, metrics and the model go to the training job's MLflow run (the
+   one with the loss curve, so the version links to it); a new version gets the
    ``candidate`` alias and ``champion`` moves to it only if its perplexity is lower
    than the current champion's.
 
@@ -145,7 +146,8 @@ def train_lm(shards: Any, config: dict[str, Any], steps: int = 40, batch_size: i
         print(f"resuming from the checkpoint of step {start}")
     loader = streaming_loader(shards, batch_size, state=extra.get("loader"), seed=seed,
                               collate_fn=lambda rows: torch.from_numpy(np.stack([r["tokens"] for r in rows])))
-    tracking = runtime.is_rank_zero() and bool(os.environ.get("MLFLOW_RUN_ID"))
+    mlflow_run_id = os.environ.get("MLFLOW_RUN_ID")  # read now: MLflow removes it once the run is resumed
+    tracking = runtime.is_rank_zero() and bool(mlflow_run_id)
     if tracking and start == 0:
         import mlflow
 
@@ -185,7 +187,8 @@ def train_lm(shards: Any, config: dict[str, Any], steps: int = 40, batch_size: i
         if ckpt.due(step + 1):
             ckpt.save(step + 1, {"loader": loader.state_dict(), "train_loss": last_loss})
     weights = wrapped.full_state_dict()
-    return {"weights": weights, "train_loss": last_loss, "start_step": start, "strategy": wrapped.strategy}
+    return {"weights": weights, "train_loss": last_loss, "start_step": start, "strategy": wrapped.strategy,
+            "mlflow_run_id": mlflow_run_id}
 
 
 #: training as a Prefect task: one gang-launched job; a retry relaunches it and resumes
@@ -233,7 +236,8 @@ def evaluate(config: dict[str, Any], trained: dict[str, Any], heldout: str) -> f
 @task(name="register-llm")
 def register(config: dict[str, Any], trained: dict[str, Any], heldout_perplexity: float, model_name: str,
              params: dict[str, Any]) -> dict[str, Any]:
-    """Log and register the model; ``champion`` moves only on a lower perplexity."""
+    """Log and register the model into the training job's MLflow run (which holds its loss curve), or a run of
+    its own when training was not tracked; ``champion`` moves only on a lower perplexity."""
     from dataclasses import asdict
 
     from prefect_sgpu.pipeline.registry import register_model
@@ -243,6 +247,7 @@ def register(config: dict[str, Any], trained: dict[str, Any], heldout_perplexity
         metric_value=heldout_perplexity, lower_is_better=True,
         params={**params, **{f"model_{k}": v for k, v in config.items()}},
         metrics={"train_loss": trained["train_loss"]}, run_name=f"{model_name}-{trained['strategy']}",
+        run_id=trained.get("mlflow_run_id"),
     )
     return asdict(version)
 

@@ -12,6 +12,11 @@ Registration runs on the driver (or rank 0) with :class:`mlflow.tracking.MlflowC
 
 If anything after step 3 fails, the new version is deleted and ``candidate`` goes back
 to where it was; the run always ends FINISHED or FAILED, never RUNNING.
+
+Given ``run_id`` (the training job's run, which holds its loss curve), everything goes into
+that run instead and the version links to it: one run shows how the model was trained, how it
+scored and which version it became. That run's status is its job's; registration leaves it as
+it is, and keeps a parameter the run already has rather than overwrite it.
 """
 
 from __future__ import annotations
@@ -82,40 +87,65 @@ def register_model(
     run_name: str | None = None,
     tags: dict[str, str] | None = None,
     tracking_uri: str | None = None,
+    run_id: str | None = None,
 ) -> RegisteredVersion:
-    """Log ``model`` (a torch module) with its params and metrics, register it, move aliases."""
+    """Log ``model`` (a torch module) with its params and metrics, register it, move aliases.
+
+    ``run_id``: an existing run (the training run) to log into and link the version to; by
+    default a new run is made for the registration.
+    """
     if not name or "/" in name or "@" in name:
         raise SGPUConfigError("name", name, "a registered model name without '/' or '@'")
     if not isinstance(metric_value, (int, float)) or not math.isfinite(metric_value):
         raise SGPUConfigError("metric_value", metric_value, "a finite number (the evaluation metric)")
     from mlflow.entities import Metric, Param
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     from prefect_sgpu.tracking import default_tracking_uri, experiment_id
 
     uri = tracking_uri or default_tracking_uri()
     client = MlflowClient(uri)
-    run = client.create_run(experiment_id(client, experiment_name, uri), run_name=run_name or f"register-{name}",
-                            tags=tags or {})
-    run_id = run.info.run_id
+    existing = params_before = None
+    if run_id is not None:
+        try:
+            existing = client.get_run(run_id)
+        except MlflowException as exc:
+            raise SGPUConfigError("run_id", run_id, f"a run of the tracking store {uri} ({exc.message})") from None
+        if existing.info.lifecycle_stage != "active":
+            raise SGPUConfigError("run_id", run_id, "a run that is not deleted")
+        params_before = existing.data.params
+        if tags:
+            for key, value in tags.items():
+                client.set_tag(run_id, key, value)
+    else:
+        run = client.create_run(experiment_id(client, experiment_name, uri),
+                                run_name=run_name or f"register-{name}", tags=tags or {})
+        run_id = run.info.run_id
     status = "FAILED"
     try:
         import time
 
         now = int(time.time() * 1000)
         all_metrics = {**(metrics or {}), metric_name: float(metric_value)}
+        new_params = {k: str(v) for k, v in (params or {}).items()}
+        for key in set(new_params) & set(params_before or {}):
+            if new_params.pop(key) != params_before[key]:
+                logger.warning("MLflow run %s keeps its param %s=%r (registration had %r)", run_id, key,
+                               params_before[key], str(params[key]))
         client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in all_metrics.items()],
-                         params=[Param(k, str(v)) for k, v in (params or {}).items()])
+                         params=[Param(k, v) for k, v in new_params.items()])
         model_source, model_id = _log_model(client, uri, run_id, model, pip_requirements)
         registered = _create_version(client, name, model_source, run_id, model_id, metric_name,
                                      float(metric_value), lower_is_better)
         status = "FINISHED"
         return registered
     finally:
-        try:
-            client.set_terminated(run_id, status=status)
-        except Exception:  # noqa: BLE001 - do not mask the registration's own outcome
-            logger.exception("could not end MLflow run %s as %s", run_id, status)
+        if existing is None:  # a run of its own: ended here; the training run's status is its job's
+            try:
+                client.set_terminated(run_id, status=status)
+            except Exception:  # noqa: BLE001 - do not mask the registration's own outcome
+                logger.exception("could not end MLflow run %s as %s", run_id, status)
 
 
 def _log_model(client: Any, uri: str, run_id: str, model: Any,

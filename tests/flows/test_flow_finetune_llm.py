@@ -45,6 +45,8 @@ def test_finetune_llm_trains_resumes_after_a_retry_and_registers_a_champion(pref
     assert run.data.metrics["perplexity"] == pytest.approx(out["perplexity"])
     assert run.data.metrics["train_loss"] == pytest.approx(out["train_loss"])
     assert run.data.params["strategy"] == "ddp" and run.data.params["steps"] == "12"
+    curve = client.get_metric_history(version.run_id, "train_loss")
+    assert 12 in {m.step for m in curve}, "the version links to the training run, which holds the loss curve"
 
     champion = mlflow.pytorch.load_model(f"models:/{name}@champion")
     again = finetune_llm.perplexity(champion, finetune_llm.load_blocks(out["heldout"]))

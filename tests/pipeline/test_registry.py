@@ -119,3 +119,30 @@ def test_bad_input_fails_before_any_run(store: str) -> None:
     with pytest.raises(SGPUConfigError, match="name"):
         register_model(_model(0), name="a/b", metric_name="loss", metric_value=1.0, tracking_uri=store)
     assert MlflowClient(store).get_experiment_by_name("prefect-sgpu") is None
+
+
+def test_a_version_registered_into_the_training_run_links_to_it_and_leaves_its_status(store: str) -> None:
+    name, client = _name(), MlflowClient(store)
+    experiment = client.create_experiment(f"train-{uuid.uuid4().hex[:6]}")
+    training = client.create_run(experiment, run_name="train")
+    for step, loss in enumerate([3.0, 2.0, 1.5]):
+        client.log_metric(training.info.run_id, "train_loss", loss, step=step)
+    client.log_param(training.info.run_id, "lr", "0.01")
+    client.set_terminated(training.info.run_id, "FINISHED")
+
+    version = register_model(_model(0), name=name, metric_name="perplexity", metric_value=7.0,
+                             params={"lr": 0.02, "gpus": 2}, tracking_uri=store, run_id=training.info.run_id)
+
+    assert version.run_id == training.info.run_id
+    mv = client.get_model_version(name, version.version)
+    assert mv.run_id == training.info.run_id, "the version links to the run with the loss curve"
+    run = client.get_run(training.info.run_id)
+    assert run.info.status == "FINISHED", "the training run's status is left as its job set it"
+    assert run.data.metrics["perplexity"] == 7.0
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "train_loss")] == [3.0, 2.0, 1.5]
+    assert run.data.params == {"lr": "0.01", "gpus": "2"}, "a param the run has is kept, new ones added"
+    assert client.search_runs([experiment]) and len(client.search_runs([experiment])) == 1, "no extra run"
+
+    with pytest.raises(SGPUConfigError, match="run_id='nope'"):
+        register_model(_model(0), name=name, metric_name="perplexity", metric_value=7.0, tracking_uri=store,
+                       run_id="nope")
