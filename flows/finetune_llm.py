@@ -293,6 +293,8 @@ def finetune_llm(strategy: str = "ddp", gpus: int = 4, nodes: int = 2, steps: in
 
 
 def main() -> None:
+    from prefect_sgpu.cli import add_gpu_arguments, gpu_options
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
     parser.add_argument("--gpus", type=int, default=4, help="total ranks (one per GPU; CPU ranks without GPUs)")
@@ -302,10 +304,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--model-name", default="finetune-llm")
+    add_gpu_arguments(parser)
     args = parser.parse_args()
     out = finetune_llm(strategy=args.strategy, gpus=args.gpus, nodes=args.nodes, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, checkpoint_every=args.checkpoint_every,
-                       model_name=args.model_name)
+                       model_name=args.model_name, **gpu_options(args))
     print(f"{out['model_name']} v{out['version']} ({out['strategy']}): held-out perplexity "
           f"{out['perplexity']:.3f}, train loss {out['train_loss']:.4f}"
           + (" -> champion" if out["champion"] else " (champion unchanged)"))

@@ -163,13 +163,17 @@ def mlp_ddp(num_epochs: int = 5, batch_size: int = 64, gpus: int = 4, nodes: int
 
 
 def main() -> None:
+    from prefect_sgpu.cli import add_gpu_arguments, gpu_options
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--nodes", type=int, default=2)
+    add_gpu_arguments(parser)
     args = parser.parse_args()
-    out = mlp_ddp(num_epochs=args.epochs, batch_size=args.batch_size, gpus=args.gpus, nodes=args.nodes)
+    out = mlp_ddp(num_epochs=args.epochs, batch_size=args.batch_size, gpus=args.gpus, nodes=args.nodes,
+                  **gpu_options(args))
     print(f"final loss: {out['loss']:.4f}")
 
 

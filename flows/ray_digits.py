@@ -168,12 +168,15 @@ def ray_digits(epochs: int = 3, batch_size: int = 64, lr: float = 3e-3, num_work
 
 
 def main() -> None:
+    from prefect_sgpu.cli import add_gpu_arguments, gpu_options
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--nodes", type=int, default=2)
+    add_gpu_arguments(parser)
     args = parser.parse_args()
-    out = ray_digits(epochs=args.epochs, gpus=args.gpus, nodes=args.nodes)
+    out = ray_digits(epochs=args.epochs, gpus=args.gpus, nodes=args.nodes, **gpu_options(args))
     print(f"test accuracy {out['accuracy']:.3f}; registered {out['model_name']} version {out['version']}")
 
 

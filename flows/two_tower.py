@@ -233,15 +233,18 @@ def two_tower(num_users: int = 300, num_items: int = 100, per_user: int = 20, ep
 
 
 def main() -> None:
+    from prefect_sgpu.cli import add_gpu_arguments, gpu_options
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--data-uri", default=None)
+    add_gpu_arguments(parser)
     args = parser.parse_args()
     out = two_tower(epochs=args.epochs, batch_size=args.batch_size, gpus=args.gpus, nodes=args.nodes,
-                    data_uri=args.data_uri)
+                    data_uri=args.data_uri, **gpu_options(args))
     k = out["k"]
     print(f"recall@{k}: {out[f'recall_at_{k}']:.3f} (random {out[f'random_recall_at_{k}']:.3f})  "
           f"AUC: {out['auc']:.3f} (random 0.5)")

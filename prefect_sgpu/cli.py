@@ -108,3 +108,47 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- the example flows' command lines ---------------------------------------------------
+
+
+def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--gpu-type``, ``--remote`` and ``--compute-block``, as the example flows take them."""
+    group = parser.add_argument_group("where the GPU tasks run")
+    group.add_argument("--gpu-type", metavar="TYPE", help="an accelerator of the catalog (A10, L4, A100, H100, "
+                                                          "...); default: whatever this machine has")
+    group.add_argument("--remote", action="store_true",
+                       help="run the GPU tasks on other machines: needs --compute-block or "
+                            "$PREFECT_SGPU_REMOTE_COMPUTE")
+    group.add_argument("--compute-block", metavar="SLUG/NAME",
+                       help="a saved compute block for remote GPU tasks, e.g. sgpu-ec2-compute/h100-pool")
+
+
+def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flow's ``gpu_type`` and ``remote`` from :func:`add_gpu_arguments`, checked before the flow starts.
+
+    ``--compute-block`` becomes ``$PREFECT_SGPU_REMOTE_COMPUTE`` for this process (and so the flow's GPU tasks).
+    """
+    import os
+
+    from prefect_sgpu.errors import SGPUConfigError
+    from prefect_sgpu.resolve import REMOTE_COMPUTE_ENV
+
+    if args.gpu_type is not None:
+        from prefect_sgpu.catalog import known_gpu_types, lookup
+
+        try:
+            lookup(args.gpu_type)
+        except SGPUConfigError:
+            raise SGPUConfigError("--gpu-type", args.gpu_type, "one of " + ", ".join(known_gpu_types())) from None
+    if args.compute_block:
+        if args.compute_block.count("/") != 1 or not all(args.compute_block.split("/")):
+            raise SGPUConfigError("--compute-block", args.compute_block, "a saved block's '<block-type-slug>/<name>'")
+        if not args.remote:
+            raise SGPUConfigError("--compute-block", args.compute_block, "only with --remote")
+        os.environ[REMOTE_COMPUTE_ENV] = args.compute_block
+    elif args.remote and not os.environ.get(REMOTE_COMPUTE_ENV):
+        raise SGPUConfigError("--remote", True, "only with a remote compute",
+                              f"pass --compute-block SLUG/NAME or set {REMOTE_COMPUTE_ENV}")
+    return {"gpu_type": args.gpu_type, "remote": bool(args.remote)}
