@@ -14,9 +14,11 @@ The pipeline:
    of the shards (``prefect_sgpu.pipeline.streaming``). After training, the same job
    *evaluates* on the held-out part — recall@k (is the held-out item among the user's
    top k of all items?) and AUC (the share of other items ranked below it), summed over
-   all ranks — and rank 0 logs parameters, the loss per epoch and the metrics to the
-   job's MLflow run (``MLFLOW_RUN_ID`` in every rank) and saves the weights in the
-   task's checkpoint folder.
+   all ranks. Lightning's own ``MLFlowLogger`` writes parameters, the loss per epoch and
+   the metrics into the job's MLflow run (``MLFLOW_RUN_ID`` in every rank; Lightning logs
+   from rank 0), and its ``ModelCheckpoint`` keeps ``last.ckpt`` in the task's checkpoint
+   folder after every epoch: a Prefect retry of the task resumes from it, loaded with
+   ``weights_only=True``. Rank 0 saves the final weights beside it.
 4. ``check_metrics`` (driver): fails the run on non-finite metrics and reports them
    next to a random model's (recall@k = k / items, AUC = 0.5).
 
@@ -90,12 +92,16 @@ def generate_interactions(num_users: int = 300, num_items: int = 100, per_user: 
 
 def train_two_tower(train_set: ShardSet, test_set: ShardSet, num_users: int, num_items: int, epochs: int = 10,
                     batch_size: int = 64, dim: int = 32, lr: float = 0.02, temperature: float = 0.05,
-                    k: int = 10, seed: int = 0) -> dict[str, Any]:
-    """Fit the two towers with Lightning DDP on every rank, then evaluate on the held-out set."""
+                    k: int = 10, seed: int = 0, fault_file: str | None = None,
+                    fault_epoch: int = -1) -> dict[str, Any]:
+    """Fit the two towers with Lightning DDP on every rank, then evaluate on the held-out set.
+
+    ``fault_file`` / ``fault_epoch`` are for failure drills: rank 0 fails once at the start of
+    ``fault_epoch`` if the file exists, and deletes it; the task's retry resumes from ``last.ckpt``.
+    """
     import math
 
     import lightning as L
-    import mlflow
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -137,13 +143,17 @@ def train_two_tower(train_set: ShardSet, test_set: ShardSet, num_users: int, num
 
         def on_train_epoch_start(self) -> None:
             self.loss_sums = torch.zeros(2, device=self.device)
+            if fault_file and self.current_epoch == fault_epoch and rank_zero and Path(fault_file).exists():
+                Path(fault_file).unlink()
+                raise RuntimeError(f"injected fault at epoch {fault_epoch}")
 
         def on_train_epoch_end(self) -> None:
             total = self.trainer.strategy.reduce(self.loss_sums, reduce_op="sum")  # every rank's samples
             loss = float(total[0] / total[1])
             self.epoch_losses.append(loss)
+            if self.logger is not None:  # Lightning's loggers write from rank 0 only
+                self.logger.log_metrics({"train_loss": loss}, step=self.current_epoch)
             if rank_zero:
-                mlflow.log_metric("train_loss", loss, step=self.current_epoch)
                 print(f"epoch {self.current_epoch}: loss {loss:.4f}")
 
         def on_test_epoch_start(self) -> None:
@@ -167,36 +177,52 @@ def train_two_tower(train_set: ShardSet, test_set: ShardSet, num_users: int, num
     test_loader = streaming_loader(test_set, 256, shuffle=False)
     model = TwoTower()
     nodes = max(1, runtime.world_size() // runtime.local_world_size())
+    folder = runtime.checkpoint_dir() / "lightning"
+    logger: Any = False
+    if mlflow_run_id:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        logger = MLFlowLogger(run_id=mlflow_run_id, tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
     trainer = L.Trainer(
         accelerator="gpu" if runtime.uses_gpu() else "cpu", devices=runtime.local_world_size(), num_nodes=nodes,
-        strategy="ddp", max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=str(runtime.checkpoint_dir()),
+        strategy="ddp", max_epochs=epochs, logger=logger, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=folder, filename="last", enable_version_counter=False)],
+        use_distributed_sampler=False, default_root_dir=str(runtime.checkpoint_dir()), log_every_n_steps=10**9,
     )
-    if rank_zero:
-        mlflow.log_params({"num_users": num_users, "num_items": num_items, "epochs": epochs,
-                           "batch_size": batch_size, "dim": dim, "lr": lr, "temperature": temperature, "k": k,
-                           "world_size": runtime.world_size(), "nodes": nodes,
-                           "train_rows": train_set.rows, "test_rows": test_set.rows})
-    trainer.fit(model, train_dataloaders=train_loader)
+    resume = folder / "last.ckpt"
+    start_epoch = 0
+    if resume.is_file():  # an earlier attempt of this task got this far
+        start_epoch = int(torch.load(resume, map_location="cpu", weights_only=True)["epoch"]) + 1
+        print(f"resuming from {resume.name} (epoch {start_epoch})")
+    if logger:  # every attempt has its own run
+        logger.log_hyperparams({"num_users": num_users, "num_items": num_items, "epochs": epochs,
+                                "batch_size": batch_size, "dim": dim, "lr": lr, "temperature": temperature,
+                                "k": k, "world_size": runtime.world_size(), "nodes": nodes,
+                                "train_rows": train_set.rows, "test_rows": test_set.rows})
+    trainer.fit(model, train_dataloaders=train_loader, ckpt_path=resume if start_epoch else None,
+                weights_only=True)
     trainer.test(model, dataloaders=test_loader, verbose=False)
 
     hits, auc_sum, count = (float(v) for v in model.sums.cpu())
     metrics = {f"recall_at_{k}": hits / count, "auc": auc_sum / count,
                f"random_recall_at_{k}": k / num_items, "random_auc": 0.5}
     model_path = runtime.checkpoint_dir() / "two_tower.pt"
+    if logger:
+        logger.log_metrics(metrics)
     if rank_zero:
-        mlflow.log_metrics(metrics)
         tmp = model_path.with_suffix(".tmp")
         torch.save({"state_dict": model.state_dict(), "num_users": num_users, "num_items": num_items,
                     "dim": dim}, tmp)
         tmp.replace(model_path)  # complete or absent
     return {**metrics, "k": k, "train_losses": model.epoch_losses, "evaluated": int(count),
             "finite": all(math.isfinite(v) for v in metrics.values()), "model_path": str(model_path),
-            "mlflow_run_id": mlflow_run_id, "world_size": runtime.world_size()}
+            "mlflow_run_id": mlflow_run_id, "world_size": runtime.world_size(), "start_epoch": start_epoch,
+            "lightning_checkpoint": str(resume)}
 
 
 #: training + held-out evaluation as one gang-launched job (Prefect states, retries, results)
-train = gpu_task(train_two_tower, gpus=2, nodes=1, strategy="ddp", name="train-two-tower", persist_result=True)
+train = gpu_task(train_two_tower, gpus=2, nodes=1, strategy="ddp", name="train-two-tower", persist_result=True,
+                 retries=1)
 
 
 @task
@@ -217,7 +243,7 @@ def check_metrics(result: dict[str, Any]) -> dict[str, float]:
 def two_tower(num_users: int = 300, num_items: int = 100, per_user: int = 20, epochs: int = 10,
               batch_size: int = 64, dim: int = 32, lr: float = 0.02, k: int = 10, seed: int = 0, gpus: int = 2,
               nodes: int = 1, gpu_type: str | None = None, remote: bool = False,
-              data_uri: str | None = None) -> dict[str, Any]:
+              data_uri: str | None = None, fault_file: str | None = None, fault_epoch: int = -1) -> dict[str, Any]:
     """Generate interactions -> MDS shards -> Lightning DDP training and held-out evaluation -> metrics."""
     logs = generate_interactions(num_users=num_users, num_items=num_items, per_user=per_user, seed=seed)
     base = data_uri.rstrip("/") if data_uri else str(_data_home() / "mds")
@@ -226,7 +252,7 @@ def two_tower(num_users: int = 300, num_items: int = 100, per_user: int = 20, ep
     test_set = prepare_mds(logs["test"], f"{base}/{name}/test")
     result = train.with_options(gpus=gpus, nodes=nodes, gpu_type=gpu_type, remote=remote)(
         train_set, test_set, num_users=num_users, num_items=num_items, epochs=epochs, batch_size=batch_size,
-        dim=dim, lr=lr, k=k, seed=seed,
+        dim=dim, lr=lr, k=k, seed=seed, fault_file=fault_file, fault_epoch=fault_epoch,
     )
     metrics = check_metrics(result)
     return {**result, **metrics}
