@@ -55,3 +55,34 @@ def test_failed_call_ends_its_run_failed() -> None:
         job.run()
     run = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(job.tracked.run_id)
     assert run.info.status == "FAILED"
+
+
+def test_mlflows_system_metrics_switch_logs_each_ranks_metrics_under_its_own_node_id() -> None:
+    @distributed(gpus=2, env={"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "true",
+                              "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"})
+    def busy(seconds: float) -> bool:
+        import time
+
+        import mlflow as ml
+
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            sum(i * i for i in range(20_000))
+        ml.log_metric("done", 1.0)  # resuming the run in user code starts no second monitor
+        return "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING" in os.environ
+
+    result = busy.run(2.0)
+    assert result.values == [False, False], "the switch is taken out of the rank's environment"
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    metrics = client.get_run(result.mlflow_run_id).data.metrics
+    for rank in (0, 1):
+        assert f"system/rank-{rank}/cpu_utilization_percentage" in metrics, sorted(metrics)
+        assert f"system/rank-{rank}/system_memory_usage_megabytes" in metrics, sorted(metrics)
+    assert not [k for k in metrics if k.startswith("system/") and not k.startswith("system/rank-")], \
+        "every system metric carries its rank's node id"
+
+
+def test_without_the_switch_no_system_metrics_are_logged() -> None:
+    result = log_from_rank_zero.run(1)
+    metrics = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(result.mlflow_run_id).data.metrics
+    assert not [k for k in metrics if k.startswith("system/")], sorted(metrics)

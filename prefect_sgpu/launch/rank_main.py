@@ -117,6 +117,34 @@ def _shutdown_process_group() -> None:
         pass
 
 
+def _system_metrics(rank: int) -> Any:
+    """MLflow's system-metrics monitor for this rank (node id ``rank-N``), or None.
+
+    On when the job's environment turns on MLflow's own switch,
+    ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=true``, and the call has an MLflow run: CPU,
+    memory, disk and network (and GPU utilisation and memory where ``nvidia-ml-py`` is
+    installed) go to the job's run as ``system/rank-N/...`` every
+    ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` seconds (MLflow's default: 10). The switch
+    is then taken out of the rank's environment, so a ``mlflow.start_run()`` in user code
+    does not start a second monitor.
+    """
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if not run_id or os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower() not in ("true", "1"):
+        return None
+    os.environ.pop("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING")
+    os.environ["MLFLOW_SYSTEM_METRICS_NODE_ID"] = f"rank-{rank}"
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, node_id=f"rank-{rank}",
+                                       tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
+        monitor.start()
+        return monitor
+    except Exception as exc:  # noqa: BLE001 - metrics must never fail the rank
+        print(f"[sgpu] MLflow system metrics are off for rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> tuple[Any, int]:
     """Run a rank's call from its sealed payload: the envelope for every outcome, and the exit code.
 
@@ -128,6 +156,7 @@ def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> t
 
     base = {**base, "started": time.time()}
     exit_code = 0
+    monitor = _system_metrics(int(base.get("rank", 0)))
     try:
         call = payload.load(jobfolder.unseal(sealed, key, "payload", run_id, what=jobfolder.PAYLOAD))
         if isinstance(call, payload.ScriptCall):
@@ -151,6 +180,12 @@ def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> t
             exit_code = 1
             traceback.print_exc()
         envelope = payload.failure_envelope(base, exc, tb, exit_code)
+    finally:
+        if monitor is not None:
+            try:
+                monitor.finish()  # logs what it sampled last
+            except Exception:  # noqa: BLE001 - the rank's outcome is already decided
+                pass
     return envelope, exit_code
 
 
