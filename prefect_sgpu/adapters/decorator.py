@@ -9,6 +9,7 @@ the signature before anything starts.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextvars
 import functools
 import inspect
 import os
@@ -79,7 +80,9 @@ def _start(job: Job) -> cf.Future[JobResult]:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(exc)
 
-    threading.Thread(target=run, name=f"sgpu-submit-{job.run_id}").start()
+    # the caller's context (a flow or task run's) goes along: the job's log lines reach that run
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(run,), name=f"sgpu-submit-{job.run_id}").start()
     return future
 
 
@@ -143,6 +146,9 @@ class DistributedFunction(Generic[P, R]):
     def job(self, *args: Any, cancel_event: threading.Event | None = None,
             sink: RankLogSink | None = None, **kwargs: Any) -> Job:
         """The job a call would run (validated, nothing started)."""
+        from prefect_sgpu.adapters import run_logs
+
+        run_logs.attach()
         self._bind(args, kwargs)
         spec = self.spec
         compute, store = resolve(spec, self.compute, self.store)

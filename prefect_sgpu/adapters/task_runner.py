@@ -11,12 +11,15 @@ thread-pool runner does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import logging
 import os
 import re
 import threading
-from typing import Any, Callable, Iterable, TypeVar
+import time
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from typing_extensions import Unpack
 
@@ -33,6 +36,7 @@ from prefect_sgpu.spec import FIELDS, JobSpec, SpecLayer, TaskArgs
 from prefect_sgpu.store import LocalStore, Store
 
 R = TypeVar("R")
+logger = logging.getLogger("prefect_sgpu.task_runner")
 
 __all__ = ["COMPUTE_ENV", "STORE_ENV", "GPUTask", "GPUTaskRunner", "gpu_task", "run_gpu_job"]
 
@@ -152,6 +156,9 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     """Launch ``fn`` on the task's resources (merged over the runner's defaults) and wait."""
     from prefect.context import FlowRunContext, TaskRunContext
 
+    from prefect_sgpu.adapters import run_logs
+
+    run_logs.attach()
     runner = _current_runner()
     spec = task_spec(layer, runner)
     compute, store = runner.compute_and_store(spec) if runner else resolve(spec)
@@ -169,29 +176,114 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     cancel = threading.Event()
     job = Job(payload_mod.FunctionCall(fn, args, kwargs), spec, compute, store,
               sink=RankLogSink(getattr(fn, "__name__", "task")), cancel_event=cancel, tags=tags)
-    if runner is not None:
-        runner._track(cancel)
-    try:
-        result = job.run()
-    finally:
+    job.prepare()  # bad resources or payload fail here, before a quota slot is taken
+    with gpu_quota(spec):
         if runner is not None:
-            runner._untrack(cancel)
+            runner._track(cancel)
+        started = time.time()
+        _emit(job, "started")
+        try:
+            result = job.run()
+        except BaseException as exc:
+            _emit(job, "failed", duration_s=time.time() - started, error=f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        finally:
+            if runner is not None:
+                runner._untrack(cancel)
+    _emit(job, "finished", duration_s=result.duration_s, cost=result.cost, world_size=result.plan.world_size)
     _report(job, result)
     return result.values if spec.return_all else result.values[0]
 
 
-def _report(job: Job, result: JobResult) -> None:
-    """A Prefect artifact for the task run: ranks, hosts, exit codes, durations, MLflow run."""
-    from prefect.artifacts import create_markdown_artifact
+# --- GPU quotas and lifecycle events ----------------------------------------------
 
+
+def quota_name(gpu_type: str) -> str:
+    """The global concurrency limit that holds the GPUs of ``gpu_type`` (``gpu:A10``, ``gpu:H100``, ...)."""
+    from prefect_sgpu.catalog import lookup
+
+    return f"gpu:{lookup(gpu_type).name}"
+
+
+@contextlib.contextmanager
+def gpu_quota(spec: JobSpec) -> Iterator[str | None]:
+    """Hold ``spec.gpus`` slots of the gpu type's global concurrency limit while the job runs.
+
+    No gpu type, no such limit, or an inactive one: nothing to wait for. A job that needs
+    more GPUs than the limit has could never start, and is refused.
+    """
+    if not spec.gpu_type:
+        yield None
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    name = quota_name(spec.gpu_type)
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        yield None
+        return
+    if not limit.active:
+        yield None
+        return
+    if spec.gpus > limit.limit:
+        raise SGPUConfigError("gpus", spec.gpus, f"at most {limit.limit}, the slots of the global concurrency "
+                              f"limit {name!r} (the {spec.gpu_type} GPUs this workspace may hold at once)")
+    logger.info("waiting for %d slot(s) of global concurrency limit %r", spec.gpus, name)
+    with concurrency(name, occupy=spec.gpus, strict=True, raise_on_lease_renewal_failure=False):
+        logger.info("holding %d slot(s) of global concurrency limit %r", spec.gpus, name)
+        yield name
+
+
+def _emit(job: Job, phase: str, **payload: Any) -> None:
+    """A Prefect event ``prefect-sgpu.job.<phase>`` about ``job`` (never fails the task)."""
+    from prefect.events import emit_event
+
+    spec = job.spec
+    try:
+        emit_event(
+            event=f"prefect-sgpu.job.{phase}",
+            resource={"prefect.resource.id": f"prefect-sgpu.job.{job.run_id}",
+                      "prefect.resource.name": job.call.name, "prefect-sgpu.run-id": job.run_id},
+            payload={"gpus": spec.gpus, "gpu_type": spec.gpu_type, "nodes": spec.nodes,
+                     "compute": type(job.compute).__name__, **payload},
+        )
+    except Exception:  # noqa: BLE001 - events are a report, not part of the job
+        logger.debug("could not emit prefect-sgpu.job.%s for %s", phase, job.run_id, exc_info=True)
+
+
+def mlflow_reference(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """Markdown that takes a reader to an MLflow run: a link for a tracking server, else the
+    exact ``mlflow ui`` command for the local store and the address to open once it runs."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"MLflow run `{run_id}`: [open]({tracking_uri.rstrip('/')}/{page})"
+    return (f"MLflow run `{run_id}` is in the local store `{tracking_uri}`. To open it, run\n\n"
+            f"```bash\nmlflow ui --backend-store-uri {tracking_uri}\n```\n\n"
+            f"and go to http://127.0.0.1:5000/{page}")
+
+
+def _report(job: Job, result: JobResult) -> None:
+    """Prefect artifacts for the task run, keyed by task (the latest is the key's newest version):
+    ``sgpu-<task>-job`` (summary), ``sgpu-<task>-ranks`` (table) and ``sgpu-<task>-mlflow``."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    key = f"sgpu-{_slug(job.call.name)}"
     rows = "\n".join(
         f"| {r.rank} | {r.node} | {r.host} | {r.exit_code} | {r.duration_s:.1f} |" for r in result.ranks
     )
-    mlflow_line = (
-        f"MLflow run `{result.mlflow_run_id}` ({result.mlflow_tracking_uri}): "
-        f"[open]({result.mlflow_tracking_uri}/#/experiments/{job.tracked.experiment_id}/runs/{result.mlflow_run_id})"
-        if result.mlflow_run_id and job.tracked else "MLflow: off"
-    )
+    create_table_artifact(
+        table=[{"rank": r.rank, "node": r.node, "host": r.host, "exit code": r.exit_code,
+                "duration (s)": round(r.duration_s, 1)} for r in result.ranks],
+        key=f"{key}-ranks", description=f"ranks of prefect-sgpu job {result.run_id}")
+    mlflow_line = "MLflow: off"
+    if result.mlflow_run_id and job.tracked and result.mlflow_tracking_uri:
+        mlflow_line = mlflow_reference(result.mlflow_tracking_uri, job.tracked.experiment_id, result.mlflow_run_id)
+        create_markdown_artifact(markdown=mlflow_line, key=f"{key}-mlflow",
+                                 description=f"MLflow run of prefect-sgpu job {result.run_id}")
     cost = result.cost or {}
     cost_line = (
         f"Compute: {cost.get('instance_hours', 0):.4f} instance-hours, estimated "
@@ -213,7 +305,7 @@ def _report(job: Job, result: JobResult) -> None:
             "| rank | node | host | exit code | duration (s) |\n| --- | --- | --- | --- | --- |\n"
             f"{rows}\n\n{recoveries}{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
         ),
-        description=f"prefect-sgpu job {result.run_id}",
+        key=f"{key}-job", description=f"prefect-sgpu job {result.run_id}",
     )
 
 

@@ -1,0 +1,143 @@
+"""What a Prefect user sees of a GPU task on a real temporary server: the library's log lines in
+the task run's logs, keyed artifacts (ranks table, MLflow reference), lifecycle events, GPU quotas."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+import pytest
+from prefect import flow
+
+from prefect_sgpu import GPUTaskRunner, SGPUConfigError, gpu_task
+from prefect_sgpu.adapters.task_runner import mlflow_reference, quota_name
+
+pytestmark = pytest.mark.e2e
+
+
+def _poll(read: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = read()
+        if ok(got):
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not appear within {timeout:g}s; last read: {got!r}"[:3000])
+        time.sleep(0.5)
+
+
+@gpu_task(gpus=2)
+def two_ranks(x: int) -> int:
+    import mlflow
+
+    from prefect_sgpu import runtime
+
+    if runtime.is_rank_zero():
+        mlflow.log_metric("x", x)
+    return x + runtime.rank()
+
+
+def test_library_lines_artifacts_and_events_of_a_gpu_task(prefect_server: None) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterTaskRunId, FlowRunFilter,
+                                                LogFilter, LogFilterTaskRunId, TaskRunFilter)
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    @flow(task_runner=GPUTaskRunner())
+    def pipeline() -> Any:
+        return two_ranks(5, return_state=True)
+
+    state = pipeline()
+    assert state.is_completed() and state.result() == 5
+    task_run_id = state.state_details.task_run_id
+    with get_client(sync_client=True) as client:
+        logs = _poll(lambda: [log.message for log in client.read_logs(
+            LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])), limit=200, offset=0)],
+            lambda got: any("no GPU on this machine" in m for m in got), "the library's 'no GPU' line")
+        assert any("running 2 CPU rank(s)" in m for m in logs), logs
+
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])),
+            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), limit=20, offset=0)
+        by_key = {a.key: a for a in artifacts}
+        assert {"sgpu-two-ranks-job", "sgpu-two-ranks-ranks", "sgpu-two-ranks-mlflow"} <= set(by_key), by_key
+        table = by_key["sgpu-two-ranks-ranks"]
+        assert table.type == "table"
+        rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+        assert [(r["rank"], r["exit code"]) for r in rows] == [(0, 0), (1, 0)], rows
+        reference = by_key["sgpu-two-ranks-mlflow"].data
+        uri = os.environ["MLFLOW_TRACKING_URI"]
+        assert f"mlflow ui --backend-store-uri {uri}\n" in reference, reference
+
+        page = _poll(lambda: client.read_events(EventFilter(
+            event=EventNameFilter(prefix=["prefect-sgpu.job."])), limit=50).events,
+            lambda evs: any(e.event == "prefect-sgpu.job.finished" and str(task_run_id) in
+                            {r.id.split(".")[-1] for r in e.related} for e in evs),
+            "the prefect-sgpu.job.finished event")
+    mine = [e for e in page if str(task_run_id) in {r.id.split(".")[-1] for r in e.related}]
+    names = [e.event for e in sorted(mine, key=lambda e: e.occurred)]
+    assert names == ["prefect-sgpu.job.started", "prefect-sgpu.job.finished"], names
+    finished = next(e for e in mine if e.event == "prefect-sgpu.job.finished")
+    assert finished.payload["gpus"] == 2 and finished.payload["duration_s"] > 0, finished.payload
+    assert finished.resource.id.startswith("prefect-sgpu.job.")
+
+
+def test_mlflow_reference_links_a_server_and_gives_the_command_for_a_local_store() -> None:
+    assert mlflow_reference("http://mlflow.internal:5000/", "3", "abc") == (
+        "MLflow run `abc`: [open](http://mlflow.internal:5000/#/experiments/3/runs/abc)")
+    local = mlflow_reference("sqlite:////srv/mlflow.db", "3", "abc")
+    assert "mlflow ui --backend-store-uri sqlite:////srv/mlflow.db\n" in local
+    assert "http://127.0.0.1:5000/#/experiments/3/runs/abc" in local
+
+
+@gpu_task(gpus=2, gpu_type="A10", mlflow=False)
+def timed(hold_s: float) -> tuple[float, float]:
+    import time as t
+
+    start = t.time()
+    t.sleep(hold_s)
+    return start, t.time()
+
+
+def test_a_gpu_quota_lets_one_two_gpu_job_run_at_a_time(prefect_server: None) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    name = quota_name("a10")
+    assert name == "gpu:A10"
+    with get_client(sync_client=True) as client:
+        try:
+            client.delete_global_concurrency_limit_by_name(name)
+        except Exception:  # noqa: BLE001 - none left from an earlier run
+            pass
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=2))
+    try:
+        @flow(task_runner=GPUTaskRunner(max_workers=3))
+        def three_at_once() -> list[tuple[float, float]]:
+            futures = [timed.submit(2.0) for _ in range(3)]
+            return [f.result() for f in futures]
+
+        spans = sorted(three_at_once())
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert start >= end, f"two A10 jobs overlapped under a 2-slot limit: {spans}"
+
+        @flow(task_runner=GPUTaskRunner())
+        def too_big() -> Any:
+            return timed.with_options(gpus=4)(0.0)
+
+        with pytest.raises(SGPUConfigError, match=r"gpus=4.*at most 2.*'gpu:A10'"):
+            too_big()
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(name)
+
+
+def test_without_a_limit_for_its_gpu_type_a_task_does_not_wait(prefect_server: None) -> None:
+    @flow(task_runner=GPUTaskRunner())
+    def one() -> Any:
+        return timed.with_options(gpu_type="L4")(0.0)
+
+    start, end = one()
+    assert end >= start, "ran without a limit for L4 to wait on"
