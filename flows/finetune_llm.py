@@ -155,6 +155,7 @@ def train_lm(shards: Any, config: dict[str, Any], steps: int = 40, batch_size: i
                            "batch_size": batch_size, "lr": lr, **{f"model_{k}": v for k, v in config.items()}})
 
     batches = iter(loader)
+    runtime.progress(start, total=steps)  # the task's progress artifact follows step / steps
     wrapped.train()
     window = torch.zeros(2)
     last_loss = float(extra.get("train_loss", float("nan")))

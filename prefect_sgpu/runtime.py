@@ -130,6 +130,7 @@ PREEMPT_FILE = "preempt"
 PROGRESS_DIR = "progress"
 _PROGRESS_EVERY_S = 1.0
 _last_progress = [0.0]
+_progress_total: list[int | None] = [None]  # the last total given: later calls without one keep it
 
 
 def _job_dir() -> Path | None:
@@ -153,13 +154,18 @@ def preemption_requested() -> bool:
     return preemption_notice() is not None
 
 
-def progress(step: int | None = None, *, force: bool = False) -> None:
+def progress(step: int | None = None, *, total: int | None = None, force: bool = False) -> None:
     """Tell the hang watchdog this rank is making progress (at most one write a second).
 
     ``Checkpointer.due``/``save`` call it at every step; output a rank prints counts too.
+    With ``total`` (the steps the rank will run), rank 0's ``step / total`` is what a GPU
+    task's progress artifact shows in the Prefect UI.
     """
     import time
 
+    if total is not None:
+        _progress_total[0] = int(total)
+    total = _progress_total[0]
     job_dir = _job_dir()
     now = time.time()
     if job_dir is None or (not force and now - _last_progress[0] < _PROGRESS_EVERY_S):
@@ -168,5 +174,8 @@ def progress(step: int | None = None, *, force: bool = False) -> None:
     path = job_dir / PROGRESS_DIR / f"rank-{rank()}"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(f"{os.getpid()} {'' if step is None else step}\n")
+    if step is None:
+        tmp.write_text(f"{os.getpid()}\n")
+    else:
+        tmp.write_text(f"{os.getpid()} {int(step)}{'' if total is None else f' {int(total)}'}\n")
     os.replace(tmp, path)

@@ -182,20 +182,98 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
             runner._track(cancel)
         started = time.time()
         _emit(job, "started")
+        progress = _Progress(job)
         try:
             result = job.run()
         except BaseException as exc:
+            progress.stop(done=False)
             _emit(job, "failed", duration_s=time.time() - started, error=f"{type(exc).__name__}: {exc}"[:500])
             raise
         finally:
             if runner is not None:
                 runner._untrack(cancel)
+    progress.stop(done=True)
     _emit(job, "finished", duration_s=result.duration_s, cost=result.cost, world_size=result.plan.world_size)
     _report(job, result)
     return result.values if spec.return_all else result.values[0]
 
 
-# --- GPU quotas and lifecycle events ----------------------------------------------
+# --- progress, GPU quotas and lifecycle events ----------------------------------
+
+
+class _Progress:
+    """The task run's progress artifact (``sgpu-<task>-progress``), following rank 0's steps.
+
+    Rank 0's ``runtime.progress(step, total=N)`` (the ``Checkpointer`` reports steps too) lands
+    in the job folder (an EC2 node ships it with the logs); a thread of the task run reads it
+    every ``every`` seconds and moves the artifact to ``step / total``. A job that finishes
+    well ends at 100 %; a failed one stays where it got to.
+    """
+
+    def __init__(self, job: Job, every: float = 2.0) -> None:
+        import contextvars
+
+        self.job = job
+        self.every = every
+        self._stop = threading.Event()
+        self._seen: tuple[int, int | None] | None = None
+        self._id: Any = None
+        try:
+            from prefect.artifacts import create_progress_artifact
+
+            self._id = create_progress_artifact(
+                progress=0.0, key=f"sgpu-{_slug(job.call.name)}-progress",
+                description=f"prefect-sgpu job {job.run_id}: starting")
+        except Exception:  # noqa: BLE001 - a report, never the job's failure
+            logger.debug("no progress artifact for %s", job.run_id, exc_info=True)
+            return
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._follow,), daemon=True,
+                                        name=f"sgpu-progress-{job.run_id}")
+        self._thread.start()
+
+    def _read(self) -> tuple[int, int | None] | None:
+        from prefect_sgpu.runtime import PROGRESS_DIR
+
+        try:
+            data = self.job.store.get(self.job.run_id, f"{PROGRESS_DIR}/rank-0")
+            fields = (data or b"").decode().split()
+            if len(fields) < 2:
+                return None
+            return int(fields[1]), (int(fields[2]) if len(fields) > 2 and int(fields[2]) > 0 else None)
+        except Exception:  # noqa: BLE001 - half-written or gone: next time
+            return None
+
+    def _update(self, progress: float, description: str) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        try:
+            update_progress_artifact(self._id, progress=progress, description=description)
+        except Exception:  # noqa: BLE001 - a report, never the job's failure
+            logger.debug("could not update the progress of %s", self.job.run_id, exc_info=True)
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.every):
+            seen = self._read()
+            if seen is None or seen == self._seen:
+                continue
+            self._seen = seen
+            step, total = seen
+            pct = min(100.0, 100.0 * step / total) if total else 0.0
+            self._update(pct, f"prefect-sgpu job {self.job.run_id}: step {step}" + (f" of {total}" if total else ""))
+
+    def stop(self, done: bool) -> None:
+        if self._id is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=self.every + 5)
+        seen = self._read() or self._seen
+        step = f"step {seen[0]}" + (f" of {seen[1]}" if seen and seen[1] else "") if seen else "no steps reported"
+        if done:
+            self._update(100.0, f"prefect-sgpu job {self.job.run_id}: finished ({step})")
+        else:
+            pct = min(100.0, 100.0 * seen[0] / seen[1]) if seen and seen[1] else 0.0
+            self._update(pct, f"prefect-sgpu job {self.job.run_id}: failed at {step}")
 
 
 def quota_name(gpu_type: str) -> str:

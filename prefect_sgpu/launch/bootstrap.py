@@ -67,6 +67,7 @@ from prefect_sgpu.jobfolder import (
 )
 from prefect_sgpu.launch.processes import kill_and_reap
 from prefect_sgpu.mlflow_relay import METRICS
+from prefect_sgpu.runtime import PROGRESS_DIR
 
 DEFAULT_IMDS = "http://169.254.169.254/"
 IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
@@ -386,6 +387,8 @@ class NodeBootstrap:
                 for path in sorted(folder.glob(pattern)):
                     self._upload_if_changed(path, f"{kind}/{path.name}")
         self._upload_if_changed(self.job_dir / agent_output_key(self.index), agent_output_key(self.index))
+        # rank 0's step (a few bytes): what the driver's progress report follows
+        self._upload_if_changed(self.job_dir / PROGRESS_DIR / "rank-0", f"{PROGRESS_DIR}/rank-0")
 
     def finish(self, code: int | None, reason: str | None = None) -> None:
         """Final sync, then the node's status, re-sealed bound to this instance (last: the driver

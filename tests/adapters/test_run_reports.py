@@ -30,12 +30,17 @@ def _poll(read: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout
 
 @gpu_task(gpus=2)
 def two_ranks(x: int) -> int:
+    import time as t
+
     import mlflow
 
     from prefect_sgpu import runtime
 
     if runtime.is_rank_zero():
         mlflow.log_metric("x", x)
+    for step in range(1, 5):
+        t.sleep(1.2)
+        runtime.progress(step, total=4)
     return x + runtime.rank()
 
 
@@ -62,7 +67,11 @@ def test_library_lines_artifacts_and_events_of_a_gpu_task(prefect_server: None) 
             artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])),
             flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), limit=20, offset=0)
         by_key = {a.key: a for a in artifacts}
-        assert {"sgpu-two-ranks-job", "sgpu-two-ranks-ranks", "sgpu-two-ranks-mlflow"} <= set(by_key), by_key
+        assert {"sgpu-two-ranks-job", "sgpu-two-ranks-ranks", "sgpu-two-ranks-mlflow",
+                "sgpu-two-ranks-progress"} <= set(by_key), by_key
+        progress = by_key["sgpu-two-ranks-progress"]
+        assert progress.type == "progress" and float(progress.data) == 100.0, progress
+        assert "finished (step 4 of 4)" in progress.description, progress.description
         table = by_key["sgpu-two-ranks-ranks"]
         assert table.type == "table"
         rows = json.loads(table.data) if isinstance(table.data, str) else table.data

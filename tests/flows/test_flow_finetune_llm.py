@@ -60,6 +60,15 @@ def test_finetune_llm_trains_resumes_after_a_retry_and_registers_a_champion(pref
         task_runs = prefect.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         train_run = next(tr for tr in task_runs if tr.task_key.startswith("train_lm"))
         assert train_run.run_count == 2 and train_run.state.is_completed()
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        from prefect.client.schemas.sorting import ArtifactSort
+
+        failed, progress = prefect.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["sgpu-train-lm-progress"]), task_run_id={"any_": [train_run.id]}),
+            sort=ArtifactSort.CREATED_DESC, limit=10, offset=0)[::-1]
+        assert "failed at step" in failed.description and float(failed.data) < 100.0, failed
+        assert float(progress.data) == 100.0 and "of 12)" in progress.description, progress
         messages = [log.message for log in prefect.read_logs(
             LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=0)]
     assert any("injected fault at step 9" in m for m in messages)
