@@ -157,7 +157,11 @@ class DistributedFunction(Generic[P, R]):
 
     def run(self, *args: P.args, **kwargs: P.kwargs) -> JobResult:
         """Run on every rank and return the full report (values, ranks, MLflow run)."""
-        return self.job(*args, **kwargs).run()
+        from prefect_sgpu.live import LiveStatus
+
+        job = self.job(*args, **kwargs)
+        with LiveStatus(job):
+            return job.run()
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run on every rank; return each rank's value in rank order."""

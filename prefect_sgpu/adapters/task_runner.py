@@ -30,6 +30,7 @@ from prefect_sgpu import payload as payload_mod
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.driver import Job, JobResult
 from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.live import LiveStatus
 from prefect_sgpu.logs import RankLogSink
 from prefect_sgpu.resolve import COMPUTE_ENV, STORE_ENV, as_compute, resolve
 from prefect_sgpu.spec import FIELDS, JobSpec, SpecLayer, TaskArgs
@@ -184,7 +185,8 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
         _emit(job, "started")
         progress = _Progress(job)
         try:
-            result = job.run()
+            with LiveStatus(job):
+                result = job.run()
         except BaseException as exc:
             progress.stop(done=False)
             _emit(job, "failed", duration_s=time.time() - started, error=f"{type(exc).__name__}: {exc}"[:500])
@@ -233,16 +235,9 @@ class _Progress:
         self._thread.start()
 
     def _read(self) -> tuple[int, int | None] | None:
-        from prefect_sgpu.runtime import PROGRESS_DIR
+        from prefect_sgpu.live import read_step
 
-        try:
-            data = self.job.store.get(self.job.run_id, f"{PROGRESS_DIR}/rank-0")
-            fields = (data or b"").decode().split()
-            if len(fields) < 2:
-                return None
-            return int(fields[1]), (int(fields[2]) if len(fields) > 2 and int(fields[2]) > 0 else None)
-        except Exception:  # noqa: BLE001 - half-written or gone: next time
-            return None
+        return read_step(self.job.store, self.job.run_id)
 
     def _update(self, progress: float, description: str) -> None:
         from prefect.artifacts import update_progress_artifact

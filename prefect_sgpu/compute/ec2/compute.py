@@ -76,18 +76,14 @@ OWN_SETTINGS = ("store_uri", "heartbeat_ttl_s", "agent_timeout_s", "rendezvous_p
 
 
 class _Progress:
-    """requested -> running -> agent up -> rendezvous, on the caller's terminal (rich)."""
+    """requested -> running -> agent up -> rendezvous, as log lines of the library: on the terminal,
+    in the Prefect run's logs and on the job's live status line (:mod:`prefect_sgpu.live`)."""
 
     def __init__(self, run_id: str) -> None:
-        from rich.console import Console
-
-        self.console = Console(stderr=True, highlight=False)
         self.run_id = run_id
 
     def __call__(self, phase: str, detail: str = "") -> None:
-        text = f"[ec2 {self.run_id}] {phase}" + (f": {detail}" if detail else "")
-        logger.info(text)
-        self.console.print(f"[bold cyan]\\[ec2][/] [dim]{self.run_id}[/] [bold]{phase}[/] {detail}")
+        logger.info(f"[ec2 {self.run_id}] {phase}" + (f": {detail}" if detail else ""))
 
 
 @dataclass(frozen=True)
