@@ -41,6 +41,20 @@ class Store(ABC):
     @abstractmethod
     def delete(self, run_id: str, key: str) -> None: ...
 
+    def append(self, run_id: str, key: str, offset: int, data: bytes) -> None:
+        """Bytes ``offset .. offset+len(data)`` of an object that grows (a rank log, a metrics file).
+
+        Readers see the object through ``get``/``read_from``/``list`` as if it were written whole.
+        This default rewrites the object; a store where that costs the object's size on every call
+        (S3) keeps the appended pieces as separate objects instead.
+        """
+        whole = self.get(run_id, key) or b""
+        self.put(run_id, key, whole[:offset].ljust(offset, b"\0") + data)
+
+    def seal_appended(self, run_id: str, key: str, data: bytes) -> None:
+        """The object is complete: ``data`` is all of it (written once; appended pieces go)."""
+        self.put(run_id, key, data)
+
     @property
     @abstractmethod
     def root_uri(self) -> str:

@@ -20,6 +20,8 @@ from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.store import Store
 
 BODY_ATTEMPTS = 3
+#: the folder beside an object that holds its appended pieces (``logs/rank-00000.log.parts/...``)
+PARTS = ".parts"
 #: the store's KMS key and expected bucket owner, as nodes and ranks get them (:meth:`S3Store.env`)
 KMS_ENV = "SGPU_STORE_KMS_KEY"
 OWNER_ENV = "SGPU_STORE_BUCKET_OWNER"
@@ -115,6 +117,48 @@ class S3Store(Store):
     def put(self, run_id: str, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(run_id, key), Body=data, **self.write_args())
 
+    # -- objects that grow: one small object per appended piece ----------------------------------
+    #
+    # S3 cannot append, and uploading a growing log whole every second ships its size again on
+    # every upload (bytes grow with the square of the log). An appended piece is its own object,
+    # ``<key>.parts/<offset, 16 digits>``; ``get``/``read_from``/``list`` read the pieces as one
+    # object until ``seal_appended`` writes it whole (once) and drops them.
+
+    def append(self, run_id: str, key: str, offset: int, data: bytes) -> None:
+        self.put(run_id, f"{key}{PARTS}/{offset:016d}", data)
+
+    def seal_appended(self, run_id: str, key: str, data: bytes) -> None:
+        self.put(run_id, key, data)
+        self._delete_under(self._key(run_id, key) + PARTS + "/")
+
+    def _parts(self, run_id: str, key: str, from_offset: int = 0) -> list[tuple[int, int, str]]:
+        """``(offset, size, full key)`` of the appended pieces of ``key`` starting at ``from_offset`` or later."""
+        base = self._key(run_id, key) + PARTS + "/"
+        args: dict[str, Any] = {"StartAfter": f"{base}{from_offset - 1:016d}"} if from_offset > 0 else {}
+        found: list[tuple[int, int, str]] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base, **args, **self.owner_args()):
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(base):]
+                if name.isdigit():
+                    found.append((int(name), int(obj["Size"]), obj["Key"]))
+        return sorted(found)
+
+    def _read_parts(self, run_id: str, key: str, offset: int) -> bytes | None:
+        """The appended pieces of ``key`` from ``offset`` on, joined; None when it has none at all."""
+        parts = self._parts(run_id, key, offset)  # a reader that read whole pieces asks from a piece's start
+        if parts and parts[0][0] > offset:  # ``offset`` is inside a piece: find it among them all
+            parts = self._parts(run_id, key)
+        if not parts:
+            return None
+        chunks = []
+        for start, size, full in parts:
+            if start + size <= offset:
+                continue
+            _response, data = self._read(Key=full)
+            chunks.append(data[max(offset - start, 0):])
+        return b"".join(chunks)
+
     def _read(self, **request: Any) -> tuple[dict[str, Any], bytes]:
         """GET and read the body; a body that fails its checksum is fetched again.
 
@@ -140,7 +184,7 @@ class S3Store(Store):
             _response, data = self._read(Key=self._key(run_id, key))
         except ClientError as exc:
             if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
-                return None
+                return self._read_parts(run_id, key, 0)
             raise
         return data
 
@@ -151,7 +195,9 @@ class S3Store(Store):
         try:
             response, data = self._read(Key=self._key(run_id, key), Range=f"bytes={max(offset, 0)}-")
         except ClientError as exc:
-            if _error_code(exc) in ("NoSuchKey", "404", "NotFound", "InvalidRange", "416"):
+            if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return self._read_parts(run_id, key, max(offset, 0)) or b""
+            if _error_code(exc) in ("InvalidRange", "416"):
                 return b""
             raise
         # a store that ignores Range answers 200 with the whole object
@@ -160,25 +206,38 @@ class S3Store(Store):
         return data
 
     def list(self, run_id: str, prefix: str) -> list[str]:
+        """The objects directly under ``prefix``, an object still being appended to included
+        (one delimited listing: its pieces are not enumerated)."""
         base = self._key(run_id, prefix.rstrip("/")) + "/"
         root = self._key(run_id) + "/"
-        keys: list[str] = []
+        keys: set[str] = set()
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=base):
+        for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=base, Delimiter="/"):
             for obj in page.get("Contents", []):
                 rel = obj["Key"][len(root):]
-                name = rel.rsplit("/", 1)[-1]
-                if rel[len(prefix.rstrip("/")) + 1:].count("/") == 0 and not name.startswith("."):
-                    keys.append(rel)
+                if not rel.rsplit("/", 1)[-1].startswith("."):
+                    keys.add(rel)
+            for common in page.get("CommonPrefixes", []):
+                rel = common["Prefix"][len(root):].rstrip("/")
+                if rel.endswith(PARTS) and not rel.rsplit("/", 1)[-1].startswith("."):
+                    keys.add(rel[: -len(PARTS)])
         return sorted(keys)
 
     def delete(self, run_id: str, key: str) -> None:
-        """Delete one object, or every object under ``key/`` (a "folder")."""
+        """Delete one object (with its appended pieces), or every object under ``key/`` (a "folder")."""
         full = self._key(run_id, key)
-        batch: list[dict[str, str]] = [{"Key": full}]
+        self._delete_under(full.rstrip("/") + "/", full, full.rstrip("/") + PARTS + "/")
+
+    def _delete_under(self, prefix: str, *more: str) -> None:
+        """Every object under ``prefix`` (and under, or at, each of ``more``)."""
+        batch: list[dict[str, str]] = []
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=full.rstrip("/") + "/"):
-            batch += [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
+        for where in (prefix, *more):
+            if not where.endswith("/"):
+                batch.append({"Key": where})
+                continue
+            for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=where):
+                batch += [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
         for start in range(0, len(batch), 1000):
             self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": batch[start:start + 1000], "Quiet": True}, **self.owner_args()

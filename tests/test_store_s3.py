@@ -104,3 +104,65 @@ def test_store_and_provisioner_build_clients_in_one_place(aws_env: MotoAWS) -> N
         assert config.retries["total_max_attempts"] == attempts + 1  # botocore counts the first call too
         assert (config.connect_timeout, config.read_timeout) == (aws.CONNECT_TIMEOUT_S, aws.READ_TIMEOUT_S)
         assert aws.USER_AGENT in (config.user_agent_extra or "")
+
+
+def test_an_appended_object_reads_as_one_until_sealed_and_ships_each_byte_once(store: S3Store) -> None:
+    key = "logs/rank-00000.log"
+    log = b""
+    for i in range(5):
+        piece = f"line {i}\n".encode()
+        store.append("run", key, len(log), piece)
+        log += piece
+    assert store.list("run", "logs") == [key], "listed under its own name, its pieces not enumerated"
+    assert store.get("run", key) == log
+    assert store.read_from("run", key, 0) == log
+    assert store.read_from("run", key, len(b"line 0\n")) == log[len(b"line 0\n"):], "from a piece's start"
+    assert store.read_from("run", key, 3) == log[3:], "from inside a piece"
+    assert store.read_from("run", key, len(log)) == b"", "nothing new past the end"
+
+    lines: list[str] = []
+    tailer = LogTailer(store, "run", procs_per_node=1, sink=lambda r, n, t: lines.append(t))
+    tailer.poll()
+    store.append("run", key, len(log), b"line 5\nline 6 part")
+    log += b"line 5\nline 6 part"
+    tailer.poll()
+    store.seal_appended("run", key, log + b"ial\n")
+    tailer.poll(final=True)
+    assert lines == [f"line {i}" for i in range(6)] + ["line 6 partial"], "the tailer crosses into the sealed object"
+
+    objects = [o["Key"] for o in store.client.list_objects_v2(Bucket=store.bucket)["Contents"]]
+    assert objects == [store._key("run", key)], "sealing leaves one object"
+    store.append("run", "metrics/rank-00000.jsonl", 0, b"{}\n")
+    store.delete("run", "metrics/rank-00000.jsonl")
+    assert store.get("run", "metrics/rank-00000.jsonl") is None and store.list("run", "metrics") == []
+
+
+def test_a_node_ships_a_growing_log_in_at_most_twice_its_size(store: S3Store, tmp_path: Any) -> None:
+    from pathlib import Path
+
+    from prefect_sgpu.launch.bootstrap import NodeBootstrap, NodeIdentity
+
+    class Counting(S3Store):
+        sent = 0
+
+        def put(self, run_id: str, key: str, data: bytes) -> None:
+            if "/logs/" in f"/{key}":
+                Counting.sent += len(data)
+            super().put(run_id, key, data)
+
+    counting = Counting(store.root_uri, client=store.client)
+    node = NodeBootstrap(counting, "run", NodeIdentity("i-0123456789abcdef0", 0, "10.0.0.5"), Path(tmp_path),
+                         heartbeat_ttl=60)
+    log = Path(tmp_path) / "run" / "logs" / "rank-00000.log"
+    log.parent.mkdir(parents=True)
+    with open(log, "ab") as fh:
+        for tick in range(60):  # a log that grows by 2 KB between syncs
+            fh.write(f"step {tick} ".encode() + b"x" * 2000 + b"\n")
+            fh.flush()
+            node.sync_up()
+    size = log.stat().st_size
+    assert Counting.sent == size, "while it runs each byte goes once (a whole upload per sync: ~30x)"
+    node.seal_appended()
+    assert Counting.sent <= 2 * size
+    assert store.get("run", "logs/rank-00000.log") == log.read_bytes()
+    assert store.list("run", "logs") == ["logs/rank-00000.log"]

@@ -17,8 +17,10 @@ on itself) and no key. The program:
    the store can delay a node, never run code on it;
 4. copies the payload into a local job folder (the ranks verify it) and runs the
    node agent against that folder, with the job key in its environment;
-5. in a loop, uploads rank logs (each grown log is re-uploaded whole: S3 objects cannot
-   be appended to) and sealed result envelopes, copies the driver's sealed heartbeat
+5. in a loop, ships what rank logs, metric files and its agent's output gained since the
+   last tick as appended pieces (``Store.append``: S3 objects cannot be appended to, and
+   re-uploading a growing log whole ships its size on every tick), writes each whole once
+   at the end, uploads sealed result envelopes, copies the driver's sealed heartbeat
    down verbatim (the agent verifies it too), and finally re-seals the agent's status
    bound to this instance;
 6. watches IMDS for a spot interruption notice (``spot/instance-action``) and a rebalance
@@ -200,6 +202,8 @@ class NodeBootstrap:
         self.local: JobFolder | None = None
         self._clients: dict[str, Any] = {}
         self._uploaded: dict[str, tuple[int, int]] = {}
+        #: growing files shipped as appended pieces: key -> (local path, bytes shipped so far)
+        self._appended: dict[str, tuple[Path, int]] = {}
         self._beat_seq = -1
         self._beat_seen = time.monotonic()
         self._alive_seq = 0
@@ -379,14 +383,50 @@ class NodeBootstrap:
         self.store.put(self.run_id, key, path.read_bytes())
         self._uploaded[key] = mark
 
+    def _append_new_bytes(self, path: Path, key: str) -> None:
+        """Ship what ``path`` (a file that only grows) gained since the last call, as one appended piece."""
+        _, sent = self._appended.get(key, (path, 0))
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size < sent:  # replaced by a shorter file: start it again
+            self.store.delete(self.run_id, key)
+            sent = 0
+        if size == sent:
+            self._appended[key] = (path, sent)
+            return
+        with open(path, "rb") as fh:
+            fh.seek(sent)
+            data = fh.read(size - sent)
+        self.store.append(self.run_id, key, sent, data)
+        self._appended[key] = (path, sent + len(data))
+
+    def seal_appended(self) -> None:
+        """Every growing file written whole, once, and its pieces dropped: at most twice its size shipped."""
+        for key, (path, _sent) in sorted(self._appended.items()):
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            self.store.seal_appended(self.run_id, key, data)
+            self._appended[key] = (path, len(data))
+
     def sync_up(self) -> None:
-        """Logs first, then envelopes (sealed by their ranks): a reader that sees an envelope sees its log."""
-        for kind, pattern in ((LOGS, "rank-*.log"), (METRICS, "rank-*.jsonl"), (RESULTS, "rank-*.bin")):
+        """Logs first, then envelopes (sealed by their ranks): a reader that sees an envelope sees its log.
+
+        Logs, metrics and the agent's output grow while the job runs: each sync ships only their
+        new bytes (:meth:`Store.append`); results are written once, whole."""
+        for kind, pattern in ((LOGS, "rank-*.log"), (METRICS, "rank-*.jsonl")):
             folder = self.job_dir / kind
             if folder.is_dir():
                 for path in sorted(folder.glob(pattern)):
-                    self._upload_if_changed(path, f"{kind}/{path.name}")
-        self._upload_if_changed(self.job_dir / agent_output_key(self.index), agent_output_key(self.index))
+                    self._append_new_bytes(path, f"{kind}/{path.name}")
+        folder = self.job_dir / RESULTS
+        if folder.is_dir():
+            for path in sorted(folder.glob("rank-*.bin")):
+                self._upload_if_changed(path, f"{RESULTS}/{path.name}")
+        self._append_new_bytes(self.job_dir / agent_output_key(self.index), agent_output_key(self.index))
         # rank 0's step (a few bytes): what the driver's progress report follows
         self._upload_if_changed(self.job_dir / PROGRESS_DIR / "rank-0", f"{PROGRESS_DIR}/rank-0")
 
@@ -395,6 +435,7 @@ class NodeBootstrap:
         reads results once it sees it)."""
         assert self.folder is not None and self.local is not None
         self.sync_up()
+        self.seal_appended()
         status = self.local.status(self.index) if (self.job_dir / "nodes").is_dir() else None
         if status is None:
             status = NodeStatus(node=self.index, host=socket.gethostname(), exit_code=code or 1,
