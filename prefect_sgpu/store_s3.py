@@ -22,6 +22,9 @@ from prefect_sgpu.store import Store
 BODY_ATTEMPTS = 3
 #: the folder beside an object that holds its appended pieces (``logs/rank-00000.log.parts/...``)
 PARTS = ".parts"
+#: objects at least this large (payloads, results) go up in parts through boto3's transfer manager:
+#: one PUT holds at most 5 GB, and parts of a large object go up side by side
+MULTIPART_BYTES = 64 * 1024 * 1024
 #: the store's KMS key and expected bucket owner, as nodes and ranks get them (:meth:`S3Store.env`)
 KMS_ENV = "SGPU_STORE_KMS_KEY"
 OWNER_ENV = "SGPU_STORE_BUCKET_OWNER"
@@ -115,6 +118,16 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self._key(run_id, key)}"
 
     def put(self, run_id: str, key: str, data: bytes) -> None:
+        if len(data) >= MULTIPART_BYTES:
+            import io
+
+            from boto3.s3.transfer import TransferConfig
+
+            config = TransferConfig(multipart_threshold=MULTIPART_BYTES,
+                                    multipart_chunksize=max(MULTIPART_BYTES // 4, 5 * 1024 * 1024))
+            self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(run_id, key),
+                                       ExtraArgs=self.write_args(), Config=config)
+            return
         self.client.put_object(Bucket=self.bucket, Key=self._key(run_id, key), Body=data, **self.write_args())
 
     # -- objects that grow: one small object per appended piece ----------------------------------

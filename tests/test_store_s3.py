@@ -166,3 +166,19 @@ def test_a_node_ships_a_growing_log_in_at_most_twice_its_size(store: S3Store, tm
     assert Counting.sent <= 2 * size
     assert store.get("run", "logs/rank-00000.log") == log.read_bytes()
     assert store.list("run", "logs") == ["logs/rank-00000.log"]
+
+
+def test_a_large_object_goes_up_in_parts_encrypted_and_reads_back_whole(store: S3Store,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import prefect_sgpu.store_s3 as store_s3
+
+    monkeypatch.setattr(store_s3, "MULTIPART_BYTES", 5 * 1024 * 1024)  # S3's smallest part
+    data = bytes(range(256)) * (12 * 1024 * 1024 // 256)  # 12 MB: 3 parts of 5 MB
+    store.put("run", "results/rank-00000.bin", data)
+    head = store.client.head_object(Bucket=store.bucket, Key=store._key("run", "results/rank-00000.bin"))
+    assert head["ETag"].strip('"').endswith("-3"), f"a multipart upload: {head['ETag']}"
+    assert head["ServerSideEncryption"] == "AES256", "the store's encryption applies to every part"
+    assert store.get("run", "results/rank-00000.bin") == data
+    store.put("run", "small.bin", b"x")
+    small = store.client.head_object(Bucket=store.bucket, Key=store._key("run", "small.bin"))
+    assert "-" not in small["ETag"].strip('"'), "a small object is one PUT"
