@@ -108,6 +108,26 @@ class _CollectiveTimeouts:
             sys.meta_path.insert(0, self)
 
 
+def _connect_ray(address: str) -> None:
+    """A ``@ray_launch`` driver starts connected to its job's cluster, as a Databricks notebook is:
+    ``ray.cluster_resources()`` and friends work with no ``ray.init()``, and a ``ray.init()`` in the
+    function (any arguments) is answered with the existing connection instead of an error."""
+    import functools
+
+    import ray
+
+    ray.init(address=address)
+    original = ray.init
+
+    @functools.wraps(original)
+    def init(*args: Any, **kwargs: Any) -> Any:
+        if ray.is_initialized():
+            kwargs["ignore_reinit_error"] = True
+        return original(*args, **kwargs)
+
+    ray.init = init
+
+
 def _shutdown_process_group() -> None:
     dist = sys.modules.get("torch.distributed")
     try:
@@ -159,6 +179,8 @@ def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> t
     monitor = _system_metrics(int(base.get("rank", 0)))
     try:
         call = payload.load(jobfolder.unseal(sealed, key, "payload", run_id, what=jobfolder.PAYLOAD))
+        if os.environ.get("SGPU_RAY_ADDRESS"):  # the driver of a @ray_launch job
+            _connect_ray(os.environ["SGPU_RAY_ADDRESS"])
         if isinstance(call, payload.ScriptCall):
             exit_code = _run_script(call)
             if exit_code:

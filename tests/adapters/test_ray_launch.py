@@ -173,3 +173,19 @@ def test_a_head_whose_port_lies_in_rays_default_worker_range_starts() -> None:
         head.stop()
         shutil.rmtree(temp, ignore_errors=True)
     assert not head.alive()
+
+
+def test_the_driver_starts_connected_and_its_own_ray_init_is_harmless() -> None:
+    @ray_launch(gpus=1, mlflow=False)
+    def as_in_a_notebook() -> dict:
+        import ray
+
+        before = ray.is_initialized()
+        cpus = ray.cluster_resources().get("CPU")  # no ray.init(): connected already
+        per_node = ray._private.state.available_resources_per_node()
+        ray.init(address="auto", namespace="mine")  # what user code often does: answered, not refused
+        return {"before": before, "cpus": cpus, "nodes": len(per_node), "after": ray.is_initialized()}
+
+    result = as_in_a_notebook.run()
+    assert result.values == [{"before": True, "cpus": 1.0, "nodes": 1, "after": True}]
+    assert job_leftovers(result.run_id) == []
