@@ -339,6 +339,28 @@ def mlflow_reference(tracking_uri: str, experiment_id: str, run_id: str) -> str:
             f"and go to http://127.0.0.1:5000/{page}")
 
 
+#: rows of the loss table artifact at most (longer histories are thinned evenly, the last step kept)
+LOSS_ROWS = 100
+
+
+def loss_table(tracking_uri: str, run_id: str, rows: int = LOSS_ROWS) -> list[dict[str, Any]]:
+    """Every ``*loss*`` metric of an MLflow run by step (system metrics left out), at most ``rows`` rows."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    names = sorted(k for k in client.get_run(run_id).data.metrics if "loss" in k.lower()
+                   and not k.startswith("system/"))
+    by_step: dict[int, dict[str, Any]] = {}
+    for name in names:
+        for m in client.get_metric_history(run_id, name):
+            by_step.setdefault(int(m.step), {"step": int(m.step)})[name] = round(float(m.value), 6)
+    table = [by_step[s] for s in sorted(by_step)]
+    if len(table) > rows:
+        every = len(table) / rows
+        table = [table[int(i * every)] for i in range(rows - 1)] + [table[-1]]
+    return [{"step": r["step"], **{n: r.get(n) for n in names}} for r in table]
+
+
 def _report(job: Job, result: JobResult) -> None:
     """Prefect artifacts for the task run, keyed by task (the latest is the key's newest version):
     ``sgpu-<task>-job`` (summary), ``sgpu-<task>-ranks`` (table) and ``sgpu-<task>-mlflow``."""
@@ -357,6 +379,14 @@ def _report(job: Job, result: JobResult) -> None:
         mlflow_line = mlflow_reference(result.mlflow_tracking_uri, job.tracked.experiment_id, result.mlflow_run_id)
         create_markdown_artifact(markdown=mlflow_line, key=f"{key}-mlflow",
                                  description=f"MLflow run of prefect-sgpu job {result.run_id}")
+        try:
+            losses = loss_table(result.mlflow_tracking_uri, result.mlflow_run_id)
+        except Exception:  # noqa: BLE001 - a report, never the task's failure
+            logger.debug("could not read the loss curve of %s", result.mlflow_run_id, exc_info=True)
+            losses = []
+        if losses:
+            create_table_artifact(table=losses, key=f"{key}-loss",
+                                  description=f"loss by step, MLflow run {result.mlflow_run_id}")
     cost = result.cost or {}
     cost_line = (
         f"Compute: {cost.get('instance_hours', 0):.4f} instance-hours, estimated "

@@ -36,11 +36,12 @@ def two_ranks(x: int) -> int:
 
     from prefect_sgpu import runtime
 
-    if runtime.is_rank_zero():
-        mlflow.log_metric("x", x)
     for step in range(1, 5):
         t.sleep(1.2)
         runtime.progress(step, total=4)
+        if runtime.is_rank_zero():
+            mlflow.log_metric("train_loss", 1.0 / step, step=step)
+            mlflow.log_metric("x", x, step=step)
     return x + runtime.rank()
 
 
@@ -68,7 +69,10 @@ def test_library_lines_artifacts_and_events_of_a_gpu_task(prefect_server: None) 
             flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), limit=20, offset=0)
         by_key = {a.key: a for a in artifacts}
         assert {"sgpu-two-ranks-job", "sgpu-two-ranks-ranks", "sgpu-two-ranks-mlflow",
-                "sgpu-two-ranks-progress"} <= set(by_key), by_key
+                "sgpu-two-ranks-progress", "sgpu-two-ranks-loss"} <= set(by_key), by_key
+        losses = by_key["sgpu-two-ranks-loss"]
+        rows = json.loads(losses.data) if isinstance(losses.data, str) else losses.data
+        assert rows == [{"step": s, "train_loss": round(1.0 / s, 6)} for s in range(1, 5)], rows
         progress = by_key["sgpu-two-ranks-progress"]
         assert progress.type == "progress" and float(progress.data) == 100.0, progress
         assert "finished (step 4 of 4)" in progress.description, progress.description
@@ -91,6 +95,23 @@ def test_library_lines_artifacts_and_events_of_a_gpu_task(prefect_server: None) 
     finished = next(e for e in mine if e.event == "prefect-sgpu.job.finished")
     assert finished.payload["gpus"] == 2 and finished.payload["duration_s"] > 0, finished.payload
     assert finished.resource.id.startswith("prefect-sgpu.job.")
+
+
+def test_a_long_loss_history_is_thinned_to_a_table_that_keeps_the_last_step(tmp_path: Any) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from prefect_sgpu.adapters.task_runner import loss_table
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("losses")).info.run_id
+    from mlflow.entities import Metric
+
+    client.log_batch(run, metrics=[Metric("loss", 1000.0 - s, 0, s) for s in range(1000)]
+                     + [Metric("system/rank-0/loss_like", 1.0, 0, 0), Metric("accuracy", 0.5, 0, 1)])
+    table = loss_table(uri, run, rows=50)
+    assert len(table) == 50 and table[0] == {"step": 0, "loss": 1000.0} and table[-1] == {"step": 999, "loss": 1.0}
+    assert [r["step"] for r in table] == sorted(r["step"] for r in table)
 
 
 def test_mlflow_reference_links_a_server_and_gives_the_command_for_a_local_store() -> None:
