@@ -120,7 +120,7 @@ def tokenize_corpus(corpus: str, seq_len: int, heldout_fraction: float = 0.1) ->
 def train_lm(shards: Any, config: dict[str, Any], steps: int = 40, batch_size: int = 8, lr: float = 3e-3,
              seed: int = 0, checkpoint_every: int = 10, zero_stage: int = 2,
              fault_file: str | None = None, fault_step: int = -1) -> dict[str, Any]:
-    """On every rank: stream this rank's blocks and train; return rank 0's full weights.
+    """On every rank: stream this rank's blocks and train; return where rank 0 saved the full weights.
 
     Checkpoints go to ``runtime.checkpoint_dir()`` (kept across Prefect retries of this
     task); a new attempt starts from the newest complete one, mid-epoch. The strategy
@@ -187,8 +187,10 @@ def train_lm(shards: Any, config: dict[str, Any], steps: int = 40, batch_size: i
                     mlflow.log_metric("train_loss", last_loss, step=step + 1)
         if ckpt.due(step + 1):
             ckpt.save(step + 1, {"loader": loader.state_dict(), "train_loss": last_loss})
-    weights = wrapped.full_state_dict()
-    return {"weights": weights, "train_loss": last_loss, "start_step": start, "strategy": wrapped.strategy,
+    from prefect_sgpu.pipeline.checkpoint import save_model
+
+    model_uri = save_model(wrapped.full_state_dict())  # beside the checkpoints; tasks pass the URI, not weights
+    return {"model_uri": model_uri, "train_loss": last_loss, "start_step": start, "strategy": wrapped.strategy,
             "mlflow_run_id": mlflow_run_id}
 
 
@@ -219,7 +221,10 @@ def perplexity(model: Any, blocks: Any, batch_size: int = 16) -> float:
     return math.exp(total / count)
 
 
-def _trained_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
+def _trained_model(config: dict[str, Any], model_uri: str) -> Any:
+    from prefect_sgpu.pipeline.checkpoint import load_model
+
+    weights = load_model(model_uri)
     model = build_model(config)
     model.load_state_dict(weights)
     return model
@@ -228,7 +233,7 @@ def _trained_model(config: dict[str, Any], weights: dict[str, Any]) -> Any:
 @task(name="evaluate-llm")
 def evaluate(config: dict[str, Any], trained: dict[str, Any], heldout: str) -> float:
     """Held-out perplexity of the trained weights (lower is better; 256 = a uniform guess)."""
-    value = perplexity(_trained_model(config, trained["weights"]), load_blocks(heldout))
+    value = perplexity(_trained_model(config, trained["model_uri"]), load_blocks(heldout))
     if not math.isfinite(value):
         raise ValueError(f"training produced a non-finite held-out perplexity: {value}")
     return value
@@ -244,7 +249,7 @@ def register(config: dict[str, Any], trained: dict[str, Any], heldout_perplexity
     from prefect_sgpu.pipeline.registry import register_model
 
     version = register_model(
-        _trained_model(config, trained["weights"]), name=model_name, metric_name="perplexity",
+        _trained_model(config, trained["model_uri"]), name=model_name, metric_name="perplexity",
         metric_value=heldout_perplexity, lower_is_better=True,
         params={**params, **{f"model_{k}": v for k, v in config.items()}},
         metrics={"train_loss": trained["train_loss"]}, run_name=f"{model_name}-{trained['strategy']}",
@@ -290,6 +295,7 @@ def finetune_llm(strategy: str = "ddp", gpus: int = 4, nodes: int = 2, steps: in
     return {"model_name": model_name, "version": version["version"], "champion": version["champion"],
             "perplexity": heldout_ppl, "train_loss": trained["train_loss"], "start_step": trained["start_step"],
             "strategy": trained["strategy"], "heldout": blocks["heldout"], "mds_uri": shards.uri,
+            "model_uri": trained["model_uri"],
             "run_id": version["run_id"]}
 
 

@@ -182,3 +182,25 @@ def test_a_large_object_goes_up_in_parts_encrypted_and_reads_back_whole(store: S
     store.put("run", "small.bin", b"x")
     small = store.client.head_object(Bucket=store.bucket, Key=store._key("run", "small.bin"))
     assert "-" not in small["ETag"].strip('"'), "a small object is one PUT"
+
+
+def test_a_saved_model_on_s3_is_fetched_and_loaded_weights_only_elsewhere(
+        store: S3Store, aws_env: MotoAWS, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from prefect_sgpu.checkpoints import ENDPOINT_ENV, URI_ENV
+    from prefect_sgpu.pipeline.checkpoint import load_model, save_model
+
+    location = f"s3://{store.bucket}/checkpoints/flow/train"
+    monkeypatch.setenv(URI_ENV, location)
+    monkeypatch.setenv(ENDPOINT_ENV, aws_env.endpoint_url)
+    monkeypatch.setenv("SGPU_JOB_DIR", str(tmp_path / "node"))  # the writing node's stage
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    uri = save_model(weights)
+    assert uri == f"{location}/final/model.pt"
+    keys = [o["Key"] for o in store.client.list_objects_v2(Bucket=store.bucket)["Contents"]]
+    assert keys == ["checkpoints/flow/train/final/COMPLETE", "checkpoints/flow/train/final/model.pt"]
+
+    monkeypatch.setenv("SGPU_JOB_DIR", str(tmp_path / "reader"))  # another machine: nothing staged
+    got = load_model(uri)
+    assert torch.equal(got["w"], weights["w"])

@@ -40,7 +40,11 @@ from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
 if TYPE_CHECKING:
     from prefect_sgpu.pipeline.strategies import Wrapped
 
-__all__ = ["MARKER", "Checkpointer", "complete_steps", "latest_complete_step", "step_dir_name"]
+__all__ = ["MARKER", "Checkpointer", "complete_steps", "latest_complete_step", "load_model", "save_model",
+           "step_dir_name"]
+
+#: the file of a model saved with :func:`save_model`, in its own folder at the checkpoint location
+MODEL_FILE = "model.pt"
 
 
 def complete_steps(folder: str | Path) -> list[int]:
@@ -191,6 +195,43 @@ class _WeightsOnlyLoads:
             raise CheckpointRefused(
                 f"checkpoint file {path} names more than tensors, plain values and DeepSpeed's own checkpoint "
                 f"classes, so loading it could run code: refused ({str(exc).splitlines()[0]})") from None
+
+
+def save_model(state_dict: dict[str, Any] | None, name: str = "final") -> str:
+    """Rank 0: ``state_dict`` as one weights-only file in folder ``name`` of the job's checkpoint
+    location (uploaded, marker last, when it is on S3); every rank returns its URI.
+
+    Tasks pass this URI instead of the weights: a Prefect result stays a few bytes, and the
+    model sits beside the checkpoints it came from (kept across retries of the task).
+    """
+    location = Location()
+    if runtime.is_rank_zero():
+        if state_dict is None:
+            raise SGPUConfigError("state_dict", None, "rank 0's full state dict (Wrapped.full_state_dict())")
+        folder = location.local / name
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        _atomic_torch_save(state_dict, folder / MODEL_FILE)
+        location.upload(name)
+        location.put_marker(name, json.dumps({"written_at": time.time()}).encode())  # last: complete
+    _barrier()
+    return f"{location.uri.rstrip('/')}/{name}/{MODEL_FILE}"
+
+
+def load_model(uri: str) -> dict[str, Any]:
+    """A state dict saved by :func:`save_model`, fetched when on S3, loaded with ``weights_only=True``."""
+    import torch
+
+    folder_uri, _, file_name = uri.rstrip("/").rpartition("/")
+    location_uri, _, name = folder_uri.rpartition("/")
+    location = Location(location_uri)
+    path = location.fetch(name) / file_name
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointRefused(f"model file {uri} holds more than tensors and plain values: refused "
+                                f"({str(exc).splitlines()[0]})") from None
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:

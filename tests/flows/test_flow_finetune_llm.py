@@ -34,6 +34,10 @@ def test_finetune_llm_trains_resumes_after_a_retry_and_registers_a_champion(pref
     assert not fault.exists(), "the injected fault fired"
     assert out["start_step"] == 6, "the Prefect retry resumed from the step-6 checkpoint, not from scratch"
     assert out["strategy"] == "ddp"
+    from prefect_sgpu.pipeline.checkpoint import load_model
+
+    assert Path(out["model_uri"]).is_file(), "training handed on where the weights are, not the weights"
+    assert set(load_model(out["model_uri"])) >= {"transformer.wte.weight"}
     assert 1.0 < out["perplexity"] < 128, f"the model learned little: perplexity {out['perplexity']} (256 = uniform)"
 
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
