@@ -173,21 +173,21 @@ class IAMGate:
             return {}
         return {t["key"]: t["value"] for t in inst.get_tags()}
 
-    def _role_arn(self, name: str, path: str | None = None) -> str:
+    def _iam_arn(self, kind: str, name: str, path: str | None) -> str:
+        """``arn:aws:iam::<account>:<kind><path><name>``, the path read from moto's IAM when not given."""
         if path is None:
+            read = self._iam().get_role if kind == "role" else self._iam().get_instance_profile
             try:
-                path = self._iam().get_role(name).path
-            except Exception:  # noqa: BLE001
+                path = read(name).path
+            except Exception:  # noqa: BLE001 - not made (yet): the default path
                 path = "/"
-        return f"arn:aws:iam::{ACCOUNT}:role{path}{name}"
+        return f"arn:aws:iam::{ACCOUNT}:{kind}{path}{name}"
+
+    def _role_arn(self, name: str, path: str | None = None) -> str:
+        return self._iam_arn("role", name, path)
 
     def _profile_arn(self, name: str, path: str | None = None) -> str:
-        if path is None:
-            try:
-                path = self._iam().get_instance_profile(name).path
-            except Exception:  # noqa: BLE001
-                path = "/"
-        return f"arn:aws:iam::{ACCOUNT}:instance-profile{path}{name}"
+        return self._iam_arn("instance-profile", name, path)
 
     def requests(self, method: str, path: str, headers: dict[str, str], body: bytes,
                  service: str, action: str, params: dict[str, str]) -> list[tuple[str, str, dict[str, list[str]]]]:
