@@ -444,6 +444,7 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
             raise SGPUConfigError("gpus", None, "a number of GPUs when distribute_all_tasks=True")
         self.distribute_all_tasks = distribute_all_tasks
         self._compute: Any | None = None
+        self._local: Any | None = None
         self._jobs: set[threading.Event] = set()
         self._jobs_lock = threading.Lock()
 
@@ -459,7 +460,7 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        for key in ("_jobs_lock", "_compute", "_jobs"):
+        for key in ("_jobs_lock", "_compute", "_local", "_jobs"):
             state.pop(key, None)
         return state
 
@@ -468,6 +469,7 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
         self._jobs_lock = threading.Lock()
         self._jobs = set()
         self._compute = None
+        self._local = None
 
     def compute_and_store(self, spec: JobSpec) -> tuple[Any, Store]:
         """The compute and store of one task's job: the runner's compute (or the work pool's,
@@ -478,6 +480,13 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
                 if source is not None:
                     self._compute = as_compute(source, "compute" if self.compute is not None else COMPUTE_ENV)
             compute = self._compute
+            if compute is None and not spec.remote:
+                if self._local is None:
+                    # the flow's own local compute: its GPU tasks share warm nodes, closed when the flow ends
+                    from prefect_sgpu.compute.local import LocalProcessCompute
+
+                    self._local = LocalProcessCompute()
+                compute = self._local
         return resolve(spec, compute, self.store)
 
     def _track(self, event: threading.Event) -> None:
@@ -505,6 +514,7 @@ class GPUTaskRunner(ThreadPoolTaskRunner):  # type: ignore[type-arg]
         try:
             super().__exit__(exc_type, exc_value, traceback)  # cancels jobs, waits for their threads
         finally:
-            compute, self._compute = self._compute, None
-            if compute is not None:
-                compute.close()
+            computes, self._compute, self._local = (self._compute, self._local), None, None
+            for compute in computes:
+                if compute is not None:
+                    compute.close()

@@ -26,6 +26,7 @@ import time
 from functools import lru_cache
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from prefect_sgpu.compute.base import (
@@ -43,6 +44,7 @@ from prefect_sgpu.compute.base import (
     node_base_environment,
 )
 from prefect_sgpu.compute import leases
+from prefect_sgpu.compute.warm import AGENT_MODULE, POOL, WarmSet, start_set, warm_node_argv
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.launch.processes import kill_and_reap
 from prefect_sgpu.spec import JobSpec, Plan, plan_local
@@ -55,6 +57,9 @@ logger = logging.getLogger("prefect_sgpu.compute.local")
 
 Isolation = Literal["auto", "namespaces", "none"]
 HEARTBEAT_TTL_ENV = "PREFECT_SGPU_HEARTBEAT_TTL"
+#: seconds an idle warm allocation is kept for the next job (0: every job starts and ends cold)
+KEEP_WARM_ENV = "PREFECT_SGPU_KEEP_WARM"
+DEFAULT_KEEP_WARM_S = 120.0
 #: seconds between two tries for GPUs while acquire waits for other jobs to release them
 LEASE_POLL_S = 0.5
 #: seconds between two driver heartbeats while acquire waits
@@ -85,6 +90,20 @@ def visible_gpus() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [str(i) for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]
+
+
+def default_keep_warm() -> float:
+    """``PREFECT_SGPU_KEEP_WARM`` seconds, else 120."""
+    raw = os.environ.get(KEEP_WARM_ENV, "").strip()
+    if not raw:
+        return DEFAULT_KEEP_WARM_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SGPUConfigError(KEEP_WARM_ENV, raw, "seconds (a number >= 0; 0 turns warm nodes off)") from None
+    if value < 0:
+        raise SGPUConfigError(KEEP_WARM_ENV, raw, "seconds (a number >= 0; 0 turns warm nodes off)")
+    return value
 
 
 @lru_cache(maxsize=1)
@@ -119,8 +138,11 @@ class LocalRequest(Request):
     namespaces: bool = False
     shm_size: str = "2g"
 
+    #: seconds the job's nodes stay warm for the next job (0: cold)
+    keep_warm: float = 0.0
+
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "namespaces": self.namespaces}
+        return {**super().describe(), "namespaces": self.namespaces, "keep_warm": self.keep_warm}
 
 
 @dataclass
@@ -132,6 +154,10 @@ class LocalAllocation(Allocation):
     gpus: list[str] = field(default_factory=list)
     #: the driver's hold on ``gpus`` (its node agents hold it too), until ``release``
     lease: leases.GpuLease | None = None
+    #: the warm nodes this job runs on (None: cold, one new agent process per node)
+    warm: "WarmSet | None" = None
+    #: the node agent arguments each warm node was handed, by node
+    warm_sent: dict[int, list[str]] = field(default_factory=dict)
 
 
 class LocalProcessCompute(Compute):
@@ -140,15 +166,22 @@ class LocalProcessCompute(Compute):
     name = "local"
     remote = False
 
-    def __init__(self, isolation: Isolation = "auto", shm_size: str = "2g") -> None:
+    def __init__(self, isolation: Isolation = "auto", shm_size: str = "2g", keep_warm: float | None = None) -> None:
+        """``keep_warm``: seconds a finished job's node processes (torch imported) wait for the next
+        job of the same shape, which then starts without importing anything; None: the
+        ``PREFECT_SGPU_KEEP_WARM`` environment variable, else 120; 0: every job starts cold."""
         if isolation not in ("auto", "namespaces", "none"):
             raise SGPUConfigError("isolation", isolation, "one of 'auto', 'namespaces', 'none'")
+        if keep_warm is not None and (not isinstance(keep_warm, (int, float)) or isinstance(keep_warm, bool)
+                                      or keep_warm < 0):
+            raise SGPUConfigError("keep_warm", keep_warm, "seconds (a number >= 0; 0 turns warm nodes off)")
         self.isolation = isolation
         self.shm_size = shm_size
+        self.keep_warm = default_keep_warm() if keep_warm is None else float(keep_warm)
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"LocalProcessCompute(isolation={self.isolation!r})"
+        return f"LocalProcessCompute(isolation={self.isolation!r}, keep_warm={self.keep_warm:g})"
 
     def uses_namespaces(self) -> bool:
         if self.isolation == "none":
@@ -175,7 +208,7 @@ class LocalProcessCompute(Compute):
             _cpu_notice(plan)
         return LocalRequest(run_id=run_id, compute=self.name, plan=plan, spec=spec,
                             heartbeat_ttl_s=heartbeat_ttl(), namespaces=self.uses_namespaces(),
-                            shm_size=self.shm_size)
+                            shm_size=self.shm_size, keep_warm=self.keep_warm)
 
     def command_line(self, request: Request, command: NodeCommand) -> list[str]:
         """The full command line of one node, namespaces included."""
@@ -214,12 +247,59 @@ class LocalProcessCompute(Compute):
         nodes = [AllocatedNode(index=i, address=f"127.0.0.{i + 1}", host=socket.gethostname())
                  for i in range(request.plan.nodes)]
         allocation = LocalAllocation(request=request, folder=folder, nodes=nodes)
+        if isinstance(request, LocalRequest) and request.keep_warm > 0:
+            return self._acquire_warm(allocation, folder, deadline, cancel)
         if request.plan.device == "cuda":
             allocation.lease = self._lease_gpus(request, folder, deadline, cancel)
             allocation.gpus = list(allocation.lease.gpus)
             if cancel.is_set():
                 allocation.lease.close()
                 raise JobCancelled(f"job {request.run_id} was cancelled")
+        return allocation
+
+    def _warm_key(self, request: Request) -> tuple[Any, ...]:
+        plan = request.plan
+        namespaces = isinstance(request, LocalRequest) and request.namespaces
+        return (plan.nodes, plan.procs_per_node, plan.device, namespaces,
+                request.shm_size if isinstance(request, LocalRequest) else "", sys.executable)
+
+    def _acquire_warm(self, allocation: LocalAllocation, folder: "JobFolder", deadline: float,
+                      cancel: threading.Event) -> LocalAllocation:
+        """An idle warm set of this job's shape from this process's pool, or a new one (which leases
+        the job's GPUs and keeps them until the set closes)."""
+        request = allocation.request
+        key = self._warm_key(request)
+        warm = POOL.take(key, owner=id(self))
+        if warm is None:
+            lease = self._lease_gpus(request, folder, deadline, cancel) if request.plan.device == "cuda" else None
+            ppn = request.plan.procs_per_node
+
+            def beat() -> None:
+                try:
+                    folder.beat()
+                except Exception:  # noqa: BLE001 - the next beat may succeed
+                    logger.debug("heartbeat failed", exc_info=True)
+
+            argvs = [self.command_line(request, NodeCommand(i, warm_node_argv(i))) for i in range(request.plan.nodes)]
+            env = {**node_base_environment(dict(os.environ)), "PYTHONPATH": _import_path({})}
+            try:
+                warm = start_set(key, argvs, env, warm_logs_dir(), lease,
+                                 lambda i: list(lease.fds[i * ppn:(i + 1) * ppn]) if lease else [],
+                                 deadline, cancel, beat, request.run_id, request.spec.timeout)
+            except BaseException:
+                if lease is not None:
+                    lease.close()
+                raise
+            POOL.add(warm, owner=id(self))
+            logger.debug("job %s: started warm set %s (%d node(s))", request.run_id, warm.id, len(warm.nodes))
+        else:
+            logger.debug("job %s: reusing warm set %s (job %d on it)", request.run_id, warm.id, warm.jobs + 1)
+        allocation.warm = warm
+        allocation.gpus = warm.gpus
+        if cancel.is_set():
+            POOL.give_back(warm, _keep_warm(request))
+            allocation.warm = None
+            raise JobCancelled(f"job {request.run_id} was cancelled")
         return allocation
 
     def _lease_gpus(self, request: Request, folder: "JobFolder", deadline: float,
@@ -268,10 +348,17 @@ class LocalProcessCompute(Compute):
             env = {**node_base_environment(dict(os.environ)), **launch.env, **launch.secrets, **ours,
                    "SGPU_PAYLOAD_KEY": allocation.folder.key}
             # the caller's import path, so modules importable here are importable in the ranks
-            paths = [p or os.getcwd() for p in sys.path] + env.get("PYTHONPATH", "").split(os.pathsep)
-            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+            env["PYTHONPATH"] = _import_path(env)
             out = allocation.folder.path(f"agent/node-{command.node}.out")
             out.parent.mkdir(parents=True, exist_ok=True)
+            warm = allocation.warm.nodes[command.node] if allocation.warm is not None else None
+            if warm is not None and command.argv[1:3] == ["-m", AGENT_MODULE]:
+                with self._lock:
+                    if allocation.released:
+                        return
+                    allocation.warm_sent[command.node] = command.argv[3:]
+                    warm.launch(command.argv[3:], env, os.getcwd(), out)
+                continue
             with self._lock, open(out, "ab") as fh:
                 if allocation.released:
                     return
@@ -285,6 +372,8 @@ class LocalProcessCompute(Compute):
     def poll(self, allocation: Allocation) -> list[Event]:
         assert isinstance(allocation, LocalAllocation)
         events: list[Event] = []
+        if allocation.warm is not None:
+            events += self._poll_warm(allocation)
         for index, proc in sorted(allocation.processes.items()):
             if index not in allocation.announced:
                 allocation.announced.add(index)
@@ -302,10 +391,49 @@ class LocalProcessCompute(Compute):
                     events.append(NodeExited(index, code, status))
         return events
 
+    def _poll_warm(self, allocation: LocalAllocation) -> list[Event]:
+        assert allocation.warm is not None
+        events: list[Event] = []
+        for node in allocation.warm.nodes:
+            index = node.index
+            if node.agent_pid is None or index in allocation.processes:
+                continue
+            if index not in allocation.announced:
+                allocation.announced.add(index)
+                events.append(NodeUp(index, f"{allocation.nodes[index].address} (warm, agent pid {node.agent_pid})"))
+            if index in allocation.reported:
+                continue
+            code = node.poll()
+            if code is None and not node.alive():
+                allocation.reported.add(index)
+                events.append(NodeLost(index, f"node {index}'s warm node (pid {node.pid}) ended while its job ran: "
+                                              f"{node.broken or 'exited'}"))
+            elif code is not None:
+                allocation.reported.add(index)
+                status = allocation.folder.status(index)
+                if status is None and code < 0:
+                    events.append(NodeLost(index, f"node {index}'s agent (pid {node.agent_pid}) was killed by "
+                                                  f"{signal.Signals(-code).name} before it reported"))
+                else:
+                    events.append(NodeExited(index, code, status))
+        return events
+
+    def _stop_warm(self, allocation: LocalAllocation, grace: float) -> None:
+        assert allocation.warm is not None
+        running = [n for n in allocation.warm.nodes if n.agent_pid is not None and n.exit_code is None]
+        for node in running:
+            node.stop(grace)
+        for node in running:
+            if not node.wait_job(grace + 15.0):
+                logger.error("warm node %d (pid %s) did not end its job; closing it", node.index, node.pid)
+                node.close()
+
     def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
         import psutil
 
         assert isinstance(allocation, LocalAllocation)
+        if allocation.warm is not None:
+            self._stop_warm(allocation, grace)
         procs = list(allocation.processes.values())
         tree: list[psutil.Process] = []
         for proc in procs:
@@ -341,15 +469,48 @@ class LocalProcessCompute(Compute):
         assert isinstance(allocation, LocalAllocation)
         with self._lock:
             allocation.released = True
+        warm, allocation.warm = allocation.warm, None
+        gone: list[str] = []
         try:
+            if warm is not None:
+                allocation.warm = warm
+                try:
+                    self._stop_warm(allocation, 0.0)
+                finally:
+                    allocation.warm = None
+                gone += [f"node {n.index} job processes (agent pid {n.agent_pid})" for n in warm.nodes
+                         if n.agent_pid is not None]
             self.stop(allocation, grace=0.0)
         finally:
             if allocation.lease is not None:
                 allocation.lease.close()
-        gone = [f"node {i} process tree (pid {p.pid})" for i, p in sorted(allocation.processes.items())]
-        if allocation.gpus:
+            if warm is not None:
+                POOL.give_back(warm, _keep_warm(allocation.request))
+        gone += [f"node {i} process tree (pid {p.pid})" for i, p in sorted(allocation.processes.items())]
+        if allocation.gpus and warm is None:
             gone.append(f"lease on GPU(s) {','.join(allocation.gpus)}")
         return Released(gone=gone)
+
+    def close(self) -> None:
+        """Close the idle warm nodes this compute used last (a task runner does at flow end);
+        ones in a job close when it ends."""
+        POOL.close(owner=id(self))
+
+
+def _keep_warm(request: Request) -> float:
+    return request.keep_warm if isinstance(request, LocalRequest) else 0.0
+
+
+def warm_logs_dir() -> "Path":
+    from prefect_sgpu.store import default_home
+
+    return default_home() / "warm"
+
+
+def _import_path(env: dict[str, str]) -> str:
+    """The caller's import path (and ``env``'s PYTHONPATH): modules importable here are importable in ranks."""
+    paths = [p or os.getcwd() for p in sys.path] + env.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(p for p in paths if p))
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

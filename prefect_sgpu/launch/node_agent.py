@@ -162,7 +162,9 @@ def job_folder(job_dir: str | Path) -> "JobFolder":
     return JobFolder.local(job_dir, os.environ["SGPU_PAYLOAD_KEY"])
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, forked: bool = False) -> int:
+    """Run this node's part of the job with torch elastic; ``forked``: on a warm node, whose ranks
+    are forked from this agent (torch already imported) instead of started as new interpreters."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -200,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         rdzv_configs={"is_host": args.node_index == 0, "join_timeout": args.join_timeout},
         max_restarts=args.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="fork" if forked else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(job_dir / "agent" / f"node-{args.node_index}")),
         shutdown_timeout=10,
         local_addr=args.local_addr,
@@ -210,8 +212,13 @@ def run(args: argparse.Namespace) -> int:
     from prefect_sgpu.jobfolder import NodeStatus
 
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "prefect_sgpu.launch.rank_main",
-                                               f"--run-id={args.run_id}")
+        if forked:
+            from prefect_sgpu.launch.rank_main import forked_rank
+
+            elastic_launch(config, forked_rank)()
+        else:
+            elastic_launch(config, sys.executable)("-u", "-m", "prefect_sgpu.launch.rank_main",
+                                                   f"--run-id={args.run_id}")
     except ChildFailedError as exc:
         status["exit_code"] = 1
         for rank, failure in exc.failures.items():

@@ -235,6 +235,29 @@ def main() -> int:
     return exit_code
 
 
+def forked_rank() -> None:
+    """A rank forked from a warm node's agent (torch elastic's ``fork`` start method).
+
+    The warm node imported torch before the job's environment existed: the thread count
+    is set from the job's ``OMP_NUM_THREADS`` here. Exit handlers registered during the job
+    (MLflow's flush) run as in a cold rank; a failed rank leaves with its exit code, which
+    torch elastic reports as it does for a cold one.
+    """
+    import atexit
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    code = main()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code:
+        os._exit(code)
+
+
 def _exit(code: int) -> None:
     """Leave without the interpreter's teardown.
 

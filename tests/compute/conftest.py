@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
-from support.conformance import LocalCase
+from support.conformance import LocalCase, LocalWarmCase
 
 if TYPE_CHECKING:
     from support.conformance_ec2 import EC2Case, EC2Env
@@ -15,6 +15,13 @@ if TYPE_CHECKING:
 @pytest.fixture
 def local_case() -> LocalCase:
     return LocalCase()
+
+
+@pytest.fixture
+def local_warm_case() -> Iterator[LocalWarmCase]:
+    case = LocalWarmCase()
+    yield case
+    case.compute.close()
 
 
 @pytest.fixture(scope="session")

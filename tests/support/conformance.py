@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, Protocol
 from support.processes import job_processes
 
 #: the computes the suite runs against (fixtures ``<name>_case`` in tests/compute/conftest.py)
-CASES = ["local", "ray", "ec2"]
+CASES = ["local", "local_warm", "ray", "ec2"]
 #: those whose acquire can be made to wait (timeout and cancel during acquire)
-STALLABLE: list[str] = ["local", "ray", "ec2"]
+STALLABLE: list[str] = ["local", "local_warm", "ray", "ec2"]
 
 
 class ComputeCase(Protocol):
@@ -97,3 +97,55 @@ class LocalCase:
         expected = [[places.get(arg.split("=", 1)[1], arg.split("=", 1)[1]).join([arg.split("=", 1)[0] + "=", ""])
                      if "=<node-" in arg else arg for arg in shlex.split(n["command"])] for n in shown["nodes"]]
         assert sent == expected
+
+
+def warm_node_descendants() -> list[str]:
+    """Processes below this driver's idle warm nodes: what a finished job left on a warm node."""
+    import psutil
+
+    from prefect_sgpu.compute.warm import POOL
+
+    found = []
+    for warm in POOL.idle():
+        for node in warm.nodes:
+            try:
+                root = psutil.Process(node.pid)
+                found += [f"{p.pid}: {' '.join(p.cmdline())}" for p in root.children(recursive=True)
+                          if "prefect_sgpu.launch.warm_node" not in " ".join(p.cmdline())
+                          and p.status() != psutil.STATUS_ZOMBIE]
+            except psutil.Error:
+                continue
+    return found
+
+
+class LocalWarmCase(LocalCase):
+    """Local processes on warm nodes: each job's agent and ranks forked from a node process
+    that outlives the job. Nothing of the job may be left below those nodes."""
+
+    name = "local_warm"
+
+    def __init__(self) -> None:
+        from prefect_sgpu.compute.local import LocalProcessCompute
+
+        self.compute = LocalProcessCompute(keep_warm=60)
+
+    def options(self, **overrides: Any) -> dict[str, Any]:
+        return super().options(compute=self.compute, **overrides)
+
+    def leftovers(self, run_id: str) -> list[str]:
+        return super().leftovers(run_id) + warm_node_descendants()
+
+    def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
+        allocation = job.allocation
+        assert allocation.warm is None, "released: the warm nodes went back to the pool"
+        sent = [allocation.warm_sent[i] for i in sorted(allocation.warm_sent)]
+        assert len(sent) == len(shown["nodes"])
+        endpoint = next(a.split("=", 1)[1] for a in sent[0] if a.startswith("--rdzv-endpoint="))
+        places = {"<node-0>:<port>": endpoint, **{f"<node-{n.index}>": n.address for n in allocation.nodes}}
+        for node, args in zip(shown["nodes"], sent):
+            words = shlex.split(node["command"])
+            agent = words[words.index("prefect_sgpu.launch.node_agent") + 1:]
+            agent = [a for a in agent if not a.startswith("--shm-size=")]
+            expected = [a.split("=", 1)[0] + "=" + places[a.split("=", 1)[1]] if "=<node-" in a else a for a in agent]
+            assert args == expected
+        assert shown["keep_warm"] == 60
