@@ -42,6 +42,7 @@ __all__ = [
     "RayCompute",
     "SGPUStore",
     "ray_launch",
+    "release_warm",
 ]
 
 _LAZY = {
@@ -54,6 +55,7 @@ _LAZY = {
     "SGPUStore": "prefect_sgpu.adapters.blocks",
     "SGPUWorker": "prefect_sgpu.adapters.worker",
     "ray_launch": "prefect_sgpu.ray",
+    "release_warm": "prefect_sgpu.compute.warm",
 }
 
 

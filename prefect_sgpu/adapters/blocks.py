@@ -45,11 +45,17 @@ class LocalCompute(Block):
         description="Give each simulated node its own PID and mount namespace (private /dev/shm) when possible.",
     )
     shm_size: str = Field(default="2g", description="Size of each simulated node's private /dev/shm.")
+    keep_warm: Optional[float] = Field(
+        default=None, ge=0,
+        description="Seconds a finished job's node processes (torch imported) wait for the next job of the "
+                    "same shape, which then starts without a cold start; unset: PREFECT_SGPU_KEEP_WARM, "
+                    "else 120; 0: every job starts cold. A flow's task runner closes them when the flow ends.",
+    )
 
     def get_compute(self) -> Any:
         from prefect_sgpu.compute.local import LocalProcessCompute as Local
 
-        return Local(isolation=self.isolation, shm_size=self.shm_size)
+        return Local(isolation=self.isolation, shm_size=self.shm_size, keep_warm=self.keep_warm)
 
 
 class SGPUStore(Block):

@@ -234,3 +234,35 @@ def test_a_node_lost_mid_task_is_relaunched_inside_one_task_run(prefect_server: 
             sort=ArtifactSort.CREATED_DESC, limit=10, offset=0,
         ) if a.type == "markdown" and a.key.endswith("-job")]
     assert "Recovered from infrastructure loss" in artifact.data and "killed by SIGKILL" in artifact.data
+
+
+@gpu_task(gpus=2, mlflow=False)
+def warm_probe(step: int) -> dict:
+    return {"step": step, "preloaded": "torch" in __import__("sys").modules, "pid": os.getpid()}
+
+
+def test_a_flows_gpu_tasks_share_warm_nodes_until_the_flow_ends(prefect_server: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three GPU tasks of one flow: the first starts the warm nodes, the next two start on them with
+    torch already imported (fresh rank processes each time); when the flow ends, the nodes are gone."""
+    from prefect_sgpu.compute.warm import POOL
+    from support.processes import warm_node_pids
+
+    monkeypatch.setenv("PREFECT_SGPU_KEEP_WARM", "600")  # only the flow's end may close them
+    seen_during: list[int] = []
+
+    @flow(task_runner=GPUTaskRunner())
+    def pipeline() -> list[dict]:
+        out = []
+        for step in range(3):
+            out.append(warm_probe(step))
+            seen_during.append(len(warm_node_pids()))
+        return out
+
+    before = set(warm_node_pids())
+    results = pipeline()
+    assert [r["step"] for r in results] == [0, 1, 2]
+    assert [r["preloaded"] for r in results][1:] == [True, True]
+    assert len({r["pid"] for r in results}) == 3, "every task's ranks are new processes"
+    assert seen_during == [1, 1, 1], "one warm node (gpus=2 on one node) served all three tasks"
+    assert set(warm_node_pids()) <= before and not [w for w in POOL.idle() if w.jobs == 3]

@@ -18,26 +18,11 @@ from prefect_sgpu.compute.local import LocalProcessCompute
 from prefect_sgpu.compute.warm import POOL
 from prefect_sgpu.errors import SGPUConfigError
 from support.conformance import warm_node_descendants
+from support.processes import warm_node_pids
 
 pytestmark = pytest.mark.e2e
 
 MARK = "3000.25"  # a leftover daemon's sleep argument: no other process on the machine sleeps this long
-
-
-def warm_node_pids() -> list[int]:
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["cmdline", "environ"]):
-        try:
-            cmd = " ".join(proc.info["cmdline"] or [])
-            home = (proc.info["environ"] or {}).get("PREFECT_SGPU_HOME")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if ("prefect_sgpu.launch.warm_node" in cmd and home == os.environ["PREFECT_SGPU_HOME"]
-                and "unshare" not in (proc.info["cmdline"] or [""])[0]):  # the node, not its namespace's wrapper
-            found.append(proc.pid)
-    return found
 
 
 @pytest.fixture

@@ -27,3 +27,22 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def warm_node_pids() -> list[int]:
+    """Warm node processes of this test session (its PREFECT_SGPU_HOME), not their namespace wrappers."""
+    import os
+
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            home = (proc.info["environ"] or {}).get("PREFECT_SGPU_HOME")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if ("prefect_sgpu.launch.warm_node" in cmd and home == os.environ["PREFECT_SGPU_HOME"]
+                and "unshare" not in (proc.info["cmdline"] or [""])[0]):  # the node, not its namespace's wrapper
+            found.append(proc.pid)
+    return found
