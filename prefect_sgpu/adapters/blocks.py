@@ -210,12 +210,18 @@ class RayCompute(Block):
         default=None, description="torch.distributed backend; unset: nccl on GPU workers, gloo on CPU workers.")
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict, description='Merged into every worker\'s Ray resources, e.g. {"CPU": 4} for data loading.')
+    keep_warm: float = Field(
+        default=0.0, ge=0,
+        description="Seconds a warm worker group (placement group, one actor per rank with torch imported) "
+                    "waits for the next job of the same shape, which then pays only for its function; 0: each "
+                    "job is a Ray Train run of its own (needed by functions that call Ray Train's API).",
+    )
 
     def get_compute(self) -> Any:
         from prefect_sgpu.compute.ray import RayTrainCompute as Ray
 
         return Ray(address=self.address, runtime_env=self.runtime_env, backend=self.backend,
-                   resources_per_worker=self.resources_per_worker)
+                   resources_per_worker=self.resources_per_worker, keep_warm=self.keep_warm)
 
     def close(self) -> None:
         """Leave the cluster if a job of this process joined it (the Ray connection is per process)."""

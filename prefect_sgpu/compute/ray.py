@@ -127,11 +127,15 @@ class RayRequest(Request):
     runtime_env: dict[str, Any] = field(default_factory=dict)
     backend: str | None = None
     max_failures: int = 0
+    #: seconds a warm worker group waits for the next job of its shape (0: one Ray Train run per job)
+    keep_warm: float = 0.0
 
     def describe(self) -> dict[str, Any]:
         # no heartbeat: Ray ends the run's task when the driver that owns it goes away
         described = {k: v for k, v in super().describe().items() if k != "heartbeat_ttl_s"}
-        return {**described, "address": self.address, "trainer": TRAINER,
+        trainer = (f"warm worker group (one actor per rank, kept {self.keep_warm:g}s between jobs)"
+                   if self.keep_warm > 0 else TRAINER)
+        return {**described, "address": self.address, "trainer": trainer,
                 "num_workers": self.scaling.get("num_workers"), "scaling_config": dict(self.scaling),
                 "use_gpu_if_available": bool(self.scaling.get("use_gpu")), "runtime_env": dict(self.runtime_env),
                 "backend": self.backend or "nccl on GPU workers, gloo on CPU workers",
@@ -154,6 +158,8 @@ class RayAllocation(Allocation):
     #: the Ray node each rank's worker reported (Ray places workers, so ranks are not in node order)
     rank_nodes: dict[int, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the warm worker group the job runs on (None: a Ray Train run)
+    group: Any = None
 
 
 # one Ray connection per process: which cluster prefect-sgpu joined, so any compute for it may leave it
@@ -169,7 +175,14 @@ class RayTrainCompute(Compute):
     runs_node_agents = False
 
     def __init__(self, address: str = "auto", runtime_env: dict[str, Any] | None = None,
-                 backend: str | None = None, resources_per_worker: dict[str, float] | None = None) -> None:
+                 backend: str | None = None, resources_per_worker: dict[str, float] | None = None,
+                 keep_warm: float = 0.0) -> None:
+        """``keep_warm``: seconds a warm worker group (placement group, one actor per rank with torch
+        imported) waits for the next job of the same shape, which then pays only for its function;
+        0: every job is a Ray Train run of its own (needed by functions that call Ray Train's API)."""
+        if not isinstance(keep_warm, (int, float)) or isinstance(keep_warm, bool) or keep_warm < 0:
+            raise SGPUConfigError("keep_warm", keep_warm, "seconds (a number >= 0; 0: a Ray Train run per job)")
+        self.keep_warm = float(keep_warm)
         if not isinstance(address, str) or not address.strip():
             raise SGPUConfigError("address", address, "'auto', 'ray://host:port' or 'host:port'")
         if backend is not None and backend not in BACKENDS:
@@ -187,7 +200,7 @@ class RayTrainCompute(Compute):
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, RayTrainCompute) and other.address == self.address
                 and other.runtime_env == self.runtime_env and other.backend == self.backend
-                and other.resources_per_worker == self.resources_per_worker)
+                and other.resources_per_worker == self.resources_per_worker and other.keep_warm == self.keep_warm)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -200,7 +213,7 @@ class RayTrainCompute(Compute):
         return RayRequest(run_id=run_id, compute=self.name, plan=plan, spec=spec, heartbeat_ttl_s=0.0,
                           address=self.address, scaling=scaling_options(spec, plan, None, self.resources_per_worker),
                           runtime_env=dict(self.runtime_env), backend=self.backend,
-                          max_failures=spec.max_restarts)
+                          max_failures=spec.max_restarts, keep_warm=self.keep_warm)
 
     def command_line(self, request: Request, command: NodeCommand) -> list[str]:
         """What node 0 stands for: one Ray Train run (``dry_run`` prints this, not a torchrun agent)."""
@@ -248,10 +261,14 @@ class RayTrainCompute(Compute):
         for every call, and any of them may end the connection the first one made.
         """
         global _joined
+        from prefect_sgpu.ray.warm_group import RAY_POOL
+
+        RAY_POOL.close(owner=id(self))
         with _join_lock:
             if _joined is not None and _joined == self.address:
                 import ray
 
+                RAY_POOL.close()  # groups of this connection cannot outlive it
                 ray.shutdown()
                 _joined = None
 
@@ -297,8 +314,29 @@ class RayTrainCompute(Compute):
             raise JobCancelled(f"job {request.run_id} was cancelled")
         refined = dataclasses.replace(request, scaling=scaling, plan=dataclasses.replace(
             plan, device="cuda" if scaling["use_gpu"] else "cpu"))
-        return RayAllocation(request=refined, folder=folder,
-                             nodes=[AllocatedNode(index=0, address=self.address, host=self.address)])
+        allocation = RayAllocation(request=refined, folder=folder,
+                                   nodes=[AllocatedNode(index=0, address=self.address, host=self.address)])
+        if refined.keep_warm > 0:
+            allocation.group = self._warm_group(refined, deadline, cancel)
+        return allocation
+
+    def _warm_group(self, request: RayRequest, deadline: float, cancel: threading.Event) -> Any:
+        """An idle warm group of this job's shape, or a new one (placement group and actors ready)."""
+        from prefect_sgpu.ray.warm_group import RAY_POOL, create_group
+
+        key = (self.address, repr(sorted(request.scaling.items())), repr(sorted(request.runtime_env.items())),
+               request.backend)
+        group = RAY_POOL.take(key, owner=id(self))
+        if group is not None:
+            return group
+        try:
+            group = create_group(key, request.scaling, request.runtime_env, deadline, cancel)
+        except TimeoutError:
+            if cancel.is_set():
+                raise JobCancelled(f"job {request.run_id} was cancelled while its warm group started") from None
+            raise LaunchTimeout(request.run_id, request.spec.timeout, phase="starting the warm worker group") from None
+        RAY_POOL.add(group, owner=id(self))
+        return group
 
     # -- start, poll, stop, release -----------------------------------------------------
 
@@ -324,6 +362,11 @@ class RayTrainCompute(Compute):
                 name=collector_name(allocation.run_id)).remote()
             config = {"payload": sealed, "key": folder.key, "run_id": folder.run_id, "env": env,
                       "collector": allocation.collector}
+            allocation.started = True
+            if allocation.group is not None:
+                config.pop("collector")
+                allocation.group.start(config, allocation.collector, request.backend)
+                return
             allocation.fit = ray.remote(num_cpus=0, max_retries=0)(_fit).remote(
                 config, request.scaling, allocation.run_id, request.max_failures, request.backend)
             allocation.started = True
@@ -345,12 +388,17 @@ class RayTrainCompute(Compute):
         if now - allocation.last_drain < DRAIN_INTERVAL_S:
             return events
         allocation.last_drain = now
-        ready, _ = ray.wait([allocation.fit], timeout=0)
-        self._drain(allocation)
-        if not ready:
-            return events
+        if allocation.group is not None:
+            error = self._warm_outcome(allocation)
+            if error == "running":
+                return events
+        else:
+            ready, _ = ray.wait([allocation.fit], timeout=0)
+            self._drain(allocation)
+            if not ready:
+                return events
+            error = _run_error(allocation.fit)
         allocation.finished = True
-        error = _run_error(allocation.fit)
         self._drain(allocation)
         for rank, body in ray.get(allocation.collector.results.remote()).items():
             allocation.folder.put_result(rank, body)
@@ -359,6 +407,30 @@ class RayTrainCompute(Compute):
             status = NodeStatus(node=0, host=self.address, exit_code=1, error=error)
             allocation.folder.put_status(0, status)
         return [*events, NodeExited(0, 0 if error is None else 1, status)]
+
+    def _warm_outcome(self, allocation: RayAllocation) -> str | None:
+        """"running" until every rank ended or one failed (the others are stopped then, as Ray
+        Train stops a run's workers); None when all succeeded, else the failure."""
+        import ray
+
+        runs = allocation.group.runs
+        ready, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+        self._drain(allocation)
+        failed = []
+        for rank, ref in enumerate(runs):
+            if ref in ready:
+                try:
+                    code = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - the actor died: reported as the run's error
+                    failed.append(f"rank {rank}'s warm worker: {type(exc).__name__}: {exc}")
+                    continue
+                if code:
+                    failed.append(f"rank {rank} exited with code {code}")
+        if failed:
+            allocation.group.stop(0.0)
+            self._drain(allocation)
+            return "; ".join(failed)[:4000]
+        return None if len(ready) == len(runs) else "running"
 
     def _drain(self, allocation: RayAllocation) -> None:
         """Append the lines the workers sent since the last drain to ``logs/rank-<r>.log``."""
@@ -383,10 +455,12 @@ class RayTrainCompute(Compute):
 
         assert isinstance(allocation, RayAllocation)
         with allocation.lock:
-            if allocation.fit is None or allocation.stopped or not ray.is_initialized():
+            if (allocation.fit is None and allocation.group is None) or allocation.stopped or not ray.is_initialized():
                 return
             allocation.stopped = True
-        if not ray.wait([allocation.fit], timeout=0)[0]:
+        if allocation.group is not None:
+            allocation.group.stop(grace)
+        elif not ray.wait([allocation.fit], timeout=0)[0]:
             self._cancel(allocation.fit, grace)
         try:
             self._drain(allocation)
@@ -421,6 +495,13 @@ class RayTrainCompute(Compute):
             allocation.released = True
         self.stop(allocation, grace=0.0)
         gone = []
+        if allocation.group is not None:
+            from prefect_sgpu.ray.warm_group import RAY_POOL
+
+            group, allocation.group = allocation.group, None
+            group.runs = []
+            gone.append(f"job {allocation.run_id}'s rank processes on warm group {group.id}")
+            RAY_POOL.give_back(group, allocation.request.keep_warm)  # type: ignore[attr-defined]
         if allocation.fit is not None:
             gone.append(f"Ray Train run {allocation.run_id} (its workers and placement group)")
         if allocation.collector is not None and ray.is_initialized():

@@ -46,6 +46,16 @@ def ray_case(ray_address: str) -> "RayCase":
 
 
 @pytest.fixture
+def ray_warm_case(ray_address: str) -> "Iterator[RayCase]":
+    from prefect_sgpu.ray.warm_group import RAY_POOL
+    from support.conformance_ray import RayWarmCase
+
+    case = RayWarmCase(ray_address)
+    yield case
+    RAY_POOL.close(owner=id(case.compute))
+
+
+@pytest.fixture
 def ec2_case(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Case]":
     """EC2 on moto (through the recording proxy), each instance booted by the simulator."""
     from support.conformance_ec2 import EC2Case, ec2_environment

@@ -80,3 +80,31 @@ class RayCase:
         sent = allocation.request
         assert sent.scaling == shown["scaling_config"]
         assert (sent.address, sent.runtime_env) == (shown["address"], shown["runtime_env"])
+
+
+class RayWarmCase(RayCase):
+    """The same cluster with a warm worker group: between jobs the group's placement group and
+    actors stay (they are the compute's, not the job's), but no rank process of the job may."""
+
+    name = "ray_warm"
+
+    def __init__(self, address: str) -> None:
+        self.compute = RayTrainCompute(address=address, keep_warm=120)
+
+    def leftovers(self, run_id: str) -> list[str]:
+        import ray
+
+        from prefect_sgpu.ray.warm_group import RAY_POOL
+
+        busy = [f"warm group {g.id} rank {r} still runs a job" for g in RAY_POOL.idle()
+                for r, actor in enumerate(g.actors) if ray.get(actor.busy.remote(), timeout=30)]
+        RAY_POOL.close(owner=id(self.compute))  # what stays between jobs must go with the group
+        return busy + super().leftovers(run_id)
+
+    def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
+        allocation = job.allocation
+        assert isinstance(allocation, RayAllocation) and allocation.released
+        assert allocation.fit is None and allocation.group is None, "ran on the warm group, which went back"
+        sent = allocation.request
+        assert sent.scaling == shown["scaling_config"] and "warm worker group" in shown["trainer"]
+        assert (sent.address, sent.runtime_env) == (shown["address"], shown["runtime_env"])

@@ -1,0 +1,328 @@
+"""A warm worker group on an existing Ray cluster: jobs without per-call Ray Train setup.
+
+A ``RayCompute`` call is one Ray Train run: a controller, a placement group and one actor
+per rank are created for it and torn down after it (about 14 s here before the function
+runs). With ``keep_warm`` the compute keeps one group for jobs of the same shape instead:
+a placement group reserved as Ray Train would reserve it, one long-lived actor per rank
+placed in it, and in each actor a ``multiprocessing`` fork server that has imported torch.
+A call then only forks one process per rank and runs the function.
+
+Every job's rank is a new process forked from the fork server (which never runs user code):
+a fresh process group (initialised for it, as Ray Train would, over the group's own
+addresses), environment, working directory and CUDA context. Output lines and the sealed
+envelope reach the driver through the job's collector actor, as for a Ray Train run.
+
+Functions that call Ray Train's own API (``ray.train.report``, ``prepare_model``) need a
+Ray Train run: leave ``keep_warm`` at 0 for them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+#: what each actor's fork server imports once
+PRELOAD = ["torch", "torch.distributed", "cloudpickle", "prefect_sgpu.payload", "prefect_sgpu.jobfolder",
+           "prefect_sgpu.runtime", "prefect_sgpu.launch.rank_main"]
+FORWARD_INTERVAL_S = 0.2
+
+
+def _noop() -> None:
+    return None
+
+
+def _rank_child(config: dict[str, Any], identity: dict[str, Any], log_path: str, result: Any) -> None:
+    """One job's rank, in a process forked from the actor's fork server."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(config["env"])
+    os.environ.update({k: str(v) for k, v in identity["env"].items()})
+    os.chdir(identity["cwd"])
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    import torch
+    import torch.distributed as dist
+
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    from prefect_sgpu import payload, runtime
+    from prefect_sgpu.launch.rank_main import run_payload
+
+    base = {k: identity[k] for k in ("rank", "node", "local_rank")} | {"host": socket.gethostname()}
+    code = 1
+    try:
+        backend = identity["backend"] or ("nccl" if runtime.uses_gpu() else "gloo")
+        dist.init_process_group(backend=backend, timeout=runtime.default_timeout(),
+                                **({"device_id": runtime.device()} if backend == "nccl" else {}))
+        envelope, code = run_payload(config["payload"], config["key"], config["run_id"], base)
+        result.send_bytes(payload.dump_envelope(envelope))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the outcome is already decided
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class WarmRank:
+    """One rank's long-lived Ray actor: a fork server with torch imported, a child per job."""
+
+    def __init__(self, preload: list[str]) -> None:
+        import multiprocessing as mp
+        import tempfile
+
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(preload)
+        started = self.ctx.Process(target=_noop)  # start the fork server now, not in the first job
+        started.start()
+        started.join()
+        self.folder = tempfile.mkdtemp(prefix="sgpu-warm-rank-")
+        self.child: Any = None
+        self.lock = threading.Lock()
+
+    def where(self) -> tuple[str, str]:
+        import ray
+
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def run(self, config: dict[str, Any], identity: dict[str, Any], collector: Any) -> int:
+        """Run one job's rank to its end; its output goes to ``collector`` as it comes, its envelope last."""
+        import ray
+
+        rank = identity["rank"]
+        log_path = os.path.join(self.folder, f"{config['run_id']}-rank-{rank}.log")
+        receive, send = self.ctx.Pipe(duplex=False)
+        with self.lock:
+            self.child = self.ctx.Process(target=_rank_child, args=(config, identity, log_path, send), daemon=False)
+            self.child.start()
+        send.close()
+        forwarder = _Forwarder(log_path, collector, rank, identity["node"])
+        forwarder.start()
+        body = None
+        try:
+            while self.child.is_alive() or receive.poll():
+                if receive.poll(0.1):
+                    try:
+                        body = receive.recv_bytes()
+                    except EOFError:
+                        break
+            self.child.join()
+        finally:
+            forwarder.stop()
+        if body is not None:
+            ray.get(collector.put_result.remote(rank, body))
+        code = self.child.exitcode
+        with self.lock:
+            self.child = None
+        try:
+            os.unlink(log_path)
+        except OSError:
+            pass
+        return 0 if body is not None and code == 0 else (code or 1)
+
+    def busy(self) -> bool:
+        """Whether a job's rank process runs here."""
+        with self.lock:
+            return self.child is not None and self.child.is_alive()
+
+    def stop(self, grace: float) -> None:
+        """Stop the running job's rank: SIGTERM, SIGKILL after ``grace``."""
+        with self.lock:
+            child = self.child
+        if child is None or not child.is_alive():
+            return
+        child.terminate()
+        child.join(grace)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+
+
+class _Forwarder:
+    """Send the lines a rank's log gains to the job's collector, every ``FORWARD_INTERVAL_S``."""
+
+    def __init__(self, path: str, collector: Any, rank: int, node: int) -> None:
+        self.path, self.collector, self.rank, self.node = path, collector, rank, node
+        self.offset = 0
+        self.partial = b""
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.last: Any = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.done.wait(FORWARD_INTERVAL_S):
+            self._send()
+
+    def _send(self, final: bool = False) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        if final and self.partial:
+            lines, self.partial = [*lines, self.partial], b""
+        if lines:
+            self.last = self.collector.put_lines.remote(
+                [(self.rank, self.node, raw.decode("utf-8", "replace").rstrip("\r")) for raw in lines])
+
+    def stop(self) -> None:
+        import ray
+
+        self.done.set()
+        self.thread.join(timeout=10)
+        self._send(final=True)
+        if self.last is not None:
+            ray.get(self.last)
+
+
+@dataclass
+class WarmGroup:
+    """A placement group and one warm actor per rank, in rank order, for jobs of one shape."""
+
+    key: tuple[Any, ...]
+    placement_group: Any
+    actors: list[Any]
+    #: per rank: (node rank, local rank, local world size)
+    layout: list[tuple[int, int, int]]
+    addresses: list[str]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    jobs: int = 0
+    idle_since: float = 0.0
+    keep_warm: float = 0.0
+    owner: int = 0
+    in_use: bool = True
+    closed: bool = False
+    runs: list[Any] = field(default_factory=list)
+
+    def healthy(self) -> bool:
+        if self.closed:
+            return False
+        import ray
+
+        try:
+            ray.get([a.where.remote() for a in self.actors], timeout=30)
+            return True
+        except Exception:  # noqa: BLE001 - a dead actor or node: the group is not reused
+            return False
+
+    def start(self, config: dict[str, Any], collector: Any, backend: str | None) -> None:
+        import ray
+
+        port = ray.get(self.actors[0].free_port.remote())
+        world = len(self.actors)
+        self.runs = []
+        for rank, actor in enumerate(self.actors):
+            node, local, local_world = self.layout[rank]
+            identity = {"rank": rank, "node": node, "local_rank": local, "backend": backend, "cwd": os.getcwd(),
+                        "env": {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local,
+                                "LOCAL_WORLD_SIZE": local_world, "GROUP_RANK": node, "NODE_RANK": node,
+                                "MASTER_ADDR": self.addresses[0], "MASTER_PORT": port}}
+            self.runs.append(actor.run.remote(config, identity, collector))
+
+    def stop(self, grace: float) -> None:
+        import ray
+
+        if not self.runs:
+            return
+        try:
+            ray.get([a.stop.remote(grace) for a in self.actors], timeout=grace + 30)
+            ray.wait(self.runs, num_returns=len(self.runs), timeout=30)
+        except Exception:  # noqa: BLE001 - a group that cannot stop its job is closed, not reused
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        try:
+            ray.util.remove_placement_group(self.placement_group)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def create_group(key: tuple[Any, ...], scaling: dict[str, Any], runtime_env: dict[str, Any],
+                 deadline: float, cancel: threading.Event) -> WarmGroup:
+    """Reserve the workers' bundles as Ray Train would and start one warm actor in each; ranks go
+    node by node (as Ray Train orders its workers). Nothing is left when this raises."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = dict(scaling["resources_per_worker"])
+    if "accelerator_type" in scaling:
+        bundle[f"accelerator_type:{scaling['accelerator_type']}"] = 0.001
+    count = int(scaling["num_workers"])
+    pg = ray.util.placement_group([dict(bundle)] * count, strategy=scaling["placement_strategy"],
+                                  name=f"sgpu-warm-{uuid.uuid4().hex[:8]}")
+    actors: list[Any] = []
+    try:
+        while not ray.wait([pg.ready()], timeout=1.0)[0]:
+            if cancel.is_set() or time.monotonic() > deadline:
+                raise TimeoutError("the warm group's placement group was not ready in time")
+        cls = ray.remote(WarmRank)
+        gpus = bundle.get("GPU", 0)
+        options = {"num_cpus": bundle.get("CPU", 0), "num_gpus": gpus, "max_concurrency": 4,
+                   "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")} or None}
+        if runtime_env:
+            options["runtime_env"] = runtime_env
+        for index in range(count):
+            actors.append(cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=index), **options).remote(PRELOAD))
+        where = ray.get([a.where.remote() for a in actors])
+        order = sorted(range(count), key=lambda i: (where[i][0], where[i][1], i))
+        actors = [actors[i] for i in order]
+        where = [where[i] for i in order]
+        nodes: list[tuple[str, str]] = list(dict.fromkeys(where))
+        layout = []
+        for rank, place in enumerate(where):
+            peers = [i for i, w in enumerate(where) if w == place]
+            layout.append((nodes.index(place), peers.index(rank), len(peers)))
+        return WarmGroup(key=key, placement_group=pg, actors=actors, layout=layout,
+                         addresses=[w[0] for w in where])
+    except BaseException:
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        ray.util.remove_placement_group(pg)
+        raise
+
+
+def _pool() -> Any:
+    from prefect_sgpu.compute.warm import WarmPool
+
+    return WarmPool()
+
+
+#: this process's idle warm groups (one Ray connection per process)
+RAY_POOL = _pool()
