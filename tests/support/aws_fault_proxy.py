@@ -230,6 +230,10 @@ class AWSFaultProxy:
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
+            # HTTP/1.1: botocore's "Expect: 100-continue" is answered at once (an HTTP/1.0 handler never
+            # answers it, and every upload then waited botocore's 1 s for the continue)
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, format: str, *args: Any) -> None:
                 return
 
