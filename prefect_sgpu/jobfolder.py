@@ -354,6 +354,11 @@ class JobFolder:
     def alive(self, node: int, instance_id: str | None = None) -> Alive | None:
         return self._get_doc_or_none(alive_key(node), "alive", Alive, node=node, instance_id=instance_id)
 
+    def node_documents(self) -> set[str]:
+        """The keys under ``nodes/`` (one listing): which nodes' documents exist, before reading any,
+        so waiting on many nodes costs one call a pass instead of one a node."""
+        return set(self.store.list(self.run_id, NODES))
+
     def put_status(self, node: int, doc: NodeStatus, instance_id: str | None = None) -> None:
         self._put_doc(status_key(node), "status", doc, node=node, instance_id=instance_id)
 

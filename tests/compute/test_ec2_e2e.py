@@ -209,10 +209,10 @@ def _kill_a_driver_mid_run(ec2: EC2Env, tmp_path: Path) -> tuple[str, list[str],
             time.sleep(1)
             for page in s3.get_paginator("list_objects_v2").paginate(Bucket=ec2.bucket, Prefix="jobs/"):
                 for obj in page.get("Contents", []):
-                    if obj["Key"].endswith("logs/rank-00001.log"):
-                        body = s3.get_object(Bucket=ec2.bucket, Key=obj["Key"])["Body"].read()
-                        if b"rank is up" in body:
-                            run_id = obj["Key"].split("/")[1]
+                    if "/logs/rank-00001.log" in obj["Key"]:  # the log itself, or its appended pieces
+                        found = obj["Key"].split("/")[1]
+                        if b"rank is up" in (ec2.store().get(found, "logs/rank-00001.log") or b""):
+                            run_id = found
         output = driver.stdout.read().decode() if driver.poll() is not None else ""
         assert run_id, f"the job never started: {output}"
     finally:

@@ -54,13 +54,21 @@ class EC2Env:
         return found
 
     def objects(self, run_id: str) -> dict[str, bytes]:
-        """Every object the job left in the store, by full key."""
+        """Every object the job left in the store, by full key; a log a node is still appending to
+        (pieces under ``<key>.parts/``) also under its own key, read as one object as readers do."""
+        from prefect_sgpu.store_s3 import PARTS
+
         store = self.store()
         out = {}
         for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
                                                                             Prefix=f"jobs/{run_id}/"):
             for obj in page.get("Contents", []):
-                out[obj["Key"]] = store.get(run_id, obj["Key"][len(f"jobs/{run_id}/"):]) or b""
+                key = obj["Key"]
+                out[key] = store.get(run_id, key[len(f"jobs/{run_id}/"):]) or b""
+                if f"{PARTS}/" in key:
+                    whole = key.split(f"{PARTS}/", 1)[0]
+                    if whole not in out:
+                        out[whole] = store.get(run_id, whole[len(f"jobs/{run_id}/"):]) or b""
         return out
 
     def leftovers(self, run_id: str) -> list[str]:

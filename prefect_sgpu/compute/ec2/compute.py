@@ -57,7 +57,8 @@ from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
-from prefect_sgpu.jobfolder import LaunchDocument, ssm_key_parameter, ssm_secrets_parameter
+from prefect_sgpu.jobfolder import (LaunchDocument, alive_key, ssm_key_parameter, ssm_secrets_parameter,
+                                    status_key)
 from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store_s3 import S3Store
 
@@ -373,8 +374,10 @@ class EC2InstanceCompute(Compute):
         up: set[int] = set()
         last_state_check = 0.0
         while True:
+            listed = allocation.folder.node_documents()  # one listing a pass; a read only for what appeared
             for index, inst in enumerate(instances):
-                if index not in up and allocation.folder.alive(index, instance_id=inst.id) is not None:
+                if index not in up and alive_key(index) in listed and \
+                        allocation.folder.alive(index, instance_id=inst.id) is not None:
                     up.add(index)
                     allocation.progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})")
             if len(up) == len(instances):
@@ -452,9 +455,10 @@ class EC2InstanceCompute(Compute):
         check_alive = now - allocation.alive_checked > max(self.poll_interval_s, min(5.0, self.node_silence_s / 4))
         if check_alive:
             allocation.alive_checked = now
+        listed = allocation.folder.node_documents() if pending else set()
         for node in pending:
             iid = node.instance_id or ""
-            status = allocation.folder.status(node.index, instance_id=iid)
+            status = allocation.folder.status(node.index, instance_id=iid) if status_key(node.index) in listed else None
             if status is not None:
                 allocation.reported.add(node.index)
                 events.append(NodeExited(node.index, status.exit_code, status))
