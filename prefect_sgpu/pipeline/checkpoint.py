@@ -160,6 +160,51 @@ def check_dcp_metadata(path: Path) -> None:
                                 "refused") from None
 
 
+def weights_only_load_planner() -> Any:
+    """DCP's default load planner, except that non-tensor entries (optimizer settings, steps) load
+    with ``weights_only=True``: DCP's own planner unpickles them with ``weights_only=False``, so a
+    planted entry in a shard file would run code in every rank that restores it."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint._nested_dict import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointRefused(f"checkpoint entry {fqn!r} is not plain data (tensors, numbers, strings, "
+                                        f"containers): refused before it ran ({exc})") from None
+            if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return WeightsOnlyLoadPlanner()
+
+
+def load_dcp(state: dict[str, Any], folder: Path) -> None:
+    """``dcp.load`` into ``state`` without running anything from the files: the ``.metadata`` passes a
+    restricted unpickler first and non-tensor entries load weights-only; a refusal (which DCP wraps
+    in its own exception) is raised as ``CheckpointRefused``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    check_dcp_metadata(folder / ".metadata")
+    try:
+        dcp.load(state, checkpoint_id=str(folder), planner=weights_only_load_planner())
+    except CheckpointException as exc:
+        refused = [str(f) for f in getattr(exc, "failures", {}).values() if "CheckpointRefused" in repr(f)]
+        if refused or "CheckpointRefused" in str(exc):
+            detail = refused[0] if refused else str(exc).split("CheckpointRefused:", 1)[-1].strip()
+            raise CheckpointRefused(f"{folder}: {detail[:1000]}") from None
+        raise
+
+
 def _deepspeed_safe_globals() -> list[Any]:
     """The classes DeepSpeed's ZeRO optimizer files name besides tensors and plain values (checked on 0.19 for
     stages 0-3): its loss scalers, the stage enum and the fragment addresses of its flat buffers."""
@@ -408,13 +453,11 @@ class Checkpointer:
             if path is None:
                 raise FileNotFoundError(f"DeepSpeed found no checkpoint in {source}")
         elif w.strategy == "fsdp":
-            import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
             model_state, optim_state = get_state_dict(w.module, w.optimizer)
             state = {"model": model_state, "optimizer": optim_state}
-            check_dcp_metadata(source / "dcp" / ".metadata")  # DCP unpickles it: only its own types
-            dcp.load(state, checkpoint_id=str(source / "dcp"))
+            load_dcp(state, source / "dcp")
             set_state_dict(w.module, w.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optimizer"])
         else:

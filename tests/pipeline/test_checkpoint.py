@@ -167,3 +167,29 @@ def test_a_tampered_dcp_metadata_is_refused_before_dcp_reads_it(tmp_path: Path) 
     with pytest.raises(CheckpointRefused, match="builtins.open|io.open"):
         check_dcp_metadata(tmp_path / "dcp" / ".metadata")
     assert not marker.exists()
+
+
+def test_a_planted_dcp_entry_is_refused_and_never_runs(tmp_path: Path) -> None:
+    """DCP keeps non-tensor entries (optimizer settings) as pickles; its default planner loads them
+    with weights_only=False. The restore's planner refuses one that would run code."""
+    import torch.distributed.checkpoint as dcp
+
+    from prefect_sgpu.errors import CheckpointRefused
+    from prefect_sgpu.pipeline.checkpoint import check_dcp_metadata, load_dcp
+
+    marker = tmp_path / "pwned"
+    model = nn.Linear(4, 2)
+    with pytest.warns(UserWarning):  # one process, no process group: DCP says so
+        dcp.save({"model": model.state_dict(), "extra": {"lr": 0.1, "planted": _Planted(marker)}},
+                 checkpoint_id=str(tmp_path / "dcp"))
+    assert not marker.exists()
+    check_dcp_metadata(tmp_path / "dcp" / ".metadata")  # the metadata itself is DCP's own
+    state = {"model": nn.Linear(4, 2).state_dict(), "extra": {"lr": 0.0, "planted": None}}
+    with pytest.warns(UserWarning), pytest.raises(CheckpointRefused, match="planted.*refused"):
+        load_dcp(state, tmp_path / "dcp")
+    assert not marker.exists()
+
+    clean = {"model": nn.Linear(4, 2).state_dict(), "extra": {"lr": 0.0}}
+    with pytest.warns(UserWarning):
+        load_dcp(clean, tmp_path / "dcp")
+    assert clean["extra"]["lr"] == 0.1 and torch.equal(clean["model"]["weight"], model.weight.detach())
