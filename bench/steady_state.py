@@ -22,6 +22,13 @@ OMP_NUM_THREADS if set). The result is the median of each side, their ratio (lau
 torchrun; target >= 0.98) and the median of the per-pair ratios (each pair ran back to
 back, so it is the figure least moved by load that drifts during the run).
 
+With 2 ranks on 2 cores any other load on the machine shows up directly in samples/s, so
+rank 0 also reports its CPU time per timed step and its share of a core over the window,
+and the driver's own CPU time per call is printed: a launcher that cost something would
+show as driver CPU or as a smaller share of a core for the ranks, not only as a lower ratio.
+``.distributed()`` uses the local compute's warm nodes (ranks forked from a node process
+with torch imported; ``PREFECT_SGPU_KEEP_WARM=0`` for fresh processes every call).
+
     ./dev bench steady_state [--runs 5] [--steps 300] [--warmup 30] [--log-every 5] [--quick]
 
 ``--quick`` (3 pairs of 60 steps, about a minute here) is what ``bench all`` runs.
@@ -86,18 +93,22 @@ def train_steps(cfg: dict[str, Any]) -> dict[str, Any]:
 
     def log(phase: str, i: int, total: int, loss: torch.Tensor) -> None:
         if (i + 1) % cfg["log_every"] == 0:
-            print(f"rank {rank} {phase} step {i + 1}/{total} loss {loss.item():.4f}", flush=True)
+            # one write per line: torchrun's ranks share one unbuffered stdout, and print()'s separate
+            # newline write lets two ranks' lines run into each other
+            print(f"rank {rank} {phase} step {i + 1}/{total} loss {loss.item():.4f}\n", end="", flush=True)
 
     for i in range(cfg["warmup"]):
         log("warmup", i, cfg["warmup"], step(i))
     dist.barrier()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for i in range(cfg["steps"]):
         loss = step(cfg["warmup"] + i)
         log("timed", i, cfg["steps"], loss)
     dist.barrier()
     elapsed = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started  # this rank's CPU (all its threads) in the timed window
     return {"samples_per_s": cfg["steps"] * cfg["batch_size"] * world / elapsed, "seconds": elapsed,
+            "cpu_ms_per_step": 1000 * cpu / cfg["steps"], "cpu_share": cpu / elapsed,
             "threads": torch.get_num_threads(), "world": world, "loss": float(loss.item())}
 
 
@@ -116,7 +127,7 @@ def torchrun_rank(cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo")
     out = train_steps(cfg)
     if dist.get_rank() == 0:
-        print(RESULT_TAG + json.dumps(out), flush=True)
+        print(RESULT_TAG + json.dumps(out) + "\n", end="", flush=True)
     dist.destroy_process_group()
 
 
@@ -148,6 +159,7 @@ def main() -> None:
 
     # imported here, not at the top: torchrun's ranks run this file and stay free of prefect_sgpu
     from prefect_sgpu import distributed
+    from prefect_sgpu.compute.local import default_keep_warm
 
     fn = distributed(gpus=args.ranks, mlflow=False, env={"OMP_NUM_THREADS": threads})(launcher_rank)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
@@ -159,19 +171,24 @@ def main() -> None:
     ours: list[float] = []
     raw: list[float] = []
     ours_wall: list[float] = []
+    ours_cpu: list[float] = []  # the driver's own CPU time (all its threads) per call
     raw_wall: list[float] = []
     ours_lines: list[int] = []
     raw_lines: list[int] = []
     seen_threads: set[int] = set()
+    ours_rank0: list[dict[str, Any]] = []  # rank 0's whole report, for its CPU figures
+    raw_rank0: list[dict[str, Any]] = []
     for _ in range(args.runs):
         # A: the launcher. Its echo of the rank lines (print to sys.stdout in the driver) goes
         # into a buffer, so the lines can be counted and do not flood this report.
         echoed = io.StringIO()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with contextlib.redirect_stdout(echoed):
             values = fn.distributed(cfg)
         ours_wall.append(time.perf_counter() - t0)
+        ours_cpu.append(time.process_time() - cpu0)
         ours.append(values[0]["samples_per_s"])
+        ours_rank0.append(values[0])
         seen_threads.update(v["threads"] for v in values)
         ours_lines.append(sum(1 for line in echoed.getvalue().splitlines() if " step " in line))
 
@@ -187,6 +204,7 @@ def main() -> None:
             raise SystemExit(f"torchrun printed {len(found)} result lines, expected 1:\n{proc.stdout[-2000:]}")
         out = json.loads(found[0][len(RESULT_TAG):])
         raw.append(out["samples_per_s"])
+        raw_rank0.append(out)
         seen_threads.add(out["threads"])
         raw_lines.append(sum(1 for line in proc.stdout.splitlines() if " step " in line))
 
@@ -205,12 +223,18 @@ def main() -> None:
           f"prefect {prefect.__version__}, prefect_sgpu {prefect_sgpu.__version__}")
     print(f"runs: {args.runs} pairs alternating, {args.ranks} CPU ranks (gloo), OMP_NUM_THREADS={threads} "
           f"(torch threads seen in ranks: {sorted(seen_threads)}), {model}, batch {args.batch_size}/rank, "
-          f"{args.warmup} warm-up + {args.steps} timed steps, a line every {args.log_every} steps")
+          f"{args.warmup} warm-up + {args.steps} timed steps, a line every {args.log_every} steps, "
+          f"launcher keep_warm {default_keep_warm():g} s (PREFECT_SGPU_KEEP_WARM=0: fresh node processes per call)")
     print(f"rank lines per run (expected {expected_lines}): launcher echoed {ours_lines}, torchrun printed {raw_lines}")
     print(f".distributed() samples/s: {[round(x, 1) for x in ours]}")
     print(f"raw torchrun   samples/s: {[round(x, 1) for x in raw]}")
+    print(f"rank 0 CPU ms per timed step: .distributed() {[round(r['cpu_ms_per_step'], 1) for r in ours_rank0]}, "
+          f"torchrun {[round(r['cpu_ms_per_step'], 1) for r in raw_rank0]}; its share of a core over the timed "
+          f"window: .distributed() {[round(r['cpu_share'], 2) for r in ours_rank0]}, torchrun "
+          f"{[round(r['cpu_share'], 2) for r in raw_rank0]} (below 1: the rank waited for a core or its peer)")
     print(f"wall s per call (launch included, for context): .distributed() median "
-          f"{statistics.median(ours_wall):.1f}, torchrun median {statistics.median(raw_wall):.1f}")
+          f"{statistics.median(ours_wall):.1f}, torchrun median {statistics.median(raw_wall):.1f}; the driver's "
+          f"own CPU s per call (launch, log tailing, heartbeats; median) {statistics.median(ours_cpu):.2f}")
     print(f"median .distributed() {m_ours:.1f} samples/s, raw torchrun {m_raw:.1f} samples/s, ratio of medians "
           f"{m_ours / m_raw:.3f}, median pairwise ratio {pair:.3f} (target >= 0.98), "
           f"load average {load_start:.1f} at start, {load:.1f} at end")

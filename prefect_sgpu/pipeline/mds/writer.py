@@ -49,12 +49,25 @@ def _write_rows(out: str | tuple[str, str], head: list[dict[str, Any]], rest: It
 
     writer = MDSWriter(out=out, columns=columns, compression=compression, size_limit=size_limit)
     count = 0
+    names = list(columns)
+    # per column, the (type, dtype) of a value already checked: a row whose values match needs no
+    # new check (the checks of an inferred column otherwise cost half of MDSWriter's own time)
+    checked: dict[str, tuple[type, Any]] = {}
     try:
         for i, row in enumerate(_chain(head, rest)):
             if inferred:
-                _check_row_columns(row, i, list(columns))
+                if len(row) != len(names):
+                    _check_row_columns(row, i, names)
                 for name, encoding in columns.items():
-                    _check_value(name, encoding, i, row[name])
+                    try:
+                        value = row[name]
+                    except KeyError:
+                        _check_row_columns(row, i, names)
+                        raise
+                    kind = (type(value), getattr(value, "dtype", None))
+                    if checked.get(name) != kind:
+                        _check_value(name, encoding, i, value)
+                        checked[name] = kind
             try:
                 writer.write(row)
             except Exception as exc:  # noqa: BLE001 - turned into an error naming column and row
