@@ -382,13 +382,7 @@ class LocalProcessCompute(Compute):
                 continue
             code = proc.poll()
             if code is not None:
-                allocation.reported.add(index)
-                status = allocation.folder.status(index)
-                if status is None and code < 0:  # killed outright (OOM killer, kill -9): the node is gone
-                    events.append(NodeLost(index, f"node {index}'s agent (pid {proc.pid}) was killed by "
-                                                  f"{signal.Signals(-code).name} before it reported"))
-                else:
-                    events.append(NodeExited(index, code, status))
+                events.append(_agent_ended(allocation, index, code, proc.pid))
         return events
 
     def _poll_warm(self, allocation: LocalAllocation) -> list[Event]:
@@ -409,13 +403,7 @@ class LocalProcessCompute(Compute):
                 events.append(NodeLost(index, f"node {index}'s warm node (pid {node.pid}) ended while its job ran: "
                                               f"{node.broken or 'exited'}"))
             elif code is not None:
-                allocation.reported.add(index)
-                status = allocation.folder.status(index)
-                if status is None and code < 0:
-                    events.append(NodeLost(index, f"node {index}'s agent (pid {node.agent_pid}) was killed by "
-                                                  f"{signal.Signals(-code).name} before it reported"))
-                else:
-                    events.append(NodeExited(index, code, status))
+                events.append(_agent_ended(allocation, index, code, node.agent_pid))
         return events
 
     def _stop_warm(self, allocation: LocalAllocation, grace: float) -> None:
@@ -495,6 +483,17 @@ class LocalProcessCompute(Compute):
         """Close the idle warm nodes this compute used last (a task runner does at flow end);
         ones in a job close when it ends."""
         POOL.close(owner=id(self))
+
+
+def _agent_ended(allocation: LocalAllocation, index: int, code: int, pid: int | None) -> Event:
+    """A node agent's end: its sealed status, or the node lost when it was killed outright (OOM
+    killer, kill -9) before it could report."""
+    allocation.reported.add(index)
+    status = allocation.folder.status(index)
+    if status is None and code < 0:
+        return NodeLost(index, f"node {index}'s agent (pid {pid}) was killed by {signal.Signals(-code).name} "
+                               "before it reported")
+    return NodeExited(index, code, status)
 
 
 def _keep_warm(request: Request) -> float:

@@ -176,13 +176,12 @@ def _tail(path: Path, size: int = 2000) -> str:
         return "(unreadable)"
 
 
-@dataclass
-class WarmSet:
-    """The warm nodes of one allocation shape, and the GPUs they hold."""
+@dataclass(kw_only=True)
+class Pooled:
+    """What the pool keeps of anything warm (local warm sets, Ray warm groups): its shape and its
+    idle time. Subclasses say whether it can serve another job (``healthy``) and how it ends."""
 
     key: tuple[Any, ...]
-    nodes: list[WarmNodeProcess]
-    lease: "leases.GpuLease | None" = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     jobs: int = 0
     idle_since: float = 0.0
@@ -190,6 +189,20 @@ class WarmSet:
     owner: int = 0
     in_use: bool = True
     closed: bool = False
+
+    def healthy(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class WarmSet(Pooled):
+    """The warm nodes of one allocation shape, and the GPUs they hold."""
+
+    nodes: list[WarmNodeProcess]
+    lease: "leases.GpuLease | None" = None
 
     @property
     def gpus(self) -> list[str]:
@@ -237,13 +250,13 @@ class WarmPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sets: list[WarmSet] = []
+        self._sets: list[Pooled] = []
         self._wake = threading.Event()
         self._reaper: threading.Thread | None = None
 
-    def take(self, key: tuple[Any, ...], owner: int) -> WarmSet | None:
+    def take(self, key: tuple[Any, ...], owner: int) -> Any:
         """An idle healthy set of this shape, now in use by ``owner``; broken ones are closed."""
-        broken: list[WarmSet] = []
+        broken: list[Pooled] = []
         found = None
         with self._lock:
             for warm in list(self._sets):
@@ -259,12 +272,12 @@ class WarmPool:
             warm.close()
         return found
 
-    def add(self, warm: WarmSet, owner: int) -> None:
+    def add(self, warm: Pooled, owner: int) -> None:
         with self._lock:
             warm.in_use, warm.owner = True, owner
             self._sets.append(warm)
 
-    def give_back(self, warm: WarmSet, keep_warm: float) -> None:
+    def give_back(self, warm: Pooled, keep_warm: float) -> None:
         """After a job: idle, for the next job of its shape, until ``keep_warm`` seconds pass (closed
         at once when its owner was closed meanwhile, or when it is not healthy)."""
         if warm.keep_warm < 0 or keep_warm <= 0 or not warm.healthy():
@@ -278,7 +291,7 @@ class WarmPool:
                 self._reaper.start()
         self._wake.set()
 
-    def discard(self, warm: WarmSet) -> None:
+    def discard(self, warm: Pooled) -> None:
         with self._lock:
             if warm in self._sets:
                 self._sets.remove(warm)
@@ -297,7 +310,7 @@ class WarmPool:
             warm.close()
         return len(gone)
 
-    def idle(self) -> list[WarmSet]:
+    def idle(self) -> list[Any]:
         with self._lock:
             return [w for w in self._sets if not w.in_use]
 

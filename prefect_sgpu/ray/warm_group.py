@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefect_sgpu.compute.warm import Pooled, WarmPool
+
 #: what each actor's fork server imports once
 PRELOAD = ["torch", "torch.distributed", "cloudpickle", "prefect_sgpu.payload", "prefect_sgpu.jobfolder",
            "prefect_sgpu.runtime", "prefect_sgpu.launch.rank_main"]
@@ -196,23 +198,15 @@ class _Forwarder:
             ray.get(self.last)
 
 
-@dataclass
-class WarmGroup:
+@dataclass(kw_only=True)
+class WarmGroup(Pooled):
     """A placement group and one warm actor per rank, in rank order, for jobs of one shape."""
 
-    key: tuple[Any, ...]
     placement_group: Any
     actors: list[Any]
     #: per rank: (node rank, local rank, local world size)
     layout: list[tuple[int, int, int]]
     addresses: list[str]
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    jobs: int = 0
-    idle_since: float = 0.0
-    keep_warm: float = 0.0
-    owner: int = 0
-    in_use: bool = True
-    closed: bool = False
     runs: list[Any] = field(default_factory=list)
 
     def healthy(self) -> bool:
@@ -318,11 +312,5 @@ def create_group(key: tuple[Any, ...], scaling: dict[str, Any], runtime_env: dic
         raise
 
 
-def _pool() -> Any:
-    from prefect_sgpu.compute.warm import WarmPool
-
-    return WarmPool()
-
-
 #: this process's idle warm groups (one Ray connection per process)
-RAY_POOL = _pool()
+RAY_POOL = WarmPool()
