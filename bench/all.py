@@ -52,10 +52,10 @@ def main() -> None:
         proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *extra], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         took = time.perf_counter() - t0
-        # the figures, not the libraries' chatter: table rows and summary lines
+        # the figures, not the libraries' chatter: table rows and the benchmark's summary lines
+        words = ("median", "round", "runs", "×", "shipped", "rank log", "ratio")
         lines = [line for line in proc.stdout.splitlines()
-                 if line.startswith("|") or line[:1].isalnum() and ("median" in line or "round" in line
-                                                                    or "runs" in line or "×" in line)]
+                 if line.startswith(("|", "# ")) or line[:1].isalnum() and any(w in line for w in words)]
         print("\n".join(lines), flush=True)
         print(f"-- {name}: {'ok' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'} in {took:.0f} s",
               flush=True)
