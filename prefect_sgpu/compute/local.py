@@ -120,13 +120,29 @@ def namespaces_available() -> bool:
         return False
 
 
-_cpu_notice_given = False
+_cpu_notice_given: set[str | None] = set()
+
+
+def _run_key() -> str | None:
+    """The Prefect task or flow run this job belongs to (None outside Prefect)."""
+    if "prefect" not in sys.modules:
+        return None
+    try:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        task, flow = TaskRunContext.get(), FlowRunContext.get()
+        run = (task.task_run if task else None) or (flow.flow_run if flow else None)
+        return str(run.id) if run is not None else None
+    except Exception:  # noqa: BLE001 - a notice, not worth failing over
+        return None
 
 
 def _cpu_notice(plan: Plan) -> None:
-    global _cpu_notice_given
-    if not _cpu_notice_given:
-        _cpu_notice_given = True
+    """Say once why ranks run on the CPU: once per process, and once in every Prefect run (whose
+    logs would otherwise not show it when an earlier job of the process already said it)."""
+    key = _run_key()
+    if key not in _cpu_notice_given:
+        _cpu_notice_given.add(key)
         logger.warning(
             "no GPU on this machine: running %d CPU rank(s) with gloo (%d node(s) x %d)",
             plan.world_size, plan.nodes, plan.procs_per_node,
