@@ -128,15 +128,12 @@ def test_the_default_local_compute_is_warm_between_calls(monkeypatch: pytest.Mon
     assert _wait_until(lambda: warm_node_pids() == [])
 
 
-def test_keep_warm_is_checked() -> None:
+def test_keep_warm_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SGPUConfigError, match="keep_warm"):
         LocalProcessCompute(keep_warm=-1)
-    os.environ["PREFECT_SGPU_KEEP_WARM"] = "soon"
-    try:
-        with pytest.raises(SGPUConfigError, match="PREFECT_SGPU_KEEP_WARM"):
-            LocalProcessCompute()
-    finally:
-        os.environ["PREFECT_SGPU_KEEP_WARM"] = "0"
+    monkeypatch.setenv("PREFECT_SGPU_KEEP_WARM", "soon")
+    with pytest.raises(SGPUConfigError, match="PREFECT_SGPU_KEEP_WARM"):
+        LocalProcessCompute()
 
 
 class Diverged(Exception):
