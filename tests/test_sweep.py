@@ -137,9 +137,13 @@ def test_the_gc_flow_sweeps_and_publishes_what_it_removed(world: dict[str, objec
     report = state.result()
     assert {(x["run_id"], x["kind"]) for x in report["removed"]} == {
         ("dead", "store files"), ("dead", "MLflow run"), ("ended", "MLflow run")}
-    with get_client(sync_client=True) as client:
-        artifact = client.read_latest_artifacts(key="prefect-sgpu-gc")
-    assert artifact and "dead" in str(artifact[0].data)
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:  # this flow run's own artifact, whatever ran before it
+        artifact = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["prefect-sgpu-gc"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    assert len(artifact) == 1 and "dead" in str(artifact[0].data), artifact
 
 
 def test_the_sweeper_of_the_local_compute_is_the_local_job_store(sgpu_home: Path) -> None:
