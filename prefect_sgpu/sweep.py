@@ -339,7 +339,12 @@ class Sweeper:
         assert client is not None
         if client.get_run(mlflow_run).info.status != "RUNNING":
             return False  # ended meanwhile (its driver, or another sweeper)
-        client.set_tag(mlflow_run, "sgpu.swept", why)
+        try:
+            client.set_tag(mlflow_run, "sgpu.swept", why)
+        except Exception:  # noqa: BLE001 - another sweeper tagged it first (a unique tag, set once)
+            if client.get_run(mlflow_run).data.tags.get("sgpu.swept") is None:
+                raise
+            return False
         client.set_terminated(mlflow_run, status="KILLED")
         return True
 
