@@ -59,7 +59,6 @@ minutes by default on 2 cores.
 from __future__ import annotations
 
 import argparse
-import base64
 import datetime as dt
 import json
 import logging
@@ -242,7 +241,7 @@ class NodeHost:
 
 
 def _stub_simulator_class() -> type:
-    from support.ec2_simulator import EC2Simulator, FakeIMDS, SimulatedNode
+    from support.ec2_simulator import EC2Simulator, SimulatedNode
 
     class StubSimulator(EC2Simulator):
         """The tests' simulator, booting each instance as a stub thread in the helper process."""
@@ -251,17 +250,7 @@ def _stub_simulator_class() -> type:
 
         def _boot(self, inst: dict[str, Any]) -> SimulatedNode:  # as EC2Simulator._boot, minus the process
             iid = inst["InstanceId"]
-            raw = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
-            user_data = base64.b64decode(raw["UserData"].get("Value", "")).decode()
-            moto_ip = inst.get("PrivateIpAddress", "")
-            address = moto_ip if moto_ip.startswith("127.") else next(self._addresses)
-            imds = FakeIMDS({
-                "instance-id": iid,
-                "ami-launch-index": str(inst.get("AmiLaunchIndex", 0)),
-                "local-ipv4": address,
-                "instance-type": inst.get("InstanceType", ""),
-                "placement/availability-zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
-            })
+            user_data, moto_ip, address, imds, _credentials = self._identity(inst)
             home = self.workdir / iid
             home.mkdir(parents=True, exist_ok=True)
             proc = self.host.boot(iid, imds.url, user_data, home / "jobs")

@@ -44,7 +44,7 @@ from prefect_sgpu.compute.base import (
     node_base_environment,
 )
 from prefect_sgpu.compute import leases
-from prefect_sgpu.compute.warm import AGENT_MODULE, POOL, WarmSet, start_set, warm_node_argv
+from prefect_sgpu.compute.warm import AGENT_MODULE, POOL, WarmSet, check_keep_warm, start_set, warm_node_argv
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.launch.processes import kill_and_reap
 from prefect_sgpu.spec import JobSpec, Plan, plan_local
@@ -95,15 +95,7 @@ def visible_gpus() -> list[str]:
 def default_keep_warm() -> float:
     """``PREFECT_SGPU_KEEP_WARM`` seconds, else 120."""
     raw = os.environ.get(KEEP_WARM_ENV, "").strip()
-    if not raw:
-        return DEFAULT_KEEP_WARM_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SGPUConfigError(KEEP_WARM_ENV, raw, "seconds (a number >= 0; 0 turns warm nodes off)") from None
-    if value < 0:
-        raise SGPUConfigError(KEEP_WARM_ENV, raw, "seconds (a number >= 0; 0 turns warm nodes off)")
-    return value
+    return check_keep_warm(KEEP_WARM_ENV, raw, "warm nodes off") if raw else DEFAULT_KEEP_WARM_S
 
 
 @lru_cache(maxsize=1)
@@ -188,12 +180,10 @@ class LocalProcessCompute(Compute):
         ``PREFECT_SGPU_KEEP_WARM`` environment variable, else 120; 0: every job starts cold."""
         if isolation not in ("auto", "namespaces", "none"):
             raise SGPUConfigError("isolation", isolation, "one of 'auto', 'namespaces', 'none'")
-        if keep_warm is not None and (not isinstance(keep_warm, (int, float)) or isinstance(keep_warm, bool)
-                                      or keep_warm < 0):
-            raise SGPUConfigError("keep_warm", keep_warm, "seconds (a number >= 0; 0 turns warm nodes off)")
         self.isolation = isolation
         self.shm_size = shm_size
-        self.keep_warm = default_keep_warm() if keep_warm is None else float(keep_warm)
+        self.keep_warm = default_keep_warm() if keep_warm is None else check_keep_warm("keep_warm", keep_warm,
+                                                                                      "warm nodes off")
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -388,38 +378,17 @@ class LocalProcessCompute(Compute):
     def poll(self, allocation: Allocation) -> list[Event]:
         assert isinstance(allocation, LocalAllocation)
         events: list[Event] = []
-        if allocation.warm is not None:
-            events += self._poll_warm(allocation)
-        for index, proc in sorted(allocation.processes.items()):
+        for index, label, pid, code, lost in _agents(allocation):
             if index not in allocation.announced:
                 allocation.announced.add(index)
-                events.append(NodeUp(index, f"{allocation.nodes[index].address} (pid {proc.pid})"))
+                events.append(NodeUp(index, f"{allocation.nodes[index].address} ({label})"))
             if index in allocation.reported:
                 continue
-            code = proc.poll()
-            if code is not None:
-                events.append(_agent_ended(allocation, index, code, proc.pid))
-        return events
-
-    def _poll_warm(self, allocation: LocalAllocation) -> list[Event]:
-        assert allocation.warm is not None
-        events: list[Event] = []
-        for node in allocation.warm.nodes:
-            index = node.index
-            if node.agent_pid is None or index in allocation.processes:
-                continue
-            if index not in allocation.announced:
-                allocation.announced.add(index)
-                events.append(NodeUp(index, f"{allocation.nodes[index].address} (warm, agent pid {node.agent_pid})"))
-            if index in allocation.reported:
-                continue
-            code = node.poll()
-            if code is None and not node.alive():
+            if lost is not None:
                 allocation.reported.add(index)
-                events.append(NodeLost(index, f"node {index}'s warm node (pid {node.pid}) ended while its job ran: "
-                                              f"{node.broken or 'exited'}"))
+                events.append(NodeLost(index, lost))
             elif code is not None:
-                events.append(_agent_ended(allocation, index, code, node.agent_pid))
+                events.append(_agent_ended(allocation, index, code, pid))
         return events
 
     def _stop_warm(self, allocation: LocalAllocation, grace: float) -> None:
@@ -473,23 +442,17 @@ class LocalProcessCompute(Compute):
         assert isinstance(allocation, LocalAllocation)
         with self._lock:
             allocation.released = True
-        warm, allocation.warm = allocation.warm, None
-        gone: list[str] = []
+        warm = allocation.warm
         try:
-            if warm is not None:
-                allocation.warm = warm
-                try:
-                    self._stop_warm(allocation, 0.0)
-                finally:
-                    allocation.warm = None
-                gone += [f"node {n.index} job processes (agent pid {n.agent_pid})" for n in warm.nodes
-                         if n.agent_pid is not None]
-            self.stop(allocation, grace=0.0)
+            self.stop(allocation, grace=0.0)  # the job's processes, on warm nodes too
         finally:
+            allocation.warm = None  # a second release gives nothing back twice
             if allocation.lease is not None:
                 allocation.lease.close()
             if warm is not None:
                 POOL.give_back(warm, _keep_warm(allocation.request))
+        gone = [f"node {n.index} job processes (agent pid {n.agent_pid})" for n in (warm.nodes if warm else [])
+                if n.agent_pid is not None]
         gone += [f"node {i} process tree (pid {p.pid})" for i, p in sorted(allocation.processes.items())]
         if allocation.gpus and warm is None:
             gone.append(f"lease on GPU(s) {','.join(allocation.gpus)}")
@@ -499,6 +462,22 @@ class LocalProcessCompute(Compute):
         """Close the idle warm nodes this compute used last (a task runner does at flow end);
         ones in a job close when it ends."""
         POOL.close(owner=id(self))
+
+
+def _agents(allocation: LocalAllocation) -> list[tuple[int, str, int | None, int | None, str | None]]:
+    """Every node agent of the job, cold (a process of its own) or forked on a warm node: (node,
+    label, pid, exit code or None while it runs, why its node was lost or None)."""
+    found: list[tuple[int, str, int | None, int | None, str | None]] = []
+    for index, proc in sorted(allocation.processes.items()):
+        found.append((index, f"pid {proc.pid}", proc.pid, proc.poll(), None))
+    for node in allocation.warm.nodes if allocation.warm is not None else []:
+        if node.agent_pid is None or node.index in allocation.processes:
+            continue
+        code = node.poll()
+        lost = (f"node {node.index}'s warm node (pid {node.pid}) ended while its job ran: {node.broken or 'exited'}"
+                if code is None and not node.alive() else None)
+        found.append((node.index, f"warm, agent pid {node.agent_pid}", node.agent_pid, code, lost))
+    return found
 
 
 def _agent_ended(allocation: LocalAllocation, index: int, code: int, pid: int | None) -> Event:

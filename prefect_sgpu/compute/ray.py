@@ -180,9 +180,9 @@ class RayTrainCompute(Compute):
         """``keep_warm``: seconds a warm worker group (placement group, one actor per rank with torch
         imported) waits for the next job of the same shape, which then pays only for its function;
         0: every job is a Ray Train run of its own (needed by functions that call Ray Train's API)."""
-        if not isinstance(keep_warm, (int, float)) or isinstance(keep_warm, bool) or keep_warm < 0:
-            raise SGPUConfigError("keep_warm", keep_warm, "seconds (a number >= 0; 0: a Ray Train run per job)")
-        self.keep_warm = float(keep_warm)
+        from prefect_sgpu.compute.warm import check_keep_warm
+
+        self.keep_warm = check_keep_warm("keep_warm", keep_warm, "a Ray Train run per job")
         if not isinstance(address, str) or not address.strip():
             raise SGPUConfigError("address", address, "'auto', 'ray://host:port' or 'host:port'")
         if backend is not None and backend not in BACKENDS:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError
+from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 
 if TYPE_CHECKING:
     from prefect_sgpu.compute import leases
@@ -339,6 +339,17 @@ def release_warm() -> int:
 
 
 atexit.register(release_warm)
+
+
+def check_keep_warm(field: str, value: Any, zero: str) -> float:
+    """``keep_warm`` seconds as a float, or SGPUConfigError naming ``field`` (``zero``: what 0 means)."""
+    try:
+        seconds = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if seconds < 0:
+        raise SGPUConfigError(field, value, f"seconds (a number >= 0; 0: {zero})")
+    return seconds
 
 
 def warm_node_argv(index: int) -> list[str]:

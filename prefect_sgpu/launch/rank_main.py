@@ -235,6 +235,14 @@ def main() -> int:
     return exit_code
 
 
+def apply_thread_count() -> None:
+    """Give torch the job's ``OMP_NUM_THREADS`` in a rank forked from a process that imported torch
+    before the job's environment existed (a cold rank reads it when it imports torch)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
 def forked_rank() -> None:
     """A rank forked from a warm node's agent (torch elastic's ``fork`` start method).
 
@@ -245,9 +253,7 @@ def forked_rank() -> None:
     """
     import atexit
 
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(threads))
+    apply_thread_count()
     code = main()
     try:
         atexit._run_exitfuncs()

@@ -37,6 +37,7 @@ import gc
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,8 +180,6 @@ def _empty(folder: str) -> None:
     for entry in Path(folder).iterdir():
         try:
             if entry.is_dir() and not entry.is_symlink():
-                import shutil
-
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink()

@@ -48,14 +48,12 @@ def _rank_child(config: dict[str, Any], identity: dict[str, Any], log_path: str,
     os.environ.update(config["env"])
     os.environ.update({k: str(v) for k, v in identity["env"].items()})
     os.chdir(identity["cwd"])
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    import torch
     import torch.distributed as dist
 
-    if threads.isdigit() and int(threads) > 0:
-        torch.set_num_threads(int(threads))
     from prefect_sgpu import payload, runtime
-    from prefect_sgpu.launch.rank_main import run_payload
+    from prefect_sgpu.launch.rank_main import apply_thread_count, run_payload
+
+    apply_thread_count()
 
     base = {k: identity[k] for k in ("rank", "node", "local_rank")} | {"host": socket.gethostname()}
     code = 1
@@ -251,17 +249,23 @@ class WarmGroup(Pooled):
         self.closed = True
         import ray
 
-        if not ray.is_initialized():
-            return
-        for actor in self.actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        if ray.is_initialized():
+            _dismantle(self.actors, self.placement_group)
+
+
+def _dismantle(actors: list[Any], placement_group: Any) -> None:
+    """Kill the actors and remove their placement group; what is already gone is fine."""
+    import ray
+
+    for actor in actors:
         try:
-            ray.util.remove_placement_group(self.placement_group)
+            ray.kill(actor)
         except Exception:  # noqa: BLE001 - already gone
             pass
+    try:
+        ray.util.remove_placement_group(placement_group)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 def create_group(key: tuple[Any, ...], scaling: dict[str, Any], runtime_env: dict[str, Any],
@@ -303,12 +307,7 @@ def create_group(key: tuple[Any, ...], scaling: dict[str, Any], runtime_env: dic
         return WarmGroup(key=key, placement_group=pg, actors=actors, layout=layout,
                          addresses=[w[0] for w in where])
     except BaseException:
-        for actor in actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001
-                pass
-        ray.util.remove_placement_group(pg)
+        _dismantle(actors, pg)
         raise
 
 

@@ -190,7 +190,9 @@ class EC2Simulator:
                 found += reservation.get("Instances", [])
         return found
 
-    def _boot(self, inst: dict[str, Any]) -> SimulatedNode:
+    def _identity(self, inst: dict[str, Any]) -> tuple[str, str, str, FakeIMDS, dict[str, str]]:
+        """What an instance boots with: its user-data, moto's and its own address, its IMDSv2 (with
+        its instance profile's credentials) and those credentials."""
         iid = inst["InstanceId"]
         raw = self.ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")
         user_data = base64.b64decode(raw["UserData"].get("Value", "")).decode()
@@ -205,6 +207,11 @@ class EC2Simulator:
             "placement/availability-zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
             **role_credentials,
         })
+        return user_data, moto_ip, address, imds, role_credentials
+
+    def _boot(self, inst: dict[str, Any]) -> SimulatedNode:
+        iid = inst["InstanceId"]
+        user_data, moto_ip, address, imds, role_credentials = self._identity(inst)
         home = self.workdir / iid
         (home / "home").mkdir(parents=True, exist_ok=True)
         self._install_shutdown(home, iid)
