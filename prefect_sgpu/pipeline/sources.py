@@ -94,9 +94,9 @@ def _columnar_rows(columns: Mapping[str, Any]) -> Iterator[Row]:
     lengths = {str(name): len(values) for name, values in columns.items()}
     if len(set(lengths.values())) > 1:
         raise SGPUConfigError("source", lengths, "columns of equal length")
-    names = list(columns)
-    for i in range(next(iter(lengths.values()), 0)):
-        yield {name: columns[name][i] for name in names}
+    names = [str(name) for name in columns]
+    for values in zip(*columns.values()):  # iterating arrays side by side, not indexing each
+        yield dict(zip(names, values))
 
 
 def row_count(source: Any) -> int | None:
@@ -118,16 +118,33 @@ def row_count(source: Any) -> int | None:
     return None
 
 
-def open_rows(source: Any) -> tuple[int | None, Iterator[Row]]:
-    """The rows of ``source`` and their number where it is known, reading a file only once."""
+def open_rows(source: Any) -> tuple[int | None, Iterator[Row], bool]:
+    """The rows of ``source``, their number where it is known, and whether every row has the same
+    columns with values of the same type by construction (:func:`typed_columns`), reading a
+    file only once."""
     if isinstance(source, (str, Path)):
         path = _check_path(source)
         if path.suffix.lower() in (".jsonl", ".ndjson"):
             with path.open() as fh:  # a cheap pass over the lines gives progress a total
                 total = sum(1 for line in fh if line.strip())
-            return total, iter_rows(_iter_jsonl(path))
+            return total, iter_rows(_iter_jsonl(path)), False
         source = _load_file(path)
-    return row_count(source), iter_rows(source)
+    return row_count(source), iter_rows(source), typed_columns(source)
+
+
+def typed_columns(source: Any) -> bool:
+    """True when the source is columns of fixed numpy dtypes (no ``object`` dtype): a dict of numpy
+    arrays, a structured array, or a DataFrame. Every row then has the same columns, and each
+    column's values have one type (and, for array cells, one dtype), so the first rows stand for
+    all of them and no row needs checking on its own."""
+    if _is_dataframe(source):
+        return not any(getattr(dtype, "hasobject", True) for dtype in source.dtypes)
+    if _is_ndarray(source):
+        return source.dtype.names is not None and not source.dtype.hasobject
+    if isinstance(source, Mapping):
+        return bool(source) and all(_is_ndarray(v) and v.ndim >= 1 and not v.dtype.hasobject
+                                    for v in source.values())
+    return False
 
 
 def iter_rows(source: Any) -> Iterator[Row]:
@@ -151,7 +168,7 @@ def iter_rows(source: Any) -> Iterator[Row]:
             yield {name: record[name] for name in names}
         return
     if isinstance(source, Mapping):
-        yield from ({str(k): v for k, v in row.items()} for row in _columnar_rows(source))
+        yield from _columnar_rows(source)
         return
     if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
         raise SGPUConfigError("source", type(source).__name__, "a file path, DataFrame, numpy data "

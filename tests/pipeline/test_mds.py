@@ -130,6 +130,27 @@ def test_mixed_column_types_name_the_column_and_row(bad_row: int, tmp_path: Path
     assert not (tmp_path / "out").exists()
 
 
+def test_only_sources_whose_dtypes_fix_every_row_skip_the_row_checks(tmp_path: Path) -> None:
+    """Columns of fixed numpy dtypes cannot change type between rows; anything else is checked
+    row by row, so a column that changes type past the inferred rows is still named."""
+    from prefect_sgpu.pipeline.sources import typed_columns
+
+    structured = np.zeros(3, dtype=[("a", "i8"), ("b", "f4", (2,))])
+    assert typed_columns({"id": np.arange(3), "x": np.zeros((3, 4), np.float32)})
+    assert typed_columns(structured)
+    assert typed_columns(pd.DataFrame({"id": np.arange(3), "score": np.linspace(0, 1, 3)}))
+    assert not typed_columns(frame(3)), "a str column is of object dtype"
+    assert not typed_columns({"id": np.arange(3), "tag": np.array(["a", 1, None], dtype=object)})
+    assert not typed_columns({"id": [0, 1, 2]}), "a list column may hold anything"
+    assert not typed_columns([{"id": 0}]) and not typed_columns({})
+    mixed = {"id": np.arange(200), "tag": np.array([1] * 150 + ["x"] * 50, dtype=object)}
+    with pytest.raises(SGPUConfigError, match=r"column 'tag' at row 150\b"):
+        write_mds(mixed, tmp_path / "out", progress=False)
+    typed = {"id": np.arange(200), "x": np.ones((200, 3), np.float32)}
+    rows = read_back(write_mds(typed, tmp_path / "typed", progress=False), tmp_path)
+    assert [int(r["id"]) for r in rows] == list(range(200)) and rows[-1]["x"].tolist() == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("value, row, column", [
     (None, 4, "x"),                                 # a null
     (2**70, 4, "x"),                                # does not fit int64

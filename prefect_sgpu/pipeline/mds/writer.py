@@ -42,7 +42,7 @@ def _peek(rows: Iterator[dict[str, Any]], n: int) -> list[dict[str, Any]]:
 
 
 def _write_rows(out: str | tuple[str, str], head: list[dict[str, Any]], rest: Iterator[dict[str, Any]],
-                columns: dict[str, str], inferred: bool, compression: str | None, size_limit: int | None,
+                columns: dict[str, str], check: bool, compression: str | None, size_limit: int | None,
                 progress: _Progress) -> tuple[int, int]:
     """Write every row with MDSWriter; return (rows, shards). Never finishes a failed set."""
     from streaming import MDSWriter
@@ -55,7 +55,7 @@ def _write_rows(out: str | tuple[str, str], head: list[dict[str, Any]], rest: It
     checked: dict[str, tuple[type, Any]] = {}
     try:
         for i, row in enumerate(_chain(head, rest)):
-            if inferred:
+            if check:
                 if len(row) != len(names):
                     _check_row_columns(row, i, names)
                 for name, encoding in columns.items():
@@ -142,7 +142,7 @@ def write_mds(
 def _convert(source: Any, writer_out: str | tuple[str, str], uri: str, fp: str | None,
              columns: dict[str, str] | None, compression: str | None, limit: int | None, progress: bool,
              label: str) -> ShardSet:
-    total, rows = sources.open_rows(source)
+    total, rows, typed = sources.open_rows(source)
     head = _peek(rows, INFER_ROWS)
     if not head:
         raise SGPUConfigError("source", sources.describe(source), "a source with at least one row")
@@ -151,7 +151,9 @@ def _convert(source: Any, writer_out: str | tuple[str, str], uri: str, fp: str |
     ok = False
     count = 0
     try:
-        count, shards = _write_rows(writer_out, head, rows, resolved, columns is None, compression, limit, bar)
+        # inferred types are checked row by row, unless the source's own dtypes already fix them
+        check = columns is None and not typed
+        count, shards = _write_rows(writer_out, head, rows, resolved, check, compression, limit, bar)
         ok = True
     finally:
         bar.close(count, ok)
