@@ -23,8 +23,9 @@ from its start to RunInstances sent (sweep, SSM key, subnets, AMI, groups before
 ``nodes/node-<i>.alive`` (bound to its index and instance id), which is what "ready" means
 there. For stubs, the moment the last one wrote its alive is reported too (the difference is
 the driver's own polling lag). ``start``: one sealed launch document per node. One full
-``poll`` pass (statuses, alive documents, instance states: what the driver's loop does every
-5 s; statuses alone every second). ``release``: terminate by id and tag, wait for "terminated",
+``poll`` pass (one listing of the node documents, whose versions say which alive documents
+changed, and instance states: what the driver's loop does every 5 s; the listing alone every
+second). ``release``: terminate by id and tag, wait for "terminated",
 delete the groups and the SSM key. Its TerminateInstances includes the simulated power-off: the
 proxy answers only once the simulator has stopped the nodes.
 
@@ -518,9 +519,9 @@ def run_size(aws: Any, proxy: Any, nodes: int, stub: bool, waiter_delay: float, 
             s4 = counter.snapshot()
             result.start_s, result.start = t3 - t2, s4 - s3
 
-            # one full pass of the driver's poll (Job._wait calls it every 50 ms; the compute reads the
-            # statuses at most every poll_interval_s = 1 s, alive documents and instance states every 5 s)
-            allocation.polled = allocation.states_checked = allocation.alive_checked = 0.0
+            # one full pass of the driver's poll (Job._wait calls it every 50 ms; the compute lists the
+            # node documents at most every poll_interval_s = 1 s, and asks for instance states every 5 s)
+            allocation.polled = allocation.states_checked = 0.0
             compute.poll(allocation)
             t4 = time.monotonic()
             s5 = counter.snapshot()

@@ -64,7 +64,7 @@ logger = logging.getLogger("prefect_sgpu.jobfolder")
 MAGIC = b"SGPU2\n"
 _DIGEST = 32
 
-Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "status", "result"]
+Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result"]
 
 # --- keys ------------------------------------------------------------------------------
 
@@ -88,6 +88,10 @@ def launch_key(node: int) -> str:
 
 def alive_key(node: int) -> str:
     return f"{NODES}/node-{node}.alive"
+
+
+def notice_key(node: int) -> str:
+    return f"{NODES}/node-{node}.notice"
 
 
 def status_key(node: int) -> str:
@@ -163,8 +167,14 @@ class Alive(_Doc):
     seq: int
     time: float
     host: str = ""
-    #: the cloud's notice that this instance will be reclaimed (spot interruption, rebalance)
-    notice: str | None = None
+
+
+class Notice(_Doc):
+    """The cloud will reclaim a node's instance (spot interruption, rebalance). A document of its
+    own, written once, so that the driver reads it only when the listing shows it appeared."""
+
+    text: str
+    time: float
 
 
 class RankExit(_Doc):
@@ -354,10 +364,18 @@ class JobFolder:
     def alive(self, node: int, instance_id: str | None = None) -> Alive | None:
         return self._get_doc_or_none(alive_key(node), "alive", Alive, node=node, instance_id=instance_id)
 
-    def node_documents(self) -> set[str]:
-        """The keys under ``nodes/`` (one listing): which nodes' documents exist, before reading any,
-        so waiting on many nodes costs one call a pass instead of one a node."""
-        return set(self.store.list(self.run_id, NODES))
+    def put_notice(self, node: int, doc: Notice, instance_id: str | None = None) -> None:
+        self._put_doc(notice_key(node), "notice", doc, node=node, instance_id=instance_id)
+
+    def notice(self, node: int, instance_id: str | None = None) -> Notice | None:
+        return self._get_doc_or_none(notice_key(node), "notice", Notice, node=node, instance_id=instance_id)
+
+    def node_documents(self) -> dict[str, str]:
+        """The keys under ``nodes/`` with their versions (one listing): which nodes' documents exist
+        and which changed, before reading any, so watching many nodes costs one call a pass
+        instead of one a node. A changed alive version proves only that *someone* wrote it;
+        whoever can write the store can so delay the loss of a node, never run code."""
+        return self.store.versions(self.run_id, NODES)
 
     def put_status(self, node: int, doc: NodeStatus, instance_id: str | None = None) -> None:
         self._put_doc(status_key(node), "status", doc, node=node, instance_id=instance_id)

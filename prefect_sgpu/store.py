@@ -35,8 +35,16 @@ class Store(ABC):
     @abstractmethod
     def read_from(self, run_id: str, key: str, offset: int) -> bytes: ...
 
+    def list(self, run_id: str, prefix: str) -> list[str]:
+        return sorted(self.versions(run_id, prefix))
+
     @abstractmethod
-    def list(self, run_id: str, prefix: str) -> list[str]: ...
+    def versions(self, run_id: str, prefix: str) -> dict[str, str]:
+        """The objects directly under ``prefix`` (as ``list`` names them), each with a token that
+        changes whenever the object is written again (S3's ETag; a file's inode, size and mtime).
+
+        One listing tells a poller which of many objects changed without reading any of them.
+        """
 
     @abstractmethod
     def delete(self, run_id: str, key: str) -> None: ...
@@ -150,12 +158,24 @@ class LocalStore(Store):
         except FileNotFoundError:
             return b""
 
-    def list(self, run_id: str, prefix: str) -> list[str]:
+    def versions(self, run_id: str, prefix: str) -> dict[str, str]:
         base = self._path(run_id, prefix)
-        if not base.is_dir():
-            return []
-        return sorted(f"{prefix.rstrip('/')}/{p.name}" for p in base.iterdir() if p.is_file()
-                      and not p.name.startswith("."))
+        found: dict[str, str] = {}
+        try:
+            entries = list(os.scandir(base))
+        except (FileNotFoundError, NotADirectoryError):
+            return found
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            try:
+                if not entry.is_file():
+                    continue
+                st = entry.stat()
+            except FileNotFoundError:  # replaced or deleted while listed
+                continue
+            found[f"{prefix.rstrip('/')}/{entry.name}"] = f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+        return found
 
     def delete(self, run_id: str, key: str) -> None:
         path = self._path(run_id, key)

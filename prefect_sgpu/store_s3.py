@@ -218,23 +218,23 @@ class S3Store(Store):
             data = data[offset:]
         return data
 
-    def list(self, run_id: str, prefix: str) -> list[str]:
-        """The objects directly under ``prefix``, an object still being appended to included
-        (one delimited listing: its pieces are not enumerated)."""
+    def versions(self, run_id: str, prefix: str) -> dict[str, str]:
+        """The objects directly under ``prefix`` with their ETags, an object still being appended
+        to included (one delimited listing: its pieces are not enumerated; its token is fixed)."""
         base = self._key(run_id, prefix.rstrip("/")) + "/"
         root = self._key(run_id) + "/"
-        keys: set[str] = set()
+        found: dict[str, str] = {}
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, **self.owner_args(), Prefix=base, Delimiter="/"):
             for obj in page.get("Contents", []):
                 rel = obj["Key"][len(root):]
                 if not rel.rsplit("/", 1)[-1].startswith("."):
-                    keys.add(rel)
+                    found[rel] = str(obj.get("ETag", "")) + str(obj.get("LastModified", ""))
             for common in page.get("CommonPrefixes", []):
                 rel = common["Prefix"][len(root):].rstrip("/")
                 if rel.endswith(PARTS) and not rel.rsplit("/", 1)[-1].startswith("."):
-                    keys.add(rel[: -len(PARTS)])
-        return sorted(keys)
+                    found.setdefault(rel[: -len(PARTS)], PARTS)
+        return found
 
     def delete(self, run_id: str, key: str) -> None:
         """Delete one object (with its appended pieces), or every object under ``key/`` (a "folder")."""

@@ -204,3 +204,25 @@ def test_a_saved_model_on_s3_is_fetched_and_loaded_weights_only_elsewhere(
     monkeypatch.setenv("SGPU_JOB_DIR", str(tmp_path / "reader"))  # another machine: nothing staged
     got = load_model(uri)
     assert torch.equal(got["w"], weights["w"])
+
+
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_versions_change_when_an_object_is_written_again_and_only_then(kind: str, store: S3Store,
+                                                                       tmp_path: Any) -> None:
+    """One listing says which of many documents changed (what the EC2 poll watches liveness by)."""
+    from prefect_sgpu.store import LocalStore, Store
+
+    target: Store = store if kind == "s3" else LocalStore(tmp_path)
+    target.put("run", "nodes/node-0.alive", b"seq 1")
+    target.put("run", "nodes/node-1.alive", b"seq 1")
+    target.put("run", "nodes/.hidden", b"x")
+    target.append("run", "nodes/node-0.log", 0, b"first piece")
+    first = target.versions("run", "nodes")
+    assert sorted(first) == ["nodes/node-0.alive", "nodes/node-0.log", "nodes/node-1.alive"]
+    assert sorted(first) == target.list("run", "nodes")
+    assert target.versions("run", "nodes") == first, "nothing written, nothing changed"
+    target.put("run", "nodes/node-1.alive", b"seq 2")
+    second = target.versions("run", "nodes")
+    assert second["nodes/node-1.alive"] != first["nodes/node-1.alive"]
+    assert second["nodes/node-0.alive"] == first["nodes/node-0.alive"]
+    assert target.versions("run", "missing") == {}

@@ -26,7 +26,7 @@ on itself) and no key. The program:
 6. watches IMDS for a spot interruption notice (``spot/instance-action``) and a rebalance
    recommendation (``events/recommendations/rebalance``): on either it tells the ranks
    (the ``preempt`` file ``runtime.preemption_requested()`` reads; a ``Checkpointer``
-   saves at once) and the driver (``notice`` in its alive document), which relaunches
+   saves at once) and the driver (a sealed ``nodes/node-<i>.notice``), which relaunches
    the job on new capacity once this node is gone;
 7. obeys a sealed ``stop`` from the driver, and when no *new* heartbeat (a higher
    sequence number under a valid seal) has arrived for ``--heartbeat-ttl`` seconds
@@ -62,6 +62,7 @@ from prefect_sgpu.jobfolder import (
     JobFolder,
     LaunchDocument,
     NodeStatus,
+    Notice,
     agent_output_key,
     ssm_key_parameter,
     ssm_secrets_parameter,
@@ -212,6 +213,7 @@ class NodeBootstrap:
         self._error_logged = 0.0
         self._refusals: set[str] = set()
         self.notice: str | None = None
+        self._notice_published = False
         self.terminated = False
         self._notices = NoticeWatch()
         if key is not None:
@@ -266,8 +268,7 @@ class NodeBootstrap:
             return
         self._alive_at = now
         self._alive_seq += 1
-        doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname(),
-                    notice=self.notice)
+        doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname())
         self.folder.put_alive(self.index, doc, instance_id=self.identity.instance_id)
 
     def _store_error(self, what: str, exc: Exception) -> None:
@@ -443,7 +444,7 @@ class NodeBootstrap:
         self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
 
     def watch_notices(self) -> None:
-        """A reclaim notice from IMDS: tell the ranks (the ``preempt`` file) and the driver (alive)."""
+        """A reclaim notice from IMDS: tell the ranks (the ``preempt`` file) and the driver (a notice document)."""
         from prefect_sgpu.runtime import PREEMPT_FILE
         from prefect_sgpu.store import atomic_write
 
@@ -455,14 +456,23 @@ class NodeBootstrap:
         self.notice = notice
         _log(f"reclaim notice: {notice}; the ranks are told to checkpoint")
         atomic_write(self.job_dir / PREEMPT_FILE, notice.encode())
+        self.publish_notice()
+
+    def publish_notice(self) -> None:
+        """The notice document (once; retried on the next tick until the store took it)."""
+        if self.notice is None or self._notice_published:
+            return
         try:
-            self.publish_alive(force=True)
+            self.folder.put_notice(self.index, Notice(text=self.notice, time=time.time()),
+                                   instance_id=self.identity.instance_id)
+            self._notice_published = True
         except Exception as exc:  # noqa: BLE001 - the next tick publishes it again
             self._store_error("publishing the reclaim notice", exc)
 
     def sync_quietly(self) -> None:
         """One tick's uploads (logs, envelopes, alive); a failure waits for the next tick."""
         self.watch_notices()
+        self.publish_notice()
         try:
             self.sync_up()
             self.publish_alive()

@@ -453,6 +453,66 @@ def test_node_that_stops_reporting_fails_the_job(aws_env: MotoAWS, aws_network: 
         aws_env.client("ec2").terminate_instances(InstanceIds=[iid])
 
 
+def _poll_calls(compute: EC2InstanceCompute, nodes: int, run_id: str, aws_env: MotoAWS) -> tuple[int, list[Any]]:
+    """API calls of one full poll pass over ``nodes`` nodes whose alive documents all changed."""
+    from prefect_sgpu.compute.base import AllocatedNode
+    from prefect_sgpu.compute.ec2.compute import EC2Allocation
+    from prefect_sgpu.compute.ec2.instances import Instance
+    from prefect_sgpu.jobfolder import Notice
+    from prefect_sgpu.spec import JobSpec
+
+    request = compute.plan(JobSpec(gpus=1, gpu_type="A10", remote=True), run_id)
+    ids = [_moto_instance(aws_env, run_id) for _ in range(nodes)]
+    folder = JobFolder(compute.store, run_id, new_key())
+    allocation = EC2Allocation(
+        request=request, folder=folder, nodes=[AllocatedNode(i, "10.0.0.5", iid, iid) for i, iid in enumerate(ids)],
+        instances=[Instance(iid, "10.0.0.5", "", "", 0, "g5.xlarge", "on-demand") for iid in ids], launched=True)
+    calls: list[str] = []
+
+    def count(event_name: str, **_: Any) -> None:
+        calls.append(event_name)
+
+    clients = [compute.store.client, compute._client("ec2")]
+    for client in clients:
+        client.meta.events.register("before-call", count)
+    try:
+        events: list[Any] = []
+        for seq in (1, 2):
+            for i, iid in enumerate(ids):
+                folder.put_alive(i, Alive(phase="running", seq=seq, time=time.time()), instance_id=iid)
+            if seq == 2:
+                folder.put_notice(nodes - 1, Notice(text="spot/instance-action: terminate", time=time.time()),
+                                  instance_id=ids[-1])
+            allocation.polled = allocation.states_checked = 0.0
+            calls.clear()
+            events += compute.poll(allocation)
+        return len(calls), events
+    finally:
+        for client in clients:
+            client.meta.events.unregister("before-call", count)
+        aws_env.client("ec2").terminate_instances(InstanceIds=ids)
+
+
+def test_a_poll_pass_costs_the_same_calls_for_one_node_or_many(aws_env: MotoAWS, aws_network: Network) -> None:
+    """Statuses, notices and liveness come from one listing of the node documents (their versions):
+    a pass reads a document only when it appears, so its cost does not grow with the node count."""
+    from prefect_sgpu.compute.base import NodeLost, NodeNotice
+
+    bucket = f"sgpu-polls-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    compute = EC2InstanceCompute.from_settings(
+        {"store_uri": f"s3://{bucket}/jobs", "endpoint_url": aws_env.endpoint_url,
+         "subnet_ids": aws_network.subnet_ids, "poll_interval_s": 0.05, "node_silence_s": 60},
+        session=aws_env.session())
+    one, events_one = _poll_calls(compute, 1, "polls-one", aws_env)
+    many, events_many = _poll_calls(compute, 6, "polls-many", aws_env)
+    # the second pass: one listing, one DescribeInstances page, one read of the notice that appeared
+    assert one == many == 3, (one, many)
+    assert not [e for e in events_one + events_many if isinstance(e, NodeLost)], "every alive changed"
+    assert [(type(e), e.node) for e in events_many if isinstance(e, NodeNotice)] == [(NodeNotice, 5)]
+    assert "spot/instance-action" in next(e for e in events_many if isinstance(e, NodeNotice)).notice
+
+
 def test_bootstrap_rides_out_store_errors_until_the_ttl(aws_env: MotoAWS, aws_faults: Any,
                                                         tmp_path: Path) -> None:
     from prefect_sgpu import aws

@@ -57,8 +57,8 @@ from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
-from prefect_sgpu.jobfolder import (LaunchDocument, alive_key, ssm_key_parameter, ssm_secrets_parameter,
-                                    status_key)
+from prefect_sgpu.jobfolder import (LaunchDocument, alive_key, notice_key, ssm_key_parameter,
+                                    ssm_secrets_parameter, status_key)
 from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store_s3 import S3Store
 
@@ -139,8 +139,7 @@ class EC2Allocation(Allocation):
     polled: float = 0.0
     states_checked: float = 0.0
     states: dict[str, str] = field(default_factory=dict)
-    alive_checked: float = 0.0
-    alive_seq: dict[int, int | None] = field(default_factory=dict)
+    alive_version: dict[int, str | None] = field(default_factory=dict)
     alive_changed: dict[int, float] = field(default_factory=dict)
     noticed: set[int] = field(default_factory=set)
     outcome: Released | None = None
@@ -452,10 +451,9 @@ class EC2InstanceCompute(Compute):
         if now - allocation.states_checked > max(5.0, self.poll_interval_s):
             allocation.states_checked = now
             allocation.states = self._instance_states([n.instance_id or "" for n in allocation.nodes])
-        check_alive = now - allocation.alive_checked > max(self.poll_interval_s, min(5.0, self.node_silence_s / 4))
-        if check_alive:
-            allocation.alive_checked = now
-        listed = allocation.folder.node_documents() if pending else set()
+        # one listing a pass for every node: statuses and notices are read only once they appear,
+        # and a node is alive while its alive document's version keeps changing (no read at all)
+        listed = allocation.folder.node_documents() if pending else {}
         for node in pending:
             iid = node.instance_id or ""
             status = allocation.folder.status(node.index, instance_id=iid) if status_key(node.index) in listed else None
@@ -469,18 +467,18 @@ class EC2InstanceCompute(Compute):
                 events.append(NodeLost(node.index, f"instance {iid} is {state} (lost or reclaimed) before "
                                                    "its ranks finished"))
                 continue
-            if check_alive:
-                alive = allocation.folder.alive(node.index, instance_id=iid)
-                if alive is not None and alive.notice and node.index not in allocation.noticed:
+            if node.index not in allocation.noticed and notice_key(node.index) in listed:
+                notice = allocation.folder.notice(node.index, instance_id=iid)
+                if notice is not None:
                     allocation.noticed.add(node.index)
-                    events.append(NodeNotice(node.index, f"{iid}: {alive.notice}"))
-                seq = alive.seq if alive else None
-                if seq != allocation.alive_seq.get(node.index) or node.index not in allocation.alive_changed:
-                    allocation.alive_seq[node.index], allocation.alive_changed[node.index] = seq, now
-                elif now - allocation.alive_changed[node.index] > self.node_silence_s:
-                    allocation.reported.add(node.index)
-                    events.append(NodeLost(node.index, f"node {node.index} ({iid}) has not reported for "
-                                                       f"{self.node_silence_s:g}s"))
+                    events.append(NodeNotice(node.index, f"{iid}: {notice.text}"))
+            version = listed.get(alive_key(node.index))
+            if version != allocation.alive_version.get(node.index) or node.index not in allocation.alive_changed:
+                allocation.alive_version[node.index], allocation.alive_changed[node.index] = version, now
+            elif now - allocation.alive_changed[node.index] > self.node_silence_s:
+                allocation.reported.add(node.index)
+                events.append(NodeLost(node.index, f"node {node.index} ({iid}) has not reported for "
+                                                   f"{self.node_silence_s:g}s"))
         return events
 
     def _instance_states(self, ids: list[str]) -> dict[str, str]:
@@ -506,8 +504,10 @@ class EC2InstanceCompute(Compute):
         assert isinstance(allocation, EC2Allocation)
         folder = allocation.folder
 
-        def pending(nodes: list[AllocatedNode]) -> list[AllocatedNode]:
-            return [n for n in nodes if folder.status(n.index, instance_id=n.instance_id) is None]
+        def pending(nodes: list[AllocatedNode]) -> list[AllocatedNode]:  # one listing, reads for what appeared
+            listed = folder.node_documents()
+            return [n for n in nodes if status_key(n.index) not in listed
+                    or folder.status(n.index, instance_id=n.instance_id) is None]
 
         left = pending(allocation.nodes) if allocation.launched else []
         if not left:
