@@ -6,7 +6,7 @@ run code in it or change its outcome. So every document that a node or the drive
 acts on is sealed: HMAC-SHA256 with the job's key over a header that binds it to
 
 - the job (``run_id``): a document copied from another job is refused;
-- its kind (payload, heartbeat, stop, launch, alive, status, result): a status cannot
+- its kind (payload, heartbeat, stop, launch, alive, notice, status, result): a status cannot
   stand in for a launch document;
 - its node index or rank (and on EC2 the instance id): node 1's launch document
   cannot start node 0.
@@ -24,8 +24,11 @@ Layout of one job (``<store root>/<run_id>/...``)::
     payload.bin                 sealed cloudpickle of the call           driver -> ranks
     heartbeat                   sealed Heartbeat (seq, time)              driver -> nodes
     stop                        sealed Stop                               driver -> nodes
-    nodes/node-<i>.launch       sealed LaunchDocument (argv, env)         driver -> node i
-    nodes/node-<i>.alive        sealed Alive (phase, seq, reclaim notice) node i -> driver
+    nodes/launch                one sealed LaunchDocument (argv, env)     driver -> nodes
+                                per node, each bound to its node and
+                                instance (:func:`launch_bundle`)
+    nodes/node-<i>.alive        sealed Alive (phase, seq)                 node i -> driver
+    nodes/node-<i>.notice       sealed Notice (reclaim notice)            node i -> driver
     nodes/node-<i>.status       sealed NodeStatus (exit code, failures,   node i -> driver
                                 hung ranks, reclaim notice)
     results/rank-<r>.bin        sealed result envelope                    rank r -> driver
@@ -49,6 +52,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -62,6 +66,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("prefect_sgpu.jobfolder")
 
 MAGIC = b"SGPU2\n"
+BUNDLE_MAGIC = b"SGPU2-LAUNCH\n"
 _DIGEST = 32
 
 Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result"]
@@ -82,8 +87,8 @@ METRICS = "metrics"
 CONTROL = (PAYLOAD, RESULTS, STOP, NODES, HEARTBEAT, METRICS)
 
 
-def launch_key(node: int) -> str:
-    return f"{NODES}/node-{node}.launch"
+#: every node's launch document in one object, so starting a job costs one write for any node count
+LAUNCH_KEY = f"{NODES}/launch"
 
 
 def alive_key(node: int) -> str:
@@ -207,6 +212,35 @@ class NodeStatus(_Doc):
 
 
 D = TypeVar("D", bound=_Doc)
+
+
+def launch_bundle(entries: Mapping[int, bytes]) -> bytes:
+    """One object holding each node's sealed launch document, length-prefixed one after another.
+    The container itself is not sealed: each entry is, bound to its node and instance, so an
+    edited container can only hold entries that are refused (or leave a node waiting), never
+    make a node run another node's command."""
+    parts = [BUNDLE_MAGIC]
+    for node, blob in sorted(entries.items()):
+        parts += [node.to_bytes(4, "big"), len(blob).to_bytes(4, "big"), blob]
+    return b"".join(parts)
+
+
+def launch_entry(bundle: bytes, node: int, run_id: str) -> bytes | None:
+    """Node ``node``'s sealed entry of a launch bundle (None when the bundle has none for it)."""
+    if not bundle.startswith(BUNDLE_MAGIC):
+        raise DocumentRefused(f"launch documents of job {run_id} are not a launch bundle: refused")
+    at = len(BUNDLE_MAGIC)
+    while at < len(bundle):
+        if at + 8 > len(bundle):
+            raise DocumentRefused(f"launch documents of job {run_id} are cut short: refused")
+        index, size = int.from_bytes(bundle[at: at + 4], "big"), int.from_bytes(bundle[at + 4: at + 8], "big")
+        at += 8
+        if at + size > len(bundle):
+            raise DocumentRefused(f"launch documents of job {run_id} are cut short: refused")
+        if index == node:
+            return bundle[at: at + size]
+        at += size
+    return None
 
 
 # --- sealing ---------------------------------------------------------------------------
@@ -349,12 +383,24 @@ class JobFolder:
 
     # launch documents (driver -> node) -------------------------------------------------
 
-    def put_launch(self, node: int, doc: LaunchDocument, instance_id: str | None = None) -> None:
-        self._put_doc(launch_key(node), "launch", doc, node=node, instance_id=instance_id)
+    def seal_launch(self, node: int, doc: LaunchDocument, instance_id: str | None = None) -> bytes:
+        return seal(self.key, "launch", self.run_id, doc.model_dump_json().encode(), node=node,
+                    instance_id=instance_id)
+
+    def put_launches(self, docs: Mapping[int, tuple[LaunchDocument, str | None]]) -> None:
+        """Every node's launch document, each sealed and bound to its node and instance, in one write."""
+        self.store.put(self.run_id, LAUNCH_KEY, launch_bundle(
+            {node: self.seal_launch(node, doc, instance_id) for node, (doc, instance_id) in docs.items()}))
 
     def launch(self, node: int, instance_id: str | None = None) -> LaunchDocument | None:
         """This node's launch document; DocumentRefused if what is there is not the driver's."""
-        return self._get_doc(launch_key(node), "launch", LaunchDocument, node=node, instance_id=instance_id)
+        bundle = self.store.get(self.run_id, LAUNCH_KEY)
+        blob = None if bundle is None else launch_entry(bundle, node, self.run_id)
+        if blob is None:
+            return None
+        body = unseal(blob, self.key, "launch", self.run_id, what=f"launch document of node {node}", node=node,
+                      instance_id=instance_id)
+        return LaunchDocument.model_validate_json(body)
 
     # node reports (node -> driver) -----------------------------------------------------
 

@@ -18,36 +18,49 @@ def folder(tmp_path: Path) -> JobFolder:
 
 
 def test_documents_round_trip_and_stay_typed(folder: JobFolder) -> None:
-    folder.put_launch(1, LaunchDocument(argv=["python", "-m", "x"], env={"A": "1"}), instance_id="i-1")
+    folder.put_launches({1: (LaunchDocument(argv=["python", "-m", "x"], env={"A": "1"}), "i-1"),
+                         0: (LaunchDocument(argv=["python", "-m", "y"]), "i-0")})
     assert folder.launch(1, instance_id="i-1") == LaunchDocument(argv=["python", "-m", "x"], env={"A": "1"})
+    assert folder.launch(0, instance_id="i-0") == LaunchDocument(argv=["python", "-m", "y"])
+    assert folder.launch(2, instance_id="i-2") is None, "no entry for a node: nothing to run yet"
     folder.put_status(0, NodeStatus(node=0, exit_code=0))
     assert folder.status(0) == NodeStatus(node=0, exit_code=0)
     first, second = folder.beat(), folder.beat()
     assert second.seq == first.seq + 1 and folder.heartbeat() == second
 
 
+def _put_bundle(folder: JobFolder, entries: dict[int, bytes]) -> None:
+    folder.store.put(folder.run_id, jobfolder.LAUNCH_KEY, jobfolder.launch_bundle(entries))
+
+
 def test_an_unsigned_launch_document_is_refused(folder: JobFolder) -> None:
-    folder.store.put(folder.run_id, jobfolder.launch_key(0), b'{"argv": ["sh", "-c", "touch /tmp/x"]}')
+    _put_bundle(folder, {0: b'{"argv": ["sh", "-c", "touch /tmp/x"]}'})
     with pytest.raises(DocumentRefused, match="not a signed"):
+        folder.launch(0)
+    folder.store.put(folder.run_id, jobfolder.LAUNCH_KEY, b'{"0": {"argv": ["sh"]}}')
+    with pytest.raises(DocumentRefused, match="not a launch bundle"):
+        folder.launch(0)
+    whole = jobfolder.launch_bundle({0: folder.seal_launch(0, LaunchDocument(argv=["sh"]))})
+    folder.store.put(folder.run_id, jobfolder.LAUNCH_KEY, whole[:-5])
+    with pytest.raises(DocumentRefused, match="cut short"):
         folder.launch(0)
 
 
 def test_a_document_sealed_with_another_key_is_refused(folder: JobFolder) -> None:
     other = JobFolder(folder.store, folder.run_id, jobfolder.new_key())
-    other.put_launch(0, LaunchDocument(argv=["sh"]))
+    other.put_launches({0: (LaunchDocument(argv=["sh"]), None)})
     with pytest.raises(DocumentRefused, match="signature does not match"):
         folder.launch(0)
 
 
 def test_a_document_moved_to_another_node_or_instance_is_refused(folder: JobFolder) -> None:
-    folder.put_launch(1, LaunchDocument(argv=["agent"]), instance_id="i-1")
-    blob = folder.store.get(folder.run_id, jobfolder.launch_key(1))
-    assert blob is not None
-    folder.store.put(folder.run_id, jobfolder.launch_key(0), blob)
+    blob = folder.seal_launch(1, LaunchDocument(argv=["agent"]), instance_id="i-1")
+    _put_bundle(folder, {0: blob, 1: blob})
     with pytest.raises(DocumentRefused, match="node=1"):
         folder.launch(0, instance_id="i-1")
     with pytest.raises(DocumentRefused, match="instance_id=i-1"):
         folder.launch(1, instance_id="i-2")
+    assert folder.launch(1, instance_id="i-1") == LaunchDocument(argv=["agent"])
 
 
 def test_a_status_cannot_stand_in_for_another_kind_or_job(folder: JobFolder, tmp_path: Path) -> None:

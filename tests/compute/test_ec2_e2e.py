@@ -28,7 +28,8 @@ from prefect_sgpu import LaunchTimeout, distributed, runtime
 from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
 from prefect_sgpu.errors import DocumentRefused, InfrastructureLost, SGPUConfigError
-from prefect_sgpu.jobfolder import Alive, JobFolder, LaunchDocument, launch_key, new_key, ssm_key_parameter
+from prefect_sgpu.jobfolder import (LAUNCH_KEY, Alive, JobFolder, LaunchDocument, launch_bundle, new_key,
+                                   ssm_key_parameter)
 from prefect_sgpu.store_s3 import S3Store
 from prefect_sgpu.sweep import Sweeper
 from support.threads import run_in_thread
@@ -548,11 +549,12 @@ def _forger(store: S3Store, run_id: str, marker: Path, stop: threading.Event, no
     unsigned = json.dumps({"argv": touch, "env": {}, "instance_id": None, "node": 0}).encode()
     wrong_key = JobFolder(store, run_id, new_key())
     variants: list[Any] = [
-        lambda: store.put(run_id, launch_key(0), unsigned),
-        lambda: wrong_key.put_launch(0, LaunchDocument(argv=touch), instance_id=node1.get("node0", "i-0")),
+        lambda: store.put(run_id, LAUNCH_KEY, launch_bundle({0: unsigned})),
+        lambda: store.put(run_id, LAUNCH_KEY, unsigned),  # not even a bundle
+        lambda: wrong_key.put_launches({0: (LaunchDocument(argv=touch), node1.get("node0", "i-0"))}),
     ]
-    if node1.get("blob"):  # a real sealed document of another node, copied to node 0's key
-        variants.append(lambda: store.put(run_id, launch_key(0), node1["blob"].encode("latin-1")))
+    if node1.get("blob"):  # a real sealed document of another node, as node 0's entry
+        variants.append(lambda: store.put(run_id, LAUNCH_KEY, launch_bundle({0: node1["blob"].encode("latin-1")})))
     forged_alive = json.dumps({"instance_id": "i-forged", "private_ip": "10.66.66.66", "node": 0, "seq": 99,
                                "phase": "waiting", "time": time.time()}).encode()
     n = 0
@@ -573,11 +575,9 @@ def test_store_writers_cannot_run_code_on_nodes_or_move_the_rendezvous(ec2: EC2E
     store = ec2.store()
     # a real sealed launch document of node 1 (the job key), and one of node 0 bound to no instance
     folder = JobFolder(store, job.run_id, key)
-    folder.put_launch(1, LaunchDocument(argv=["/bin/sh", "-c", f"touch {marker}"]), instance_id="i-0000000000000001")
-    node1 = {"blob": (store.get(job.run_id, launch_key(1)) or b"").decode("latin-1")}
-    store.delete(job.run_id, launch_key(1))
-    folder.put_launch(0, LaunchDocument(argv=["/bin/sh", "-c", f"touch {marker}"]))  # no instance id bound
-    unbound = store.get(job.run_id, launch_key(0)) or b""
+    touch = LaunchDocument(argv=["/bin/sh", "-c", f"touch {marker}"])
+    node1 = {"blob": folder.seal_launch(1, touch, instance_id="i-0000000000000001").decode("latin-1")}
+    unbound = launch_bundle({0: folder.seal_launch(0, touch)})  # no instance id bound
 
     booting = threading.Event()
     ec2.simulator.boot = lambda inst: inst.get("AmiLaunchIndex") != 1 or booting.is_set()  # node 1 late
@@ -611,7 +611,7 @@ def test_store_writers_cannot_run_code_on_nodes_or_move_the_rendezvous(ec2: EC2E
             assert time.monotonic() < deadline, "node 0 never booted"
             time.sleep(0.2)
         time.sleep(8)  # node 0 reads (and must refuse) every forged variant several times
-        store.put(job.run_id, launch_key(0), unbound)
+        store.put(job.run_id, LAUNCH_KEY, unbound)
         time.sleep(2.5)
     finally:
         stop.set()
@@ -627,7 +627,7 @@ def test_store_writers_cannot_run_code_on_nodes_or_move_the_rendezvous(ec2: EC2E
     assert not marker.exists(), "a forged launch document ran on a node"
     node0 = next(i for i in ec2.instances(job.run_id) if i["AmiLaunchIndex"] == 0)
     console = ec2.simulator.console(node0["InstanceId"])
-    assert "not a signed prefect-sgpu document" in console, console
+    assert "not a signed prefect-sgpu document" in console and "not a launch bundle" in console, console
     assert "signature does not match" in console and "bound to" in console, console
     # the rendezvous is node 0's address from DescribeInstances, not the forged alive document's
     assert job.allocation.nodes[0].address == node0["PrivateIpAddress"]
@@ -857,7 +857,7 @@ def test_secrets_reach_ec2_ranks_through_ssm_and_no_document_or_object_holds_the
     finally:
         done.set()
         watcher.join(timeout=30)
-    assert any(k.endswith(".launch") for k in seen), "the launch documents were seen"
+    assert any(k.endswith(LAUNCH_KEY) for k in seen), "the launch documents were seen"
     assert not [k for k, body in {**seen, **ec2.objects(job.run_id)}.items() if value.encode() in body]
     ssm = ec2.aws.client("ssm")
     with pytest.raises(ssm.exceptions.ParameterNotFound):
@@ -927,7 +927,7 @@ def test_planted_secrets_appear_in_no_log_user_data_tag_artifact_mlflow_record_o
     assert state.is_completed(), state
     assert state.result() == digest_of(user_secret)
     places: dict[str, str] = {f"s3://{ec2.bucket}/{k}": b.decode("utf-8", "replace") for k, b in seen.items()}
-    assert any(k.endswith(".launch") for k in places) and any("/logs/" in k for k in places), sorted(places)
+    assert any(k.endswith(LAUNCH_KEY) for k in places) and any("/logs/" in k for k in places), sorted(places)
     ec2_client = ec2.aws.client("ec2")
     for page in ec2_client.get_paginator("describe_instances").paginate(
             Filters=[{"Name": "tag-key", "Values": [RUN_ID_TAG]}]):
@@ -981,7 +981,7 @@ def _reach_into_another_job(other_run: str, other_instance: str, bucket: str, pr
 
     ssm, s3, ec2 = (boto3.client(s, **where) for s in ("ssm", "s3", "ec2"))
     result["key"] = code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run), WithDecryption=True))
-    result["launch"] = code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{other_run}/{launch_key(0)}",
+    result["launch"] = code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{other_run}/{LAUNCH_KEY}",
                                                      Body=b"forged"))
     result["terminate"] = code_of(lambda: ec2.terminate_instances(InstanceIds=[other_instance]))
     result["own"] = code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{runtime.run_id()}/probe.txt",
@@ -1052,7 +1052,7 @@ def test_with_job_roles_a_rank_cannot_read_forge_or_stop_another_job(ec2: EC2Env
     refused = {(d.identity, d.action, d.resource.split(":")[-1]) for d in gate.denied}
     assert refused == {
         (f"role/{roles.role_name(result_a.run_id)}", "ssm:GetParameter", f"parameter{ssm_key_parameter(job_b.run_id)}"),
-        (f"role/{roles.role_name(result_a.run_id)}", "s3:PutObject", f"{ec2.bucket}/jobs/{job_b.run_id}/{launch_key(0)}"),
+        (f"role/{roles.role_name(result_a.run_id)}", "s3:PutObject", f"{ec2.bucket}/jobs/{job_b.run_id}/{LAUNCH_KEY}"),
         (f"role/{roles.role_name(result_a.run_id)}", "ec2:TerminateInstances", f"instance/{b_instance}"),
     }, gate.denied
     role_a = f"role/{roles.role_name(result_a.run_id)}"

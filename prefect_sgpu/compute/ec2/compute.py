@@ -4,7 +4,7 @@ The driver never needs an inbound port: everything between it and the nodes goes
 through the S3 store, as sealed documents of the job folder
 (:mod:`prefect_sgpu.jobfolder`). The instances boot a user-data script that starts
 :mod:`prefect_sgpu.launch.bootstrap`; each node announces itself (a sealed ``alive``
-document), the driver writes every node's sealed launch document once all are up,
+document), the driver writes every node's sealed launch document (one object) once all are up,
 and the nodes run the ordinary node agent against a local mirror of the job folder.
 
 **The job key and who may run code on a node.** Anyone who can write the store may
@@ -408,7 +408,7 @@ class EC2InstanceCompute(Compute):
         return endpoint
 
     def start(self, allocation: Allocation, launch: JobLaunch) -> None:
-        """One sealed launch document per node, bound to its index and its instance."""
+        """One sealed launch document per node, bound to its index and its instance, all in one write."""
         assert isinstance(allocation, EC2Allocation)
         env = {k: v for k, v in launch.env.items() if k not in MASKED_ENV}  # the key travels through SSM only
         env[STORE_REGION_ENV] = self.region  # ranks reach the checkpoint location on S3 themselves
@@ -418,9 +418,10 @@ class EC2InstanceCompute(Compute):
         if launch.secrets:  # encrypted in SSM, beside the key; the documents only say they exist
             self._put_secure(allocation, ssm_secrets_parameter(allocation.run_id), json.dumps(launch.secrets),
                              "prefect-sgpu secrets= of one job (deleted when the job ends)", "secrets_parameter")
-        for command in launch.commands:
-            doc = LaunchDocument(argv=list(command.argv), env=env, secrets=bool(launch.secrets))
-            allocation.folder.put_launch(command.node, doc, instance_id=allocation.instance_id(command.node))
+        allocation.folder.put_launches({
+            command.node: (LaunchDocument(argv=list(command.argv), env=env, secrets=bool(launch.secrets)),
+                           allocation.instance_id(command.node))
+            for command in launch.commands})
         allocation.launched = True
 
     def _put_key(self, allocation: EC2Allocation) -> None:
