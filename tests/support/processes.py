@@ -19,14 +19,17 @@ def job_processes(run_id: str) -> list[str]:
 
 
 def default_sigint() -> None:
-    """``preexec_fn`` for a child that must turn Ctrl-C into KeyboardInterrupt.
+    """``preexec_fn`` for a child that must turn Ctrl-C, SIGTERM and SIGHUP into KeyboardInterrupt.
 
     Python leaves SIGINT ignored in a process started with it ignored, as every child of
-    a test run started in the background of a non-interactive shell (CI) is.
+    a test run started in the background of a non-interactive shell (CI) is; SIGHUP is
+    ignored under ``nohup``. The driver takes over only signals still at their default,
+    so the child starts with all three there, as in a terminal.
     """
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def warm_node_pids() -> list[int]:

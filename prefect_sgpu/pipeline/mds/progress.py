@@ -38,7 +38,7 @@ class _Progress:
 
             self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("rows"), TimeElapsedColumn(), TimeRemainingColumn(),
-                                transient=False)
+                                transient=False, refresh_per_second=2)
             self.bar.start()
             self.task_id = self.bar.add_task(label, total=total)
 
