@@ -38,6 +38,13 @@ Layout of one job (``<store root>/<run_id>/...``)::
     agent/node-<i>.out          node i's agent output
     checkpoints/step-<n>/...    checkpoints (runtime.checkpoint_uri()), COMPLETE marker last
 
+A warm EC2 lease (instances kept between jobs) has a folder of its own, ``<lease id>/``, with
+its own key: the lease's ``heartbeat`` and ``stop``, its nodes' ``alive`` and ``notice`` while
+they wait between jobs, and ``nodes/assign``: one sealed Assign (the next job's run id and a
+sequence number) per node, bound to the lease, the node and the instance. A node that takes an
+assignment reads that job's key from SSM (its name derives from the run id) and serves the job
+in the job's own folder as above, then comes back to the lease's.
+
 In a node's own copy of the folder (on EC2, the instance's disk) two more files live, never
 uploaded: ``preempt`` (the reclaim notice, for ``runtime.preemption_requested()``) and
 ``progress/rank-<r>`` (what the hang watchdog reads).
@@ -69,7 +76,7 @@ MAGIC = b"SGPU2\n"
 BUNDLE_MAGIC = b"SGPU2-LAUNCH\n"
 _DIGEST = 32
 
-Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result"]
+Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result", "assign"]
 
 # --- keys ------------------------------------------------------------------------------
 
@@ -89,6 +96,10 @@ CONTROL = (PAYLOAD, RESULTS, STOP, NODES, HEARTBEAT, METRICS)
 
 #: every node's launch document in one object, so starting a job costs one write for any node count
 LAUNCH_KEY = f"{NODES}/launch"
+#: in a warm lease's folder: every node's next job, one object (:class:`Assign`)
+ASSIGN_KEY = f"{NODES}/assign"
+#: what a run id (or lease id) may look like: it names folders, SSM parameters and tags
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 
 
 def alive_key(node: int) -> str:
@@ -163,6 +174,16 @@ class LaunchDocument(_Doc):
     env: dict[str, str] = Field(default_factory=dict)
     #: the job has ``secrets=``: the node reads them from :func:`ssm_secrets_parameter`, never from here
     secrets: bool = False
+
+
+class Assign(_Doc):
+    """A warm lease's node serves job ``run_id`` next (in that job's folder, with that job's key).
+
+    ``seq`` grows with every assignment of the lease: a node takes only a higher one than it
+    last took, so an old assignment written back into the store is never served twice."""
+
+    run_id: str = Field(pattern=RUN_ID_PATTERN)
+    seq: int
 
 
 class Alive(_Doc):
@@ -401,6 +422,25 @@ class JobFolder:
         body = unseal(blob, self.key, "launch", self.run_id, what=f"launch document of node {node}", node=node,
                       instance_id=instance_id)
         return LaunchDocument.model_validate_json(body)
+
+    # assignments in a warm lease's folder (driver -> idle node) ---------------------------
+
+    def put_assignments(self, docs: Mapping[int, tuple[Assign, str | None]]) -> None:
+        """Every node's next job, each sealed with the lease key and bound to its node and instance."""
+        self.store.put(self.run_id, ASSIGN_KEY, launch_bundle({
+            node: seal(self.key, "assign", self.run_id, doc.model_dump_json().encode(), node=node,
+                       instance_id=instance_id)
+            for node, (doc, instance_id) in docs.items()}))
+
+    def assignment(self, node: int, instance_id: str | None = None) -> Assign | None:
+        """This node's assignment; DocumentRefused if what is there is not the lease driver's."""
+        bundle = self.store.get(self.run_id, ASSIGN_KEY)
+        blob = None if bundle is None else launch_entry(bundle, node, self.run_id)
+        if blob is None:
+            return None
+        body = unseal(blob, self.key, "assign", self.run_id, what=f"assignment of node {node}", node=node,
+                      instance_id=instance_id)
+        return Assign.model_validate_json(body)
 
     # node reports (node -> driver) -----------------------------------------------------
 

@@ -178,6 +178,12 @@ class EC2Compute(Block):
         default=None, description="12-digit account id that must own the store's bucket (ExpectedBucketOwner "
                                   "on every S3 call); empty skips the check."
     )
+    keep_warm: float = Field(
+        default=0.0, ge=0,
+        description="Seconds a finished job's instances wait (billed) for the next job of the same shape, which "
+                    "then starts on them without a boot; 0: every job terminates its instances. A flow's task "
+                    "runner ends them when the flow ends; not with job_roles.",
+    )
     endpoint_url: Optional[str] = Field(default=None, description="Custom AWS endpoint (tests, private links).")
     if AwsCredentials is not None:
         aws_credentials: Optional[AwsCredentials] = Field(  # type: ignore[valid-type]

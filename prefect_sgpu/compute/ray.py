@@ -367,7 +367,11 @@ class RayTrainCompute(Compute):
                 config.pop("collector")
                 allocation.group.start(config, allocation.collector, request.backend)
                 return
-            allocation.fit = ray.remote(num_cpus=0, max_retries=0)(_fit).remote(
+            # max_calls=1: the worker that ran fit() exits after it. Ray Train's controller is an
+            # actor that worker owns; after a failed run the exception's traceback can keep the
+            # controller's handle alive in a reused worker, and with it the run's workers and
+            # placement group. The owner's exit ends them (Ray Train removes the group itself).
+            allocation.fit = ray.remote(num_cpus=0, max_retries=0, max_calls=1)(_fit).remote(
                 config, request.scaling, allocation.run_id, request.max_failures, request.backend)
             allocation.started = True
 

@@ -33,6 +33,17 @@ on itself) and no key. The program:
    (the driver died) stops the agent and terminates its own instance, so a dead driver
    cannot leak paid VMs.
 
+With ``--lease`` the instance belongs to a warm lease (``--run-id`` is the lease's id) and
+serves one job after another. Between jobs it waits in the lease's folder, announcing itself
+there and watching the lease's heartbeat and stop, for its *assignment*: a document sealed
+with the lease key, bound to this node and instance, naming the next job's run id with a
+sequence number higher than the last one it took. It then reads that job's key from SSM (the
+name derives from the run id, never from a document) and runs steps 3-7 in the job's folder.
+When the job ends (finished or stopped) it kills whatever the job left in the agent's session,
+deletes the job's local folder and goes back to waiting. A stale heartbeat of the job or of
+the lease still terminates the instance, and a ``stop`` in the lease's folder (the lease is
+closed) leaves it to the driver's termination, watched by the same heartbeat rule.
+
 Staleness is measured on this node's monotonic clock, so clock skew between the driver
 and the node does not matter, and a forged or replayed heartbeat keeps nothing alive.
 """
@@ -55,6 +66,7 @@ from prefect_sgpu import aws
 from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.jobfolder import (
     HEARTBEAT,
+    Assign,
     LOGS,
     PAYLOAD,
     RESULTS,
@@ -186,12 +198,23 @@ class NodeBootstrap:
         interval: float = 1.0,
         grace: float = 10.0,
         key: str | None = None,
+        lease: bool = False,
+        key_wait: float = 60.0,
     ) -> None:
         self.store = store
         self.run_id = run_id
         self.identity = identity
         self.index = identity.launch_index
+        self.node_dir = node_dir
         self.job_dir = node_dir / run_id
+        #: this instance serves a warm lease (``run_id`` is the lease's id until a job is assigned)
+        self.lease = lease
+        self.lease_id: str | None = run_id if lease else None
+        #: how long an assigned job's key may take to appear in SSM (the driver writes it first)
+        self.key_wait = key_wait
+        self._assigned = -1
+        self._beat_seqs: dict[str, int] = {}
+        self._resident: set[int] = set()
         self.heartbeat_ttl = heartbeat_ttl
         self.region = region
         self.endpoint_url = endpoint_url
@@ -232,14 +255,31 @@ class NodeBootstrap:
         self.folder = JobFolder(self.store, self.run_id, key)
         self.local = JobFolder.local(self.job_dir, key)
 
-    def read_key(self) -> str | None:
-        """The job key from SSM, under the name this node derives from its own run id.
+    def enter(self, run_id: str, key: str) -> None:
+        """Serve ``run_id``'s folder from now on (a warm lease's node moving between the lease and
+        a job): nothing of the folder it leaves carries over but each folder's heartbeat sequence."""
+        self._beat_seqs[self.run_id] = self._beat_seq
+        self.run_id = run_id
+        self.job_dir = self.node_dir / run_id
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        self.use_key(key)
+        self._beat_seq = self._beat_seqs.get(run_id, -1)
+        self._beat_seen = time.monotonic()
+        self._uploaded, self._appended = {}, {}
+        self._agent = None
+        self._notice_published = False
+
+    def read_key(self, run_id: str | None = None, wait: float | None = None) -> str | None:
+        """The job key from SSM, under the name this node derives from a run id (its own, or an
+        assigned job's): never from a document.
 
         The driver writes it before launching, so it is normally there at once; a read
         that keeps failing for a whole heartbeat TTL means the driver is gone (None).
         """
-        name = ssm_key_parameter(self.run_id)
-        deadline = time.monotonic() + (self.heartbeat_ttl if self.heartbeat_ttl > 0 else 900.0)
+        name = ssm_key_parameter(run_id or self.run_id)
+        if wait is None:
+            wait = self.heartbeat_ttl if self.heartbeat_ttl > 0 else 900.0
+        deadline = time.monotonic() + wait
         while True:
             try:
                 response = self._client("ssm").get_parameter(Name=name, WithDecryption=True)
@@ -519,7 +559,8 @@ class NodeBootstrap:
             except Exception:  # noqa: BLE001 - termination matters more than the notice
                 pass
         if self.key is not None and self.index == 0:
-            for name in (ssm_key_parameter(self.run_id), ssm_secrets_parameter(self.run_id)):
+            runs = dict.fromkeys(r for r in (self.run_id, self.lease_id) if r)
+            for name in [n for r in runs for n in (ssm_key_parameter(r), ssm_secrets_parameter(r))]:
                 try:
                     self._client("ssm").delete_parameter(Name=name)
                 except Exception:  # noqa: BLE001 - the parameter may already be gone, or never was
@@ -551,19 +592,31 @@ class NodeBootstrap:
 
     def run(self) -> int:
         me = self.identity
-        _log(f"node {self.index} ({me.instance_id}, {me.private_ip}) of job {self.run_id}")
+        what = "lease" if self.lease else "job"
+        _log(f"node {self.index} ({me.instance_id}, {me.private_ip}) of {what} {self.run_id}")
         if self.key is None:
             key = self.read_key()
             if key is None:
-                return self.terminate_self("the job key never appeared")
+                return self.terminate_self(f"the {what} key never appeared")
             self.use_key(key)
         self.job_dir.mkdir(parents=True, exist_ok=True)
+        if self.lease:
+            return self.serve_lease()
+        code = self.serve_job()
+        return self.watch_until_gone() if code is None else code
+
+    def serve_job(self) -> int | None:
+        """One job in the current folder, from waiting for its launch to its reported end.
+
+        None when the job ended (finished, or stopped by the driver); the exit code of
+        :meth:`terminate_self` when the driver's heartbeat went stale."""
+        self.phase = "waiting"
         self.publish_alive(force=True)
         doc = self.wait_for_launch()
         if doc is None:
             if self.stop_requested():
                 _log("the driver stopped the job before this node was started")
-                return self.watch_until_gone()
+                return None
             return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
         argv, env = self.prepare(doc)
         self.phase = "running"
@@ -577,7 +630,7 @@ class NodeBootstrap:
                 if not self.finish_reliably(code):
                     return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
                 self.phase = "finished"
-                return self.watch_until_gone()
+                return None
             self.sync_quietly()
             if self.stop_requested():
                 _log("stop requested by the driver")
@@ -585,7 +638,7 @@ class NodeBootstrap:
                 if not self.finish_reliably(proc.poll(), "stopped by the driver"):
                     return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
                 self.phase = "stopped"
-                return self.watch_until_gone()
+                return None
             if self.heartbeat_stale():
                 self.stop_agent(proc)
                 try:  # what the ranks left, for whoever looks later
@@ -594,6 +647,83 @@ class NodeBootstrap:
                     self._store_error("uploading the node's outcome", exc)
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
             time.sleep(self.interval)
+
+    # -- a warm lease -------------------------------------------------------------
+
+    def serve_lease(self) -> int:
+        """Jobs one after another, each as the lease assigns it; between them, wait in the lease's folder."""
+        from prefect_sgpu.launch.processes import become_subreaper
+
+        import psutil
+
+        assert self.lease_id is not None and self.key is not None
+        become_subreaper()
+        self._resident = {p.pid for p in psutil.Process().children(recursive=True)}
+        lease_id, lease_key = self.lease_id, self.key
+        while True:
+            self.phase = "idle"
+            self.publish_alive(force=True)
+            self.publish_notice()  # a reclaim notice seen during a job: the lease must know too
+            assigned = self.wait_for_assignment()
+            if assigned is None:
+                if self.stop_requested():
+                    _log(f"lease {lease_id} was closed")
+                    return self.watch_until_gone()
+                return self.terminate_self(f"no new lease heartbeat for {self.heartbeat_ttl:g}s")
+            _log(f"assigned job {assigned.run_id} (assignment {assigned.seq})")
+            key = self.read_key(assigned.run_id, wait=self.key_wait)
+            if key is None:  # the driver gave the job up before it wrote the key: back to waiting
+                continue
+            self.enter(assigned.run_id, key)
+            try:
+                code = self.serve_job()
+            finally:
+                self.clear_job()
+                self.enter(lease_id, lease_key)
+            if code is not None:
+                return code
+
+    def wait_for_assignment(self) -> Assign | None:
+        """The lease's next verified assignment for this node (a sequence number above the last
+        one taken), or None when the lease was closed or its driver went away."""
+        assert self.folder is not None
+        while True:
+            doc = None
+            try:
+                self.publish_alive()
+                self.watch_notices()
+                doc = self.folder.assignment(self.index, instance_id=self.identity.instance_id)
+            except DocumentRefused as exc:
+                self._refused(exc)
+            except Exception as exc:  # noqa: BLE001
+                self._store_error("reading the lease's assignment", exc)
+            if doc is not None and doc.seq > self._assigned:
+                self._assigned = doc.seq
+                return doc
+            if doc is not None and doc.seq < self._assigned:
+                self._refused(DocumentRefused(f"assignment {doc.seq} of lease {self.run_id} is older than "
+                                              f"assignment {self._assigned}, already served (replayed): refused"))
+            if self.stop_requested():
+                return None
+            if self.heartbeat_stale():
+                return None
+            time.sleep(self.interval)
+
+    def clear_job(self) -> None:
+        """Nothing of a finished job stays for the next: every process left in its agent's session
+        (a rank's daemon child) is killed, and its local folder is deleted."""
+        import shutil
+
+        import psutil
+
+        if self._agent is not None and self._agent.poll() is None:
+            self.stop_agent(self._agent)
+        # orphans come back here (a subreaper); what ran before the first job (the user-data's backstop) stays
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in self._resident]
+        if left:
+            _log(f"killing {len(left)} process(es) job {self.run_id} left behind")
+            kill_and_reap(left)
+        shutil.rmtree(self.job_dir, ignore_errors=True)
 
     def watch_until_gone(self) -> int:
         """The work is done; the driver terminates this instance. If it never does, do it.
@@ -617,6 +747,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-owner", default=None, help="account id that must own the store's bucket")
     p.add_argument("--heartbeat-ttl", type=float, default=900.0)
     p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--lease", action="store_true",
+                   help="the instance belongs to a warm lease (--run-id is the lease's id): serve its assigned jobs")
     p.add_argument("--backstop-marker", default=None,
                    help="created once this program has taken over from the user-data's backstop")
     return p.parse_args(argv)
@@ -645,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
                         kms_key_id=args.store_kms_key, bucket_owner=args.bucket_owner)
         node_dir = Path(os.environ.get(NODE_DIR_ENV) or default_home() / "node-jobs")
         node = NodeBootstrap(store, args.run_id, identity, node_dir, args.heartbeat_ttl, region=args.region,
-                             endpoint_url=args.endpoint_url, interval=args.interval)
+                             endpoint_url=args.endpoint_url, interval=args.interval, lease=args.lease)
         if args.backstop_marker:
             Path(args.backstop_marker).touch()  # from here on this program watches the node
         return node.run()

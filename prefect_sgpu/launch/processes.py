@@ -15,3 +15,14 @@ def kill_and_reap(processes: list[Any], timeout: float = 5.0) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(processes, timeout=timeout)
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Orphans of this process's descendants become its children (Linux), so a job's
+    left-behind processes can be found and killed after it, whatever session they started."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

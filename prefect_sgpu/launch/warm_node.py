@@ -66,7 +66,6 @@ PRELOAD = (
     "prefect_sgpu.launch.node_agent",
     "prefect_sgpu.launch.rank_main",
 )
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 class WarmNode:
@@ -250,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.shm_size:
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.shm_size}", "tmpfs", "/dev/shm"], check=True)
     if os.getpid() != 1:  # without a PID namespace, orphans of a job still come back to this process
-        import ctypes
+        from prefect_sgpu.launch.processes import become_subreaper
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        become_subreaper()
     node = WarmNode(proto, shm=bool(args.shm_size))
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -1,4 +1,4 @@
-"""GPU VMs on EC2: one set of instances per job, always terminated.
+"""GPU VMs on EC2: one set of instances per job (or a warm lease for several), always terminated.
 
 The driver never needs an inbound port: everything between it and the nodes goes
 through the S3 store, as sealed documents of the job folder
@@ -16,6 +16,10 @@ can verify every document from its first second) and ``release`` deletes it. Nod
 derive that name from their own ``--run-id`` and read it through their instance
 profile. Node addresses (node 0's rendezvous host) come from DescribeInstances, never
 from what a node writes.
+
+**Warm leases.** With ``keep_warm`` seconds the instances are launched for a lease instead
+(:mod:`prefect_sgpu.compute.ec2.lease`) and kept between jobs of the same shape: the next job
+is assigned to them and pays no boot. Each job still has its own folder and key.
 
 Provisioning itself (subnets, markets, failover, tags, termination, prices) is
 :class:`~prefect_sgpu.compute.ec2.instances.EC2Provisioner`'s job and the requests are
@@ -52,18 +56,19 @@ from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.compute.ec2.roles import ROLE_PATH
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
+from prefect_sgpu.compute.ec2.lease import WarmLease, lease_id
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
+from prefect_sgpu.compute.warm import POOL, check_keep_warm
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
-from prefect_sgpu.jobfolder import (LaunchDocument, alive_key, notice_key, ssm_key_parameter,
+from prefect_sgpu.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
                                     ssm_secrets_parameter, status_key)
 from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store_s3 import S3Store
 
 if TYPE_CHECKING:
-    from prefect_sgpu.jobfolder import JobFolder
     from prefect_sgpu.store import Store
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
@@ -71,9 +76,12 @@ logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
 DEFAULT_RENDEZVOUS_PORT = 29400
 DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 HEARTBEAT_INTERVAL_S = 2.0
+#: seconds the nodes of a warm lease get to take up a job before the lease is given up for new instances
+WARM_TAKEUP_S = 120.0
 #: settings this class reads itself; everything else configures the provisioner
 OWN_SETTINGS = ("store_uri", "heartbeat_ttl_s", "agent_timeout_s", "rendezvous_port",
-                "poll_interval_s", "node_silence_s", "python", "setup_commands", "kms_key_id", "bucket_owner")
+                "poll_interval_s", "node_silence_s", "python", "setup_commands", "kms_key_id", "bucket_owner",
+                "keep_warm")
 
 
 class _Progress:
@@ -103,6 +111,11 @@ class EC2Request(Request):
     agent_timeout_s: float = 900.0
     #: the IAM role (and instance profile) acquire creates for this job, when the block asks for job roles
     job_role: str = ""
+    #: seconds the instances wait for the next job of this shape (0: this job's own, terminated after it)
+    keep_warm: float = 0.0
+    #: the lease the instances are launched for when no warm one fits (``run_instances`` and
+    #: ``user_data`` are rendered for it); empty for a cold job
+    lease_id: str = ""
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -116,6 +129,8 @@ class EC2Request(Request):
             **({"job_role": f"IAM role and instance profile {ROLE_PATH}{self.job_role} (policies/node-policy.json "
                             "for this run; deleted on release)"} if self.job_role else {}),
             "estimated_usd_per_hour": self.usd_per_hour,
+            **({"keep_warm": f"a warm lease's instances when one of this shape is idle; else new ones for lease "
+                             f"{self.lease_id}, kept {self.keep_warm:g}s between jobs"} if self.lease_id else {}),
         }
 
 
@@ -143,6 +158,12 @@ class EC2Allocation(Allocation):
     alive_changed: dict[int, float] = field(default_factory=dict)
     noticed: set[int] = field(default_factory=set)
     outcome: Released | None = None
+    #: the warm lease this job runs on (None: a cold job, its instances its own)
+    lease: WarmLease | None = None
+    #: a node was lost or received a reclaim notice: its lease serves no other job
+    lost: bool = False
+    #: release gave the lease back to the pool (its instances wait for the next job)
+    kept: bool = False
 
     def instance_id(self, node: int) -> str:
         return self.instances[node].id
@@ -173,7 +194,14 @@ class EC2InstanceCompute(Compute):
         python: str = "python3",
         setup_commands: str = "",
         kms_key_id: str | None = None,
+        keep_warm: float = 0.0,
     ) -> None:
+        """``keep_warm``: seconds a job's instances wait for the next job of the same shape (a
+        warm lease, :mod:`~prefect_sgpu.compute.ec2.lease`); 0 terminates them after every job."""
+        self.keep_warm = check_keep_warm("keep_warm", keep_warm, "every job terminates its instances")
+        if self.keep_warm > 0 and provisioner.settings.job_roles:
+            raise SGPUConfigError("keep_warm", keep_warm, "0 while job_roles is on (a job role covers one job, and "
+                                  "a warm lease's instances serve several): turn one of them off")
         self.provisioner = provisioner
         self.store = store
         self.region = region
@@ -234,6 +262,7 @@ class EC2InstanceCompute(Compute):
             python=settings.get("python") or "python3",
             setup_commands=settings.get("setup_commands") or "",
             kms_key_id=settings.get("kms_key_id") or None,
+            keep_warm=settings.get("keep_warm") or 0.0,
         )
 
     def _client(self, service: str) -> Any:
@@ -255,17 +284,19 @@ class EC2InstanceCompute(Compute):
             raise SGPUConfigError("store", repr(store), f"the EC2 compute's own store {self.store.root_uri} (its "
                                   "nodes only reach that one): leave store unset or pass the same URI")
 
-    def user_data(self, run_id: str) -> str:
+    def user_data(self, run_id: str, lease: bool = False) -> str:
         return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
                                    endpoint_url=self.endpoint_url, python=self.python,
                                    setup=self.setup_commands,
                                    backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
-                                   kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner)
+                                   kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner,
+                                   lease=lease)
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
-        user_data = self.user_data(run_id)
-        attempts = self.provisioner.attempts(run_id, plan, user_data)
+        lease = lease_id(run_id) if self.keep_warm > 0 else ""
+        user_data = self.user_data(lease or run_id, lease=bool(lease))
+        attempts = self.provisioner.attempts(lease or run_id, plan, user_data)
         instance_type = attempts[0].params["InstanceType"] if attempts else rq.instance_type_for(self.settings, plan)
         known = catalog.instance_type_by_name(instance_type)
         price = round(plan.nodes * known.price_per_hour, 3) if known and known.price_per_hour else None
@@ -274,12 +305,19 @@ class EC2InstanceCompute(Compute):
                           run_instances=attempts, user_data=user_data, store_uri=self.store.uri(run_id),
                           key_parameter=ssm_key_parameter(run_id), usd_per_hour=price,
                           agent_timeout_s=self.agent_timeout_s,
-                          job_role=roles.role_name(run_id) if self.settings.job_roles else "")
+                          job_role=roles.role_name(run_id) if self.settings.job_roles else "",
+                          keep_warm=self.keep_warm, lease_id=lease)
 
     def replan(self, request: Request, gang: int) -> EC2Request:
         """The same launch tries in the same order (the first market first, then the fallback
-        chain), each with a ClientToken of its own for this gang: new instances, not the lost ones."""
+        chain), each with a ClientToken of its own for this gang: new instances, not the lost ones.
+        A warm job's new instances are a new lease's (its own id, tags and tokens)."""
         assert isinstance(request, EC2Request)
+        if request.lease_id:
+            lease = lease_id(request.run_id, gang)
+            user_data = self.user_data(lease, lease=True)
+            return replace(request, lease_id=lease, user_data=user_data,
+                           run_instances=self.provisioner.attempts(lease, request.plan, user_data))
         attempts = tuple(replace(a, params={**a.params, "ClientToken": rq.client_token(request.run_id, i, gang)})
                          for i, a in enumerate(request.run_instances))
         return replace(request, run_instances=attempts)
@@ -294,6 +332,8 @@ class EC2InstanceCompute(Compute):
         allocation = EC2Allocation(request=request, folder=folder, nodes=[], started=time.time(),
                                    progress=progress)
         progress("requested", f"{request.plan.nodes} x {request.instance_type} in {self.region}")
+        if request.keep_warm > 0:
+            return self._acquire_warm(allocation, deadline, cancel)
         try:
             with self._driver_heartbeat(folder):  # nodes must not think the driver died while we wait
                 self._sweep(request)
@@ -319,6 +359,92 @@ class EC2InstanceCompute(Compute):
             self._give_back(allocation)
             raise
         return allocation
+
+    # -- warm leases ------------------------------------------------------------------
+
+    def _lease_key(self, request: EC2Request) -> tuple[Any, ...]:
+        """Jobs of the same shape on the same settings may share a lease."""
+        plan = request.plan
+        return ("ec2", self.region, self.store.root_uri, request.instance_type, plan.nodes, plan.procs_per_node,
+                self.python, self.setup_commands, self.heartbeat_ttl_s, self.settings.model_dump_json())
+
+    def _acquire_warm(self, allocation: EC2Allocation, deadline: float, cancel: threading.Event) -> EC2Allocation:
+        """An idle warm lease of this job's shape, or a new one; either way the job is assigned to its
+        nodes and acquire returns once every node announced itself in the job's folder."""
+        request = allocation.request
+        assert isinstance(request, EC2Request)
+        progress = allocation.progress
+        try:
+            with self._driver_heartbeat(allocation.folder):
+                self._put_key(allocation)  # before the assignment: the nodes read it once assigned
+                lease = POOL.take(self._lease_key(request), owner=id(self))
+                if lease is not None:
+                    allocation.lease = lease
+                    progress("warm", f"lease {lease.lease_id}: {len(lease.instances)} instance(s) kept from "
+                                     f"an earlier job ({lease.jobs} so far)")
+                    try:
+                        self._assign(allocation, deadline, cancel, timeout=min(self.agent_timeout_s, WARM_TAKEUP_S))
+                        return allocation
+                    except (LaunchTimeout, ProvisioningError) as exc:
+                        if cancel.is_set() or time.monotonic() >= deadline:
+                            raise
+                        logger.warning("job %s: warm lease %s did not take the job up (%s); launching new "
+                                       "instances", allocation.run_id, lease.lease_id, exc)
+                        allocation.lease = None
+                        POOL.discard(lease)
+                self._sweep(request)
+                self._new_lease(allocation, deadline, cancel)
+                self._assign(allocation, deadline, cancel)
+        except BaseException:
+            self._give_back(allocation)
+            raise
+        return allocation
+
+    def _new_lease(self, allocation: EC2Allocation, deadline: float, cancel: threading.Event) -> WarmLease:
+        """Instances for a new lease (its key written and its heartbeat beating before they exist)."""
+        request = allocation.request
+        assert isinstance(request, EC2Request)
+        lease = WarmLease(key=self._lease_key(request), folder=JobFolder(self.store, request.lease_id, new_key()),
+                          instances=[], compute=self)
+        allocation.lease = lease
+        POOL.add(lease, owner=id(self))
+        lease.key_parameter = ssm_key_parameter(lease.lease_id)
+        extra = {"KeyId": self.kms_key_id} if self.kms_key_id else {}
+        self._client("ssm").put_parameter(Name=lease.key_parameter, Value=lease.folder.key, Type="SecureString",
+                                          Overwrite=True, Description="prefect-sgpu key of one warm lease "
+                                          "(deleted when the lease ends)", **extra)
+        lease.start_beating()
+        try:
+            lease.instances = self.provisioner.provision(
+                lease.lease_id, request.plan, request.user_data,
+                progress=lambda text: allocation.progress("provisioning", text), should_stop=cancel.is_set,
+                attempts=request.run_instances, deadline=deadline, sent=allocation.sent,
+            )
+        except LaunchTimeout:
+            if time.monotonic() >= deadline:
+                raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning") from None
+            raise
+        except TimeoutError as exc:
+            raise LaunchTimeout(request.run_id, self.agent_timeout_s, phase="provisioning") from exc
+        allocation.progress("running", f"lease {lease.lease_id}: " + ", ".join(
+            f"{i.id} ({i.private_ip}, {i.availability_zone}, {i.market})" for i in lease.instances))
+        return lease
+
+    def _assign(self, allocation: EC2Allocation, deadline: float, cancel: threading.Event,
+                timeout: float | None = None) -> None:
+        """The lease's nodes serve this job next: one sealed assignment each, then their alive documents
+        in the job's folder."""
+        lease = allocation.lease
+        assert lease is not None
+        allocation.instances = list(lease.instances)
+        seq = lease.assign(allocation.run_id)
+        logger.debug("job %s: assignment %d of lease %s written", allocation.run_id, seq, lease.lease_id)
+        self._wait_for_agents(allocation, deadline, cancel, timeout)
+
+    def close(self) -> None:
+        """End the idle warm leases this compute used last (a task runner does at flow end);
+        ones in a job end when it gives them back."""
+        POOL.close(owner=id(self))
 
     def account(self) -> str:
         """The AWS account the driver's credentials belong to (asked once)."""
@@ -357,7 +483,8 @@ class EC2InstanceCompute(Compute):
         tracking_uri = default_tracking_uri() if request.spec.mlflow and mlflow_available() else None
         start_of_job_pass(self, request.run_id, tracking_uri)
 
-    def _wait_for_agents(self, allocation: EC2Allocation, deadline: float, cancel: threading.Event) -> None:
+    def _wait_for_agents(self, allocation: EC2Allocation, deadline: float, cancel: threading.Event,
+                         timeout: float | None = None) -> None:
         """Every node's bootstrap has announced itself (a sealed alive document of its instance).
 
         Ends at the job's deadline or after ``agent_timeout_s``, whichever is first
@@ -368,7 +495,8 @@ class EC2InstanceCompute(Compute):
         if len(instances) != allocation.plan.nodes:
             raise ProvisioningError(f"job {run_id}: asked for {allocation.plan.nodes} instance(s), "
                                     f"got {len(instances)}")
-        own_limit = time.monotonic() + self.agent_timeout_s
+        own_timeout = self.agent_timeout_s if timeout is None else timeout
+        own_limit = time.monotonic() + own_timeout
         limit = min(deadline, own_limit)
         up: set[int] = set()
         last_state_check = 0.0
@@ -386,9 +514,9 @@ class EC2InstanceCompute(Compute):
             now = time.monotonic()
             if now > limit:
                 missing = [instances[i].id for i in range(len(instances)) if i not in up]
-                timeout = allocation.request.spec.timeout if deadline <= own_limit else self.agent_timeout_s
-                logger.error("job %s: no node agent on %s after %gs", run_id, missing, timeout)
-                raise LaunchTimeout(run_id, timeout, phase="agent start")
+                waited = allocation.request.spec.timeout if deadline <= own_limit else own_timeout
+                logger.error("job %s: no node agent on %s after %gs", run_id, missing, waited)
+                raise LaunchTimeout(run_id, waited, phase="agent start")
             if now - last_state_check > 5.0:
                 last_state_check = now
                 dead = {k: v for k, v in self._instance_states([i.id for i in instances]).items()
@@ -465,6 +593,7 @@ class EC2InstanceCompute(Compute):
             state = allocation.states.get(iid)
             if state in DEAD_STATES:
                 allocation.reported.add(node.index)
+                allocation.lost = True
                 events.append(NodeLost(node.index, f"instance {iid} is {state} (lost or reclaimed) before "
                                                    "its ranks finished"))
                 continue
@@ -472,12 +601,14 @@ class EC2InstanceCompute(Compute):
                 notice = allocation.folder.notice(node.index, instance_id=iid)
                 if notice is not None:
                     allocation.noticed.add(node.index)
+                    allocation.lost = True
                     events.append(NodeNotice(node.index, f"{iid}: {notice.text}"))
             version = listed.get(alive_key(node.index))
             if version != allocation.alive_version.get(node.index) or node.index not in allocation.alive_changed:
                 allocation.alive_version[node.index], allocation.alive_changed[node.index] = version, now
             elif now - allocation.alive_changed[node.index] > self.node_silence_s:
                 allocation.reported.add(node.index)
+                allocation.lost = True
                 events.append(NodeLost(node.index, f"node {node.index} ({iid}) has not reported for "
                                                    f"{self.node_silence_s:g}s"))
         return events
@@ -510,15 +641,22 @@ class EC2InstanceCompute(Compute):
             return [n for n in nodes if status_key(n.index) not in listed
                     or folder.status(n.index, instance_id=n.instance_id) is None]
 
-        left = pending(allocation.nodes) if allocation.launched else []
+        if not allocation.launched:
+            return
+        left = pending(allocation.nodes)
         if not left:
+            allocation.reported |= {n.index for n in allocation.nodes}
             return
         folder.put_stop(grace, reason="stopped by the driver")
         deadline = time.monotonic() + grace + 10.0
         while left and time.monotonic() < deadline:
             time.sleep(0.5)
             states = self._instance_states([n.instance_id or "" for n in left])
-            left = [n for n in pending(left) if states.get(n.instance_id or "") not in DEAD_STATES]
+            dead = {n.index for n in left if states.get(n.instance_id or "") in DEAD_STATES}
+            allocation.lost = allocation.lost or bool(dead)
+            left = [n for n in pending(left) if n.index not in dead]
+        # every node that reported (a warm lease needs all of them to serve another job)
+        allocation.reported |= {n.index for n in allocation.nodes} - {n.index for n in left}
 
     def release(self, allocation: Allocation) -> Released:
         """Terminate instances, delete groups and the key parameter; the second call returns the first's result."""
@@ -535,15 +673,26 @@ class EC2InstanceCompute(Compute):
             logger.warning("could not estimate the cost of job %s", allocation.run_id, exc_info=True)
         released.cost = cost
         if allocation.progress:
-            allocation.progress("terminated", _cost_text(cost))
+            allocation.progress("kept warm" if allocation.kept else "terminated", _cost_text(cost))
         allocation.outcome = released
         return released
 
     def _give_back(self, allocation: EC2Allocation) -> Released:
-        """Everything acquire took (instances, groups, the key parameter), on every path."""
+        """Everything acquire took (instances, groups, the key parameter), on every path. A warm
+        lease goes back to the pool only after a job every node of which reported its end."""
         gone: list[str] = []
         try:
-            gone += self.provisioner.terminate(allocation.run_id)
+            lease, allocation.lease = allocation.lease, None
+            if lease is None:
+                gone += self.provisioner.terminate(allocation.run_id)
+            elif (allocation.launched and not allocation.lost and lease.healthy()
+                  and allocation.reported >= {n.index for n in allocation.nodes}):
+                POOL.give_back(lease, self.keep_warm)
+                allocation.kept = True
+            else:
+                lease.mark_unfit("its last job did not end cleanly on every node")
+                POOL.discard(lease)
+                gone += [i.id for i in lease.instances]
         finally:
             for name in (allocation.key_parameter, allocation.secrets_parameter):
                 if name and self._delete_key(name):

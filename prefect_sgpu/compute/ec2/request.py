@@ -270,8 +270,12 @@ def render_user_data(
     backstop_s: float | None = None,
     kms_key_id: str | None = None,
     bucket_owner: str | None = None,
+    lease: bool = False,
 ) -> str:
     """The instance's user-data: a short shell script, with no credential and no key in it.
+
+    With ``lease`` the instance belongs to a warm lease (``run_id`` is the lease's id) and
+    serves the jobs the lease assigns to it, one after another, instead of one job.
 
     ``setup`` (shell lines, e.g. installing prefect-sgpu into the AMI's Python) runs first.
     The bootstrap derives the SSM parameter of the job key from ``run_id`` itself.
@@ -290,6 +294,8 @@ def render_user_data(
         argv.append(f"--store-kms-key={kms_key_id}")
     if bucket_owner:
         argv.append(f"--bucket-owner={bucket_owner}")
+    if lease:
+        argv.append("--lease")
     backstop = float(backstop_s or heartbeat_ttl)
     marker = f"${{HOME:-/root}}/.prefect-sgpu-{run_id}.up"
     lines = [

@@ -1,0 +1,222 @@
+"""Warm EC2 leases end to end, offline: consecutive jobs on the same instances, nothing of one
+job left for the next, assignments only the driver can write, and every way a lease ends.
+
+The instances are moto's, booted by :mod:`ec2_simulator` (each one's real user-data as local
+processes), as in ``test_ec2_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env
+from support.ec2_simulator import REPO_ROOT
+from prefect_sgpu import distributed, runtime
+from prefect_sgpu.compute.ec2.lease import lease_id
+from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.jobfolder import ASSIGN_KEY, Assign, JobFolder, new_key, ssm_key_parameter
+
+pytestmark = pytest.mark.e2e
+
+
+def _where(tag: str, marker: str) -> dict[str, Any]:
+    """Each rank's instance, job folder and pid; on ``leave``, a process left running in the node
+    agent's session (a rank's forgotten child) and a file in the job's local folder."""
+    import subprocess
+    import sys
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    runtime.init_process_group()
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    job_dir = os.environ["SGPU_JOB_DIR"]
+    if tag == "leave":
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
+        Path(job_dir, f"left-by-rank-{runtime.rank()}").write_text("x")
+    found = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
+    return {"rank": runtime.rank(), "instance": os.environ["SGPU_INSTANCE_ID"], "job_dir": job_dir,
+            "pid": os.getpid(), "world": int(t.item()), "leftover_pids": found}
+
+
+def _live(ec2: EC2Env, run_id: str) -> list[str]:
+    return sorted(i["InstanceId"] for i in ec2.instances(run_id, live=True))
+
+
+def _wait(what: str, predicate: Any, timeout: float, ec2: EC2Env) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g}s; {ec2.simulator.describe()}"
+        time.sleep(0.5)
+
+
+def test_consecutive_jobs_share_a_lease_see_nothing_of_each_other_and_refuse_foreign_assignments(
+        ec2: EC2Env) -> None:
+    compute = ec2.compute(keep_warm=300)
+    marker = f"sgpu-left-{uuid.uuid4().hex[:8]}"
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)(_where)
+    try:
+        first = fn.job("leave", marker)
+        one = first.run()
+        lease = lease_id(first.run_id)
+        instances = _live(ec2, lease)
+        assert len(instances) == 2 and sorted(v["instance"] for v in one.values) == instances
+        assert all(v["world"] == 2 for v in one.values) and all(v["leftover_pids"] for v in one.values)
+        assert ec2.instances(first.run_id) == [], "a warm job's instances are the lease's, tagged with its id"
+        assert ec2.leftovers(first.run_id) == [], "the job's key and control files go with the job"
+        assert one.released == [f"SSM parameter {ssm_key_parameter(first.run_id)}"]
+        served = ec2.store().get(lease, ASSIGN_KEY)  # the assignment of the first job, already served
+        assert served is not None
+
+        second = fn.job("look", marker)
+        two = second.run()
+        assert [v["rank"] for v in two.values] == [0, 1] and all(v["world"] == 2 for v in two.values)
+        assert sorted(v["instance"] for v in two.values) == instances, "the second job ran on the same instances"
+        assert len(ec2.sent_run_instances()) == 1, "one RunInstances for both jobs"
+        for before, after in zip(one.values, two.values):
+            assert after["leftover_pids"] == [], "the first job's left-behind process was killed"
+            assert not Path(before["job_dir"]).exists(), "the first job's local folder was deleted"
+            assert after["pid"] != before["pid"]
+        assert ec2.leftovers(second.run_id) == []
+
+        # whoever can write the store cannot assign a job: neither a forged assignment nor a served one again
+        store, iids = ec2.store(), instances
+        store.put(lease, ASSIGN_KEY, served)
+        _wait("the replayed assignment refused", lambda: all(
+            "(replayed): refused" in ec2.simulator.console(i) for i in iids), 60, ec2)
+        forged = JobFolder(store, lease, new_key())
+        forged.put_assignments({i: (Assign(run_id=first.run_id, seq=99), iid) for i, iid in enumerate(iids)})
+        _wait("the forged assignment refused", lambda: all(
+            "signature does not match" in ec2.simulator.console(i) for i in iids), 60, ec2)
+        assert not [k for k in ec2.objects(first.run_id) if "/nodes/" in k], "no node served the first job again"
+
+        third = fn.job("look", marker)
+        assert [v["rank"] for v in third.run().values] == [0, 1], "the lease still serves its driver"
+        assert len(ec2.sent_run_instances()) == 1
+    finally:
+        compute.close()
+    _wait("the lease's instances terminated when the compute closed", lambda: _live(ec2, lease) == [], 60, ec2)
+    assert ec2.leftovers(lease) == [], "the lease's key, groups and control files are gone"
+
+
+def _fails_on_rank_1() -> int:
+    runtime.init_process_group()
+    if runtime.rank() == 1:
+        raise ValueError("rank 1 fails")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 waits here until its node is stopped
+    return runtime.rank()
+
+
+def _rank() -> int:
+    return runtime.rank()
+
+
+def test_a_failed_job_leaves_the_lease_for_the_next_and_the_idle_timeout_ends_it(ec2: EC2Env) -> None:
+    compute = ec2.compute(keep_warm=8)
+    failing = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False,
+                          timeout=300)(_fails_on_rank_1)
+    job = failing.job()
+    with pytest.raises(ValueError, match="rank 1 fails"):
+        job.run()
+    lease = lease_id(job.run_id)
+    assert len(_live(ec2, lease)) == 2, "both nodes reported their end: the lease is kept"
+    ok = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)(_rank)
+    assert ok.distributed() == [0, 1]
+    assert len(ec2.sent_run_instances()) == 1
+    # no third job: after keep_warm idle seconds the reaper ends the lease
+    _wait("the idle lease ended, its key, groups and control files removed",
+          lambda: ec2.leftovers(lease) == [], 90, ec2)
+
+
+def test_a_lost_node_makes_the_next_job_launch_a_new_lease(ec2: EC2Env) -> None:
+    compute = ec2.compute(keep_warm=300)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)(_rank)
+    try:
+        job = fn.job()
+        assert job.run().values == [0, 1]
+        old = lease_id(job.run_id)
+        lost = _live(ec2, old)[1]
+        ec2.aws.client("ec2").terminate_instances(InstanceIds=[lost])  # reclaimed while idle
+        _wait("the lost instance powered off", lambda: ec2.simulator.wait_powered_off([lost], timeout=1), 60, ec2)
+        again = fn.job()
+        assert again.run().values == [0, 1]
+        assert len(ec2.sent_run_instances()) == 2, "a new lease for the second job"
+        assert _live(ec2, old) == [], "the unfit lease was ended, its other instance too"
+        assert len(_live(ec2, lease_id(again.run_id))) == 2
+    finally:
+        compute.close()
+    _wait("every lease ended", lambda: _live(ec2, lease_id(again.run_id)) == [], 60, ec2)
+    assert ec2.leftovers(old) == [] and ec2.leftovers(lease_id(again.run_id)) == []
+
+
+_DRIVER = textwrap.dedent(
+    """
+    import json, sys, time
+    from prefect_sgpu import distributed, runtime
+    from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
+    from support.aws_fixtures import boto3_session
+
+    def rank() -> int:
+        return runtime.rank()
+
+    compute = EC2InstanceCompute.from_settings(json.loads(sys.argv[1]), session=boto3_session())
+    job = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False)(rank).job()
+    print(json.dumps({"run_id": job.run_id, "values": job.run().values}), flush=True)
+    time.sleep(600)  # the lease waits for a next job that never comes: SIGKILLed here
+    """
+)
+
+
+def test_a_killed_driver_s_idle_lease_terminates_itself(ec2: EC2Env, tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(_DRIVER)
+    env = {**os.environ, **ec2.aws.env, "PREFECT_SGPU_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
+    driver = subprocess.Popen([sys.executable, str(script), json.dumps({**ec2.settings, "keep_warm": 600})],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        assert driver.stdout is not None
+        line = driver.stdout.readline()
+        assert line.startswith("{"), line + (driver.stdout.read() if driver.poll() is not None else "")
+        done = json.loads(line)
+        assert done["values"] == [0, 1]
+        lease = lease_id(done["run_id"])
+        ids = _live(ec2, lease)
+        assert len(ids) == 2, "the lease waits for the next job"
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=10)
+    _wait("the idle nodes terminated themselves", lambda: _live(ec2, lease) == [], HEARTBEAT_TTL_S + 90, ec2)
+    assert ec2.simulator.wait_powered_off(ids, timeout=20)
+    ssm = ec2.aws.client("ssm")
+    with pytest.raises(ssm.exceptions.ParameterNotFound):  # node 0 deleted the lease's key on its way out
+        ssm.get_parameter(Name=ssm_key_parameter(lease))
+
+
+def test_keep_warm_is_checked_before_anything_is_spent(ec2: EC2Env) -> None:
+    with pytest.raises(SGPUConfigError, match="keep_warm"):
+        ec2.compute(keep_warm=-1)
+    with pytest.raises(SGPUConfigError, match="job_roles"):
+        ec2.compute(keep_warm=60, job_roles=True)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(keep_warm=60), mlflow=False)(_rank)
+    shown = fn.dry_run()
+    assert f"--run-id={lease_id(shown['run_id'])}" in shown["run_instances"]["UserData"]
+    assert "--lease" in shown["run_instances"]["UserData"] and "keep_warm" in shown
+    assert ec2.sent_run_instances() == []
