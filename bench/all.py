@@ -28,6 +28,7 @@ QUICK = [
     ("flow_tasks", ["--quick"]),
     ("mds", ["--quick"]),
     ("scale", ["--quick"]),
+    ("ec2_warm", ["--quick"]),
     ("log_shipping", []),
 ]
 

@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from prefect_sgpu import distributed  # noqa: E402
 from prefect_sgpu.errors import JobHung  # noqa: E402
 from support.aws_fault_proxy import AWSFaultProxy  # noqa: E402
-from support.aws_fixtures import MotoAWS, Network, aws_environment, free_port  # noqa: E402
+from support.aws_fixtures import MotoAWS, aws_environment, create_network, free_port  # noqa: E402
 from support.conformance_ec2 import ec2_environment  # noqa: E402
 from support.training import train_with_checkpoints  # noqa: E402
 
@@ -48,16 +47,6 @@ def _sleeps_forever_on_rank_1() -> int:
     if runtime.rank() == 1:
         time.sleep(3600)
     return runtime.rank()
-
-
-def _network(aws: MotoAWS) -> Network:
-    ec2 = aws.client("ec2")
-    octet = uuid.uuid4().int % 190 + 64
-    vpc = ec2.create_vpc(CidrBlock=f"127.{octet}.0.0/16")["Vpc"]["VpcId"]
-    zones = [f"{aws.region}a", f"{aws.region}b"]
-    subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"127.{octet}.{i}.0/24", AvailabilityZone=az)["Subnet"]["SubnetId"]
-               for i, az in enumerate(zones)]
-    return Network(vpc, subnets, zones)
 
 
 def _has_checkpoint(env, run_id: str, step: int) -> bool:  # type: ignore[no-untyped-def]
@@ -88,7 +77,7 @@ def main() -> None:
         os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
         aws = MotoAWS(endpoint_url=proxy.url, env=env_vars)
         work = Path(tempfile.mkdtemp(prefix="sgpu-bench-faults-"))
-        with ec2_environment(aws, _network(aws), work / "nodes", proxy=proxy) as env:
+        with ec2_environment(aws, create_network(aws), work / "nodes", proxy=proxy) as env:
             options = {"gpus": 2, "gpu_type": "A10", "remote": True, "mlflow": False, "timeout": 1200}
             started = time.monotonic()
             distributed(compute=env.compute(), **options)(train_with_checkpoints).distributed(step_s=args.step_s)

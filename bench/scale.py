@@ -289,7 +289,7 @@ class CallCounter:
     @staticmethod
     def _name(event_name: str) -> tuple[str, str]:
         _, service, operation = event_name.split(".", 2)
-        if threading.current_thread().name.startswith("sgpu-ec2-beat"):
+        if threading.current_thread().name.startswith(("sgpu-ec2-beat", "sgpu-ec2-lease")):
             operation += " [heartbeat]"
         return service, operation
 
@@ -396,27 +396,15 @@ class Result:
     gone: int = 0
 
 
-def _network(aws: Any) -> Any:
-    from support.aws_fixtures import Network
-
-    ec2 = aws.client("ec2")
-    octet = uuid.uuid4().int % 190 + 64
-    vpc = ec2.create_vpc(CidrBlock=f"127.{octet}.0.0/16")["Vpc"]["VpcId"]
-    zones = [f"{aws.region}a", f"{aws.region}b"]
-    subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"127.{octet}.{i}.0/24",
-                                 AvailabilityZone=az)["Subnet"]["SubnetId"] for i, az in enumerate(zones)]
-    return Network(vpc, subnets, zones)
-
-
 @contextmanager
 def environment(aws: Any, proxy: Any, workdir: Path, stub: bool,
                 waiter_delay: float) -> Iterator[tuple[dict, Any]]:
     """What ``support.conformance_ec2.ec2_environment`` sets up (bucket, settings, simulator, the proxy's
     power-off hook, the leak checks at the end), with the stub simulator when asked."""
-    from support.aws_fixtures import free_port, live_instances
+    from support.aws_fixtures import create_network, free_port, live_instances
     from support.ec2_simulator import EC2Simulator
 
-    network = _network(aws)
+    network = create_network(aws)
     bucket = f"sgpu-scale-{uuid.uuid4().hex[:12]}"
     aws.client("s3").create_bucket(Bucket=bucket)
     settings = {

@@ -116,6 +116,16 @@ class WarmNodeProcess:
                 raise LaunchTimeout(run_id, timeout, phase="starting warm nodes")
             beat()
 
+    def preloaded(self, wait: float = 0.0) -> bool:
+        """Has the node imported what it preloads (and is it alive)? Waits at most ``wait`` seconds."""
+        until = time.monotonic() + wait
+        while not self.ready and self.alive():
+            message = self._next(until - time.monotonic())
+            if message is None:
+                break
+            self.ready = "ready" in message
+        return self.ready and self.alive()
+
     def launch(self, argv: list[str], env: dict[str, str], cwd: str, out: Path) -> None:
         """Start one job's node agent (argv: its arguments) and return once it was forked."""
         self.exit_code = None

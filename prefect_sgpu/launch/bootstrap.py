@@ -39,8 +39,12 @@ there and watching the lease's heartbeat and stop, for its *assignment*: a docum
 with the lease key, bound to this node and instance, naming the next job's run id with a
 sequence number higher than the last one it took. It then reads that job's key from SSM (the
 name derives from the run id, never from a document) and runs steps 3-7 in the job's folder.
-When the job ends (finished or stopped) it kills whatever the job left in the agent's session,
-deletes the job's local folder and goes back to waiting. A stale heartbeat of the job or of
+A lease's node also keeps a warm node process (:mod:`prefect_sgpu.launch.warm_node`, torch
+imported, never running user code): each job's node agent is forked from it, and its ranks in
+turn, so a job on a warm lease imports nothing (the lease's first job waits for the preload,
+at most 30 s, and otherwise starts its agent as a cold node does). When the job ends (finished or stopped) every process it left
+is killed (the warm node and this program are child subreapers, so orphans come back to them),
+the job's local folder is deleted and the node goes back to waiting. A stale heartbeat of the job or of
 the lease still terminates the instance, and a ``stop`` in the lease's folder (the lease is
 closed) leaves it to the driver's termination, watched by the same heartbeat rule.
 
@@ -88,6 +92,8 @@ DEFAULT_IMDS = "http://169.254.169.254/"
 IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
 NODE_DIR_ENV = "PREFECT_SGPU_NODE_DIR"
 KEY_ENV = "SGPU_PAYLOAD_KEY"
+#: seconds a job waits for the lease's warm node to finish preloading before its agent starts cold
+WARM_PRELOAD_WAIT_S = 30.0
 
 
 # --- identity from IMDSv2 ----------------------------------------------------------
@@ -215,6 +221,8 @@ class NodeBootstrap:
         self._assigned = -1
         self._beat_seqs: dict[str, int] = {}
         self._resident: set[int] = set()
+        #: a lease's warm node process (torch imported), from which each job's agent is forked
+        self.warm: Any = None
         self.heartbeat_ttl = heartbeat_ttl
         self.region = region
         self.endpoint_url = endpoint_url
@@ -232,7 +240,8 @@ class NodeBootstrap:
         self._beat_seen = time.monotonic()
         self._alive_seq = 0
         self._alive_at = 0.0
-        self._agent: subprocess.Popen[bytes] | None = None
+        #: the job's node agent: a process of its own, or a ForkedAgent of the lease's warm node
+        self._agent: Any = None
         self._error_logged = 0.0
         self._refusals: set[str] = set()
         self.notice: str | None = None
@@ -531,11 +540,14 @@ class NodeBootstrap:
                 return False
             time.sleep(self.interval)
 
-    def stop_agent(self, proc: subprocess.Popen[bytes]) -> None:
+    def stop_agent(self, proc: Any) -> None:
         """SIGTERM the agent (it stops its ranks), ``grace`` seconds, then SIGKILL what is left."""
         import psutil
 
         if proc.poll() is not None:
+            return
+        if isinstance(proc, ForkedAgent):
+            proc.stop(self.grace)
             return
         try:
             tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -620,7 +632,7 @@ class NodeBootstrap:
             return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
         argv, env = self.prepare(doc)
         self.phase = "running"
-        proc = self._agent = self.start_agent(argv, env)
+        proc = self._agent = self.fork_agent(argv, env) or self.start_agent(argv, env)
         _log(f"node agent started (pid {proc.pid})")
         self.publish_alive(force=True)
         while True:
@@ -652,13 +664,14 @@ class NodeBootstrap:
 
     def serve_lease(self) -> int:
         """Jobs one after another, each as the lease assigns it; between them, wait in the lease's folder."""
-        from prefect_sgpu.launch.processes import become_subreaper
-
         import psutil
+
+        from prefect_sgpu.launch.processes import become_subreaper
 
         assert self.lease_id is not None and self.key is not None
         become_subreaper()
         self._resident = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.start_warm_node()
         lease_id, lease_key = self.lease_id, self.key
         while True:
             self.phase = "idle"
@@ -709,6 +722,42 @@ class NodeBootstrap:
                 return None
             time.sleep(self.interval)
 
+    def start_warm_node(self) -> None:
+        """The lease's warm node: it preloads while the node waits for its first assignment."""
+        from prefect_sgpu.compute.warm import WarmNodeProcess, warm_node_argv
+
+        try:
+            self.warm = WarmNodeProcess(self.index, warm_node_argv(self.index), dict(os.environ),
+                                        self.node_dir / "warm-node.log", [])
+        except OSError as exc:  # every job then starts its agent cold
+            _log(f"no warm node: {exc}")
+            self.warm = None
+
+    def fork_agent(self, argv: list[str], env: dict[str, str]) -> "ForkedAgent | None":
+        """The job's node agent forked from the warm node, when there is one, it has preloaded and
+        the argv is the node agent's; else None (the caller starts the agent cold)."""
+        from prefect_sgpu.compute.warm import AGENT_MODULE
+
+        warm = self.warm
+        if warm is None or argv[1:3] != ["-m", AGENT_MODULE]:
+            return None
+        # still preloading (the lease's first job): worth the wait, a cold agent imports the same and more
+        if not warm.preloaded(wait=WARM_PRELOAD_WAIT_S):
+            if not warm.alive():
+                _log(f"the warm node is gone ({warm.broken or 'exited'}): jobs start cold from now on")
+                self.warm = None
+            return None
+        out = self.job_dir / agent_output_key(self.index)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            warm.launch(argv[3:], env, os.getcwd(), out)
+        except Exception as exc:  # noqa: BLE001 - the job still runs, cold
+            _log(f"the warm node could not start the job's agent ({exc}): starting it cold")
+            warm.close()
+            self.warm = None
+            return None
+        return ForkedAgent(warm)
+
     def clear_job(self) -> None:
         """Nothing of a finished job stays for the next: every process left in its agent's session
         (a rank's daemon child) is killed, and its local folder is deleted."""
@@ -718,8 +767,16 @@ class NodeBootstrap:
 
         if self._agent is not None and self._agent.poll() is None:
             self.stop_agent(self._agent)
-        # orphans come back here (a subreaper); what ran before the first job (the user-data's backstop) stays
-        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in self._resident]
+        # orphans come back here (a subreaper); what ran before the first job (the user-data's backstop) and
+        # the warm node (which kills what a job forked from it left before it reports the job ended) stay
+        keep = set(self._resident)
+        if self.warm is not None and self.warm.alive():
+            keep.add(self.warm.pid)
+            try:
+                keep |= {p.pid for p in psutil.Process(self.warm.pid).children(recursive=True)}
+            except psutil.Error:
+                pass
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
         if left:
             _log(f"killing {len(left)} process(es) job {self.run_id} left behind")
             kill_and_reap(left)
@@ -735,6 +792,29 @@ class NodeBootstrap:
             if self.heartbeat_stale():
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
             time.sleep(self.interval)
+
+
+class ForkedAgent:
+    """A job's node agent forked by the lease's warm node, seen as the bootstrap's loop sees a
+    ``Popen``: ``pid``, ``poll()`` (its exit code once the warm node killed what it left)."""
+
+    def __init__(self, warm: Any) -> None:
+        self.warm = warm
+        self.pid = int(warm.agent_pid)
+
+    def poll(self) -> int | None:
+        code = self.warm.poll()
+        if code is None and not self.warm.alive():
+            return -9  # the warm node died, and the agent with it
+        return code
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM to the agent's process group, everything of the job SIGKILLed after ``grace``;
+        a warm node that does not report the job ended is closed (later jobs start cold)."""
+        self.warm.stop(grace)
+        if not self.warm.wait_job(grace + 10.0):
+            _log(f"the warm node did not end agent {self.pid}: closing it")
+            self.warm.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

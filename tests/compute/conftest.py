@@ -9,7 +9,7 @@ import pytest
 from support.conformance import LocalCase, LocalWarmCase
 
 if TYPE_CHECKING:
-    from support.conformance_ec2 import EC2Case, EC2Env
+    from support.conformance_ec2 import EC2Case, EC2Env, EC2WarmCase
     from support.conformance_ray import RayCase
 
 @pytest.fixture
@@ -62,6 +62,19 @@ def ec2_case(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> 
 
     with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
         yield EC2Case(env)
+
+
+@pytest.fixture
+def ec2_warm_case(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2WarmCase]":
+    """EC2 on moto with a warm lease kept between the test's jobs, ended before the leak checks."""
+    from support.conformance_ec2 import EC2WarmCase, ec2_environment
+
+    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
+        case = EC2WarmCase(env)
+        try:
+            yield case
+        finally:
+            case.close()
 
 
 @pytest.fixture

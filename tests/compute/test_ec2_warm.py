@@ -49,7 +49,9 @@ def _where(tag: str, marker: str) -> dict[str, Any]:
         Path(job_dir, f"left-by-rank-{runtime.rank()}").write_text("x")
     found = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
     return {"rank": runtime.rank(), "instance": os.environ["SGPU_INSTANCE_ID"], "job_dir": job_dir,
-            "pid": os.getpid(), "world": int(t.item()), "leftover_pids": found}
+            "pid": os.getpid(), "world": int(t.item()), "leftover_pids": found,
+            # a rank forked (through its agent) from the node's warm process still has that process's argv
+            "forked": "prefect_sgpu.launch.warm_node" in psutil.Process().cmdline()}
 
 
 def _live(ec2: EC2Env, run_id: str) -> list[str]:
@@ -86,6 +88,7 @@ def test_consecutive_jobs_share_a_lease_see_nothing_of_each_other_and_refuse_for
         assert [v["rank"] for v in two.values] == [0, 1] and all(v["world"] == 2 for v in two.values)
         assert sorted(v["instance"] for v in two.values) == instances, "the second job ran on the same instances"
         assert len(ec2.sent_run_instances()) == 1, "one RunInstances for both jobs"
+        assert all(v["forked"] for v in one.values + two.values), "ranks forked from the nodes' warm processes"
         for before, after in zip(one.values, two.values):
             assert after["leftover_pids"] == [], "the first job's left-behind process was killed"
             assert not Path(before["job_dir"]).exists(), "the first job's local folder was deleted"

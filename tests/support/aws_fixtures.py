@@ -193,20 +193,25 @@ class Network:
     availability_zones: list[str]
 
 
-@pytest.fixture
-def aws_network(aws_env: MotoAWS) -> Iterator[Network]:
+def create_network(aws: MotoAWS) -> Network:
     """A fresh VPC (in 127.0.0.0/8: see above) with one subnet in each of two availability zones."""
-    ec2 = aws_env.client("ec2")
+    ec2 = aws.client("ec2")
     octet = uuid.uuid4().int % 190 + 64
     vpc_id = ec2.create_vpc(CidrBlock=f"127.{octet}.0.0/16")["Vpc"]["VpcId"]
-    zones = [f"{aws_env.region}a", f"{aws_env.region}b"]
+    zones = [f"{aws.region}a", f"{aws.region}b"]
     subnets = [
         ec2.create_subnet(VpcId=vpc_id, CidrBlock=f"127.{octet}.{i}.0/24", AvailabilityZone=az)["Subnet"][
             "SubnetId"
         ]
         for i, az in enumerate(zones)
     ]
-    yield Network(vpc_id=vpc_id, subnet_ids=subnets, availability_zones=zones)
+    return Network(vpc_id=vpc_id, subnet_ids=subnets, availability_zones=zones)
+
+
+@pytest.fixture
+def aws_network(aws_env: MotoAWS) -> Iterator[Network]:
+    """A fresh VPC (in 127.0.0.0/8: see above) with one subnet in each of two availability zones."""
+    yield create_network(aws_env)
 
 
 @pytest.fixture

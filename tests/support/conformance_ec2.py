@@ -163,6 +163,10 @@ class EC2Case:
         finally:
             self.env.simulator.boot = boot
 
+    def launched_for(self, job: Any) -> str:
+        """The run id the instances were launched (tagged, grouped) for."""
+        return str(job.run_id)
+
     def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
         """The request dry_run showed is the one launched: field by field, and on the wire."""
         allocation = job.allocation
@@ -170,7 +174,7 @@ class EC2Case:
         sent = allocation.sent[-1]
         groups = sent.get("SecurityGroupIds")
         assert groups and all(g.startswith("sg-") for g in groups)
-        assert expected.pop("SecurityGroupIds") == [f"<created: sgpu-{job.run_id}>"]
+        assert expected.pop("SecurityGroupIds") == [f"<created: sgpu-{self.launched_for(job)}>"]
         # filled in at launch, and only these: the created group and the AMI's own root device
         root = self.env.aws.client("ec2").describe_images(ImageIds=[sent["ImageId"]])["Images"][0]["RootDeviceName"]
         assert [m["DeviceName"] for m in sent["BlockDeviceMappings"]] == [root]
@@ -184,3 +188,41 @@ class EC2Case:
         assert (params["InstanceType"], params["MinCount"], params["MaxCount"], params["ImageId"]) == (
             expected["InstanceType"], str(expected["MinCount"]), str(expected["MaxCount"]), expected["ImageId"])
         assert params["SubnetId"] == expected["SubnetId"] and params["SecurityGroupId.1"] == groups[0]
+
+
+class EC2WarmCase(EC2Case):
+    """EC2 instances kept as a warm lease between jobs: each job leaves nothing of its own (key,
+    control files); the lease itself ends when the case closes its compute."""
+
+    name = "ec2_warm"
+
+    def __init__(self, env: EC2Env) -> None:
+        super().__init__(env)
+        self.compute = env.compute(keep_warm=60)
+
+    def options(self, **overrides: Any) -> dict[str, Any]:
+        return super().options(compute=self.compute, **overrides)
+
+    def launched_for(self, job: Any) -> str:
+        from prefect_sgpu.compute.ec2.lease import lease_id
+
+        return lease_id(job.run_id)
+
+    def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
+        assert "--lease" in shown["run_instances"]["UserData"] and shown["keep_warm"]
+        super().check_sent(job, shown)
+
+    def close(self) -> None:
+        """End every lease of the case: nothing of any is left (instances, groups, key, control files)."""
+        from prefect_sgpu.compute.ec2.request import STORE_TAG
+
+        self.compute.close()
+        store = f"s3://{self.env.bucket}/jobs"
+        leases = set()
+        for page in self.env.aws.client("ec2").get_paginator("describe_instances").paginate(
+                Filters=[{"Name": f"tag:{STORE_TAG}", "Values": [store]}]):
+            for reservation in page["Reservations"]:
+                for inst in reservation["Instances"]:
+                    leases |= {t["Value"] for t in inst.get("Tags", []) if t["Key"] == RUN_ID_TAG}
+        left = {lease: self.env.leftovers(lease) for lease in sorted(leases)}
+        assert not any(left.values()), f"what the case's leases left: {left}"
