@@ -167,6 +167,29 @@ def test_a_lost_node_makes_the_next_job_launch_a_new_lease(ec2: EC2Env) -> None:
     assert ec2.leftovers(old) == [] and ec2.leftovers(lease_id(again.run_id)) == []
 
 
+def test_a_flows_gpu_tasks_share_one_lease_that_ends_with_the_flow(ec2: EC2Env, prefect_server: None) -> None:
+    from prefect import flow
+
+    from prefect_sgpu import GPUTaskRunner, gpu_task
+
+    @gpu_task(gpus=2, gpu_type="A10", remote=True, mlflow=False, return_all=True)
+    def step(n: int) -> tuple[int, str]:
+        return n + runtime.rank(), os.environ["SGPU_INSTANCE_ID"]
+
+    @flow(task_runner=GPUTaskRunner(compute=ec2.compute(keep_warm=600)))
+    def pipeline() -> list[list[tuple[int, str]]]:
+        return [step(0), step(10)]
+
+    first, second = pipeline()
+    assert [v for v, _ in first] == [0, 1] and [v for v, _ in second] == [10, 11]
+    assert [i for _, i in first] == [i for _, i in second], "both tasks ran on the same instances"
+    assert len(ec2.sent_run_instances()) == 1
+    leases = {t["Value"] for i in ec2.aws.client("ec2").describe_instances(InstanceIds=[first[0][1]])[
+        "Reservations"][0]["Instances"] for t in i["Tags"] if t["Key"] == "sgpu:run-id"}
+    (lease,) = leases
+    assert _live(ec2, lease) == [] and ec2.leftovers(lease) == [], "the flow's end ended the lease (keep_warm 600)"
+
+
 _DRIVER = textwrap.dedent(
     """
     import json, sys, time
