@@ -68,28 +68,14 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 2 if args.quick else args.rounds
     os.environ.setdefault("PREFECT_SGPU_DEVICE", "cpu")
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
     from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
     from scale import CallCounter
-    from support.aws_fault_proxy import AWSFaultProxy
-    from support.aws_fixtures import MotoAWS, aws_environment, create_network, free_port
+    from support.aws_fixtures import create_network, offline_aws
     from support.conformance_ec2 import ec2_environment
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    proxy = AWSFaultProxy(f"http://127.0.0.1:{port}").start()
     cold: list[tuple[float, int]] = []
     warm: list[tuple[float, int]] = []
-    try:
-        env_vars = aws_environment(proxy.url)
-        os.environ.update(env_vars)
-        os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
-        aws = MotoAWS(endpoint_url=proxy.url, env=env_vars)
+    with offline_aws() as (aws, proxy):
         work = Path(tempfile.mkdtemp(prefix="sgpu-bench-ec2-warm-"))
         with ec2_environment(aws, create_network(aws), work / "nodes", proxy=proxy) as env:
             session = aws.session()
@@ -107,9 +93,6 @@ def main() -> None:
             finally:
                 warm_compute.close()
             run_instances = len(env.sent_run_instances())
-    finally:
-        proxy.stop()
-        server.stop()
 
     load = os.getloadavg()[0]
     cold_s, warm_s = statistics.median(c[0] for c in cold), statistics.median(w[0] for w in warm)

@@ -35,8 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from prefect_sgpu import distributed  # noqa: E402
 from prefect_sgpu.errors import JobHung  # noqa: E402
-from support.aws_fault_proxy import AWSFaultProxy  # noqa: E402
-from support.aws_fixtures import MotoAWS, aws_environment, create_network, free_port  # noqa: E402
+from support.aws_fixtures import create_network, offline_aws  # noqa: E402
 from support.conformance_ec2 import ec2_environment  # noqa: E402
 from support.training import train_with_checkpoints  # noqa: E402
 
@@ -61,21 +60,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.5)
     args = parser.parse_args()
     os.environ.setdefault("PREFECT_SGPU_DEVICE", "cpu")
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    proxy = AWSFaultProxy(f"http://127.0.0.1:{port}").start()  # also what moto lacks (placement groups)
-    try:
-        env_vars = aws_environment(proxy.url)
-        os.environ.update(env_vars)
-        os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
-        aws = MotoAWS(endpoint_url=proxy.url, env=env_vars)
+    with offline_aws() as (aws, proxy):
         work = Path(tempfile.mkdtemp(prefix="sgpu-bench-faults-"))
         with ec2_environment(aws, create_network(aws), work / "nodes", proxy=proxy) as env:
             options = {"gpus": 2, "gpu_type": "A10", "remote": True, "mlflow": False, "timeout": 1200}
@@ -107,9 +92,6 @@ def main() -> None:
         except JobHung:
             hung = time.monotonic() - started
         print(f"hang detected after {hung:.1f} s (hang_timeout {args.hang_timeout:g} s)", flush=True)
-    finally:
-        proxy.stop()
-        server.stop()
 
     load = os.getloadavg()[0]
     machine = f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()}, load {load:.1f})"

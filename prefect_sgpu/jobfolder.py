@@ -410,37 +410,36 @@ class JobFolder:
 
     def put_launches(self, docs: Mapping[int, tuple[LaunchDocument, str | None]]) -> None:
         """Every node's launch document, each sealed and bound to its node and instance, in one write."""
-        self.store.put(self.run_id, LAUNCH_KEY, launch_bundle(
-            {node: self.seal_launch(node, doc, instance_id) for node, (doc, instance_id) in docs.items()}))
+        self._put_bundle(LAUNCH_KEY, "launch", docs)
 
     def launch(self, node: int, instance_id: str | None = None) -> LaunchDocument | None:
         """This node's launch document; DocumentRefused if what is there is not the driver's."""
-        bundle = self.store.get(self.run_id, LAUNCH_KEY)
-        blob = None if bundle is None else launch_entry(bundle, node, self.run_id)
-        if blob is None:
-            return None
-        body = unseal(blob, self.key, "launch", self.run_id, what=f"launch document of node {node}", node=node,
-                      instance_id=instance_id)
-        return LaunchDocument.model_validate_json(body)
+        return self._bundle_entry(LAUNCH_KEY, "launch", LaunchDocument, node, instance_id,
+                                  f"launch document of node {node}")
 
     # assignments in a warm lease's folder (driver -> idle node) ---------------------------
 
     def put_assignments(self, docs: Mapping[int, tuple[Assign, str | None]]) -> None:
         """Every node's next job, each sealed with the lease key and bound to its node and instance."""
-        self.store.put(self.run_id, ASSIGN_KEY, launch_bundle({
-            node: seal(self.key, "assign", self.run_id, doc.model_dump_json().encode(), node=node,
-                       instance_id=instance_id)
-            for node, (doc, instance_id) in docs.items()}))
+        self._put_bundle(ASSIGN_KEY, "assign", docs)
 
     def assignment(self, node: int, instance_id: str | None = None) -> Assign | None:
         """This node's assignment; DocumentRefused if what is there is not the lease driver's."""
-        bundle = self.store.get(self.run_id, ASSIGN_KEY)
+        return self._bundle_entry(ASSIGN_KEY, "assign", Assign, node, instance_id, f"assignment of node {node}")
+
+    def _put_bundle(self, key: str, kind: Kind, docs: Mapping[int, tuple[_Doc, str | None]]) -> None:
+        self.store.put(self.run_id, key, launch_bundle({
+            node: seal(self.key, kind, self.run_id, doc.model_dump_json().encode(), node=node, instance_id=instance_id)
+            for node, (doc, instance_id) in docs.items()}))
+
+    def _bundle_entry(self, key: str, kind: Kind, model: type[D], node: int, instance_id: str | None,
+                      what: str) -> D | None:
+        bundle = self.store.get(self.run_id, key)
         blob = None if bundle is None else launch_entry(bundle, node, self.run_id)
         if blob is None:
             return None
-        body = unseal(blob, self.key, "assign", self.run_id, what=f"assignment of node {node}", node=node,
-                      instance_id=instance_id)
-        return Assign.model_validate_json(body)
+        body = unseal(blob, self.key, kind, self.run_id, what=what, node=node, instance_id=instance_id)
+        return model.model_validate_json(body)
 
     # node reports (node -> driver) -----------------------------------------------------
 

@@ -63,6 +63,28 @@ def test_a_document_moved_to_another_node_or_instance_is_refused(folder: JobFold
     assert folder.launch(1, instance_id="i-1") == LaunchDocument(argv=["agent"])
 
 
+def test_an_assignment_is_bound_to_its_lease_node_and_instance_and_is_no_launch(folder: JobFolder) -> None:
+    from pydantic import ValidationError
+
+    from prefect_sgpu.jobfolder import Assign
+
+    folder.put_assignments({0: (Assign(run_id="job-2", seq=3), "i-0"), 1: (Assign(run_id="job-2", seq=3), "i-1")})
+    assert folder.assignment(1, instance_id="i-1") == Assign(run_id="job-2", seq=3)
+    with pytest.raises(DocumentRefused, match="instance_id=i-1"):
+        folder.assignment(1, instance_id="i-0")
+    bundle = folder.store.get(folder.run_id, jobfolder.ASSIGN_KEY)
+    assert bundle is not None
+    folder.store.put(folder.run_id, jobfolder.LAUNCH_KEY, bundle)  # an assignment is not a launch document
+    with pytest.raises(DocumentRefused, match="kind=assign"):
+        folder.launch(0, instance_id="i-0")
+    other_lease = JobFolder(folder.store, "lease-2", folder.key)
+    other_lease.store.put("lease-2", jobfolder.ASSIGN_KEY, bundle)  # copied to another lease's folder
+    with pytest.raises(DocumentRefused, match="run_id=job-1"):
+        other_lease.assignment(0, instance_id="i-0")
+    with pytest.raises(ValidationError):  # a run id names folders and SSM parameters: no paths
+        Assign(run_id="../etc", seq=1)
+
+
 def test_a_status_cannot_stand_in_for_another_kind_or_job(folder: JobFolder, tmp_path: Path) -> None:
     folder.put_alive(0, Alive(phase="up", seq=1, time=0.0))
     blob = folder.store.get(folder.run_id, jobfolder.alive_key(0))

@@ -33,13 +33,10 @@ from prefect_sgpu.jobfolder import (LAUNCH_KEY, Alive, JobFolder, LaunchDocument
 from prefect_sgpu.store_s3 import S3Store
 from prefect_sgpu.sweep import Sweeper
 from support.threads import run_in_thread
+from support.rank_functions import TrainingDiverged, fails_on_rank_1
 from support.tokens import digest_of, token_digest
 
 pytestmark = pytest.mark.e2e
-
-
-class TrainingDiverged(Exception):
-    """Raised inside a rank; the caller gets this very type back."""
 
 
 def _all_reduce(tag: str) -> dict[str, Any]:
@@ -114,19 +111,9 @@ def test_dry_run_spends_nothing(ec2: EC2Env) -> None:
     assert len(ec2.aws.client("ec2").describe_instances()["Reservations"]) == before
 
 
-def _fails_on_rank_1() -> int:
-    runtime.init_process_group()
-    if runtime.rank() == 1:
-        raise TrainingDiverged("loss is nan on rank 1")
-    import torch.distributed as dist
-
-    dist.barrier()  # rank 0 waits here until its node is stopped
-    return runtime.rank()
-
-
 def test_rank_failure_is_reraised_and_every_instance_terminated(ec2: EC2Env) -> None:
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False,
-                     timeout=300)(_fails_on_rank_1)
+                     timeout=300)(fails_on_rank_1)
     job = fn.job()
     with pytest.raises(TrainingDiverged, match="loss is nan") as info:
         job.run()

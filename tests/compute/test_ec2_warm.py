@@ -22,6 +22,7 @@ import pytest
 
 from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env
 from support.ec2_simulator import REPO_ROOT
+from support.rank_functions import TrainingDiverged, fails_on_rank_1
 from prefect_sgpu import distributed, runtime
 from prefect_sgpu.compute.ec2.lease import lease_id
 from prefect_sgpu.errors import SGPUConfigError
@@ -115,16 +116,6 @@ def test_consecutive_jobs_share_a_lease_see_nothing_of_each_other_and_refuse_for
     assert ec2.leftovers(lease) == [], "the lease's key, groups and control files are gone"
 
 
-def _fails_on_rank_1() -> int:
-    runtime.init_process_group()
-    if runtime.rank() == 1:
-        raise ValueError("rank 1 fails")
-    import torch.distributed as dist
-
-    dist.barrier()  # rank 0 waits here until its node is stopped
-    return runtime.rank()
-
-
 def _rank() -> int:
     return runtime.rank()
 
@@ -132,9 +123,9 @@ def _rank() -> int:
 def test_a_failed_job_leaves_the_lease_for_the_next_and_the_idle_timeout_ends_it(ec2: EC2Env) -> None:
     compute = ec2.compute(keep_warm=8)
     failing = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False,
-                          timeout=300)(_fails_on_rank_1)
+                          timeout=300)(fails_on_rank_1)
     job = failing.job()
-    with pytest.raises(ValueError, match="rank 1 fails"):
+    with pytest.raises(TrainingDiverged, match="loss is nan on rank 1"):
         job.run()
     lease = lease_id(job.run_id)
     assert len(_live(ec2, lease)) == 2, "both nodes reported their end: the lease is kept"

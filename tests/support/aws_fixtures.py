@@ -30,6 +30,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,3 +222,25 @@ def no_leaked_instances(aws_env: MotoAWS) -> Iterator[None]:
     yield
     leaked = [i["InstanceId"] for i in aws_env.live_instances() if i["InstanceId"] not in before]
     assert not leaked, f"instances left alive after the test: {leaked}"
+
+
+@contextmanager
+def offline_aws() -> Iterator[tuple[MotoAWS, AWSFaultProxy]]:
+    """Outside pytest (the benchmarks): a moto server on a free loopback port behind the fault
+    proxy (which adds what moto lacks, placement groups), this process's environment pointed at
+    it with fake credentials and no AWS config files."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    proxy = AWSFaultProxy(f"http://127.0.0.1:{port}").start()
+    try:
+        env_vars = aws_environment(proxy.url)
+        os.environ.update(env_vars)
+        os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+        yield MotoAWS(endpoint_url=proxy.url, env=env_vars), proxy
+    finally:
+        proxy.stop()
+        server.stop()

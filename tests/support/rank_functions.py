@@ -1,0 +1,20 @@
+"""Functions the tests run on every rank, shared by test modules of several computes."""
+
+from __future__ import annotations
+
+from prefect_sgpu import runtime
+
+
+class TrainingDiverged(Exception):
+    """Raised inside a rank; the caller gets this very type back."""
+
+
+def fails_on_rank_1() -> int:
+    """Rank 1 raises; every other rank waits in a barrier until the driver stops its node."""
+    runtime.init_process_group()
+    if runtime.rank() == 1:
+        raise TrainingDiverged("loss is nan on rank 1")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 waits here until its node is stopped
+    return runtime.rank()
