@@ -121,11 +121,11 @@ def test_timeout_during_acquire_gives_everything_back(stallable_case: Any) -> No
     def never_runs() -> None:
         raise AssertionError("no rank should start")
 
-    job = distributed(**stallable_case.options(timeout=20))(never_runs).job()
+    job = distributed(**stallable_case.options(timeout=12))(never_runs).job()
     with stallable_case.stalled_acquire(), pytest.raises(LaunchTimeout) as info:
         job.run()
     assert info.value.phase != "run", "the deadline was enforced while acquiring"
-    assert info.value.timeout == 20, "acquire ended at the job's own deadline, not at a limit of its own"
+    assert info.value.timeout == 12, "acquire ended at the job's own deadline, not at a limit of its own"
     assert stallable_case.leftovers(job.run_id) == []
 
 

@@ -120,42 +120,39 @@ def _rank() -> int:
     return runtime.rank()
 
 
-def test_a_failed_job_leaves_the_lease_for_the_next_and_the_idle_timeout_ends_it(ec2: EC2Env) -> None:
-    compute = ec2.compute(keep_warm=8)
-    failing = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False,
-                          timeout=300)(fails_on_rank_1)
-    job = failing.job()
-    with pytest.raises(TrainingDiverged, match="loss is nan on rank 1"):
-        job.run()
-    lease = lease_id(job.run_id)
-    assert len(_live(ec2, lease)) == 2, "both nodes reported their end: the lease is kept"
-    ok = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)(_rank)
-    assert ok.distributed() == [0, 1]
-    assert len(ec2.sent_run_instances()) == 1
-    # no third job: after keep_warm idle seconds the reaper ends the lease
-    _wait("the idle lease ended, its key, groups and control files removed",
-          lambda: ec2.leftovers(lease) == [], 90, ec2)
-
-
-def test_a_lost_node_makes_the_next_job_launch_a_new_lease(ec2: EC2Env) -> None:
+def test_a_failed_job_keeps_the_lease_a_lost_node_ends_it_and_the_idle_timeout_ends_the_next(ec2: EC2Env) -> None:
     compute = ec2.compute(keep_warm=300)
-    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)(_rank)
+    brief_compute = ec2.compute(keep_warm=8)
     try:
-        job = fn.job()
-        assert job.run().values == [0, 1]
+        failing = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False,
+                              timeout=300)(fails_on_rank_1)
+        job = failing.job()
+        with pytest.raises(TrainingDiverged, match="loss is nan on rank 1"):
+            job.run()
         old = lease_id(job.run_id)
+        assert len(_live(ec2, old)) == 2, "both nodes reported their end (rank 0's was stopped): the lease is kept"
+        fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)(_rank)
+        assert fn.distributed() == [0, 1]
+        assert len(ec2.sent_run_instances()) == 1
+
         lost = _live(ec2, old)[1]
-        ec2.aws.client("ec2").terminate_instances(InstanceIds=[lost])  # reclaimed while idle
+        ec2.aws.client("ec2").terminate_instances(InstanceIds=[lost])  # reclaimed while the lease waits
         _wait("the lost instance powered off", lambda: ec2.simulator.wait_powered_off([lost], timeout=1), 60, ec2)
-        again = fn.job()
+        # the next job on a compute that keeps leases 8 s (leases are shared by shape, whichever compute)
+        brief = distributed(gpus=2, gpu_type="A10", remote=True, compute=brief_compute, mlflow=False,
+                            timeout=300)(_rank)
+        again = brief.job()
         assert again.run().values == [0, 1]
-        assert len(ec2.sent_run_instances()) == 2, "a new lease for the second job"
-        assert _live(ec2, old) == [], "the unfit lease was ended, its other instance too"
-        assert len(_live(ec2, lease_id(again.run_id))) == 2
-    finally:
+        assert len(ec2.sent_run_instances()) == 2, "a new lease for the job after the loss"
+        assert _live(ec2, old) == [] and ec2.leftovers(old) == [], "the unfit lease was ended, its other instance too"
+        new = lease_id(again.run_id)
+        assert len(_live(ec2, new)) == 2
+        # no further job: after keep_warm idle seconds the reaper ends the new lease
+        _wait("the idle lease ended, its key, groups and control files removed",
+              lambda: ec2.leftovers(new) == [], 90, ec2)
+    finally:  # only what a failed assertion left
         compute.close()
-    _wait("every lease ended", lambda: _live(ec2, lease_id(again.run_id)) == [], 60, ec2)
-    assert ec2.leftovers(old) == [] and ec2.leftovers(lease_id(again.run_id)) == []
+        brief_compute.close()
 
 
 def test_a_flows_gpu_tasks_share_one_lease_that_ends_with_the_flow(ec2: EC2Env, prefect_server: None) -> None:
