@@ -340,18 +340,7 @@ class EC2InstanceCompute(Compute):
                 self._put_key(allocation)  # before any instance exists: nodes verify from their first read
                 if request.job_role:
                     self._create_role(allocation)
-                try:
-                    allocation.instances = self.provisioner.provision(
-                        run_id, request.plan, request.user_data,
-                        progress=lambda text: progress("provisioning", text), should_stop=cancel.is_set,
-                        attempts=request.run_instances, deadline=deadline, sent=allocation.sent,
-                    )
-                except LaunchTimeout:
-                    if time.monotonic() >= deadline:
-                        raise LaunchTimeout(run_id, request.spec.timeout, phase="provisioning") from None
-                    raise
-                except TimeoutError as exc:
-                    raise LaunchTimeout(run_id, self.agent_timeout_s, phase="provisioning") from exc
+                allocation.instances = self._provision(allocation, run_id, deadline, cancel)
                 progress("running", ", ".join(f"{i.id} ({i.private_ip}, {i.availability_zone}, {i.market})"
                                               for i in allocation.instances))
                 self._wait_for_agents(allocation, deadline, cancel)
@@ -408,15 +397,23 @@ class EC2InstanceCompute(Compute):
                           instances=[], compute=self)
         allocation.lease = lease
         POOL.add(lease, owner=id(self))
-        lease.key_parameter = ssm_key_parameter(lease.lease_id)
-        extra = {"KeyId": self.kms_key_id} if self.kms_key_id else {}
-        self._client("ssm").put_parameter(Name=lease.key_parameter, Value=lease.folder.key, Type="SecureString",
-                                          Overwrite=True, Description="prefect-sgpu key of one warm lease "
-                                          "(deleted when the lease ends)", **extra)
+        self._put_secure(lease, ssm_key_parameter(lease.lease_id), lease.folder.key,
+                         "prefect-sgpu key of one warm lease (deleted when the lease ends)", "key_parameter")
         lease.start_beating()
+        lease.instances = self._provision(allocation, lease.lease_id, deadline, cancel)
+        allocation.progress("running", f"lease {lease.lease_id}: " + ", ".join(
+            f"{i.id} ({i.private_ip}, {i.availability_zone}, {i.market})" for i in lease.instances))
+        return lease
+
+    def _provision(self, allocation: EC2Allocation, launch_id: str, deadline: float,
+                   cancel: threading.Event) -> list[Instance]:
+        """The request's instances, launched and tagged for ``launch_id`` (the job's run id, or its
+        lease's); a deadline reached while they start is the job's ``LaunchTimeout``."""
+        request = allocation.request
+        assert isinstance(request, EC2Request)
         try:
-            lease.instances = self.provisioner.provision(
-                lease.lease_id, request.plan, request.user_data,
+            return self.provisioner.provision(
+                launch_id, request.plan, request.user_data,
                 progress=lambda text: allocation.progress("provisioning", text), should_stop=cancel.is_set,
                 attempts=request.run_instances, deadline=deadline, sent=allocation.sent,
             )
@@ -426,9 +423,6 @@ class EC2InstanceCompute(Compute):
             raise
         except TimeoutError as exc:
             raise LaunchTimeout(request.run_id, self.agent_timeout_s, phase="provisioning") from exc
-        allocation.progress("running", f"lease {lease.lease_id}: " + ", ".join(
-            f"{i.id} ({i.private_ip}, {i.availability_zone}, {i.market})" for i in lease.instances))
-        return lease
 
     def _assign(self, allocation: EC2Allocation, deadline: float, cancel: threading.Event,
                 timeout: float | None = None) -> None:
@@ -556,11 +550,11 @@ class EC2InstanceCompute(Compute):
         self._put_secure(allocation, ssm_key_parameter(allocation.run_id), allocation.folder.key,
                          "prefect-sgpu job key of one job (deleted when the job ends)", "key_parameter")
 
-    def _put_secure(self, allocation: EC2Allocation, name: str, value: str, description: str, field: str) -> None:
-        """A SecureString (under ``kms_key_id`` when set), recorded on the allocation *before* the
-        put, so that even a failed put is cleaned up by release."""
+    def _put_secure(self, owner: Any, name: str, value: str, description: str, field: str) -> None:
+        """A SecureString (under ``kms_key_id`` when set), recorded on its owner (the allocation, or a
+        lease) *before* the put, so that even a failed put is cleaned up by release or close."""
         extra = {"KeyId": self.kms_key_id} if self.kms_key_id else {}
-        setattr(allocation, field, name)
+        setattr(owner, field, name)
         self._client("ssm").put_parameter(Name=name, Value=value, Type="SecureString", Overwrite=True,
                                           Description=description, **extra)
 
