@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def _int(name: str, default: int) -> int:
@@ -131,6 +131,16 @@ PROGRESS_DIR = "progress"
 _PROGRESS_EVERY_S = 1.0
 _last_progress = [0.0]
 _progress_total: list[int | None] = [None]  # the last total given: later calls without one keep it
+#: where a rank's progress goes besides its node's job folder: a Ray worker has no job folder and
+#: tells the driver through the job's collector instead (``prefect_sgpu.ray.train_worker``)
+_progress_listeners: list[Callable[[int | None], None]] = []
+
+
+def add_progress_listener(listener: Callable[[int | None], None]) -> Callable[[], None]:
+    """Call ``listener(step)`` on each progress this rank reports (at most once a second);
+    returns the function that removes it again."""
+    _progress_listeners.append(listener)
+    return lambda: _progress_listeners.remove(listener) if listener in _progress_listeners else None
 
 
 def _job_dir() -> Path | None:
@@ -168,9 +178,13 @@ def progress(step: int | None = None, *, total: int | None = None, force: bool =
     total = _progress_total[0]
     job_dir = _job_dir()
     now = time.time()
-    if job_dir is None or (not force and now - _last_progress[0] < _PROGRESS_EVERY_S):
+    if (job_dir is None and not _progress_listeners) or (not force and now - _last_progress[0] < _PROGRESS_EVERY_S):
         return
     _last_progress[0] = now
+    for listener in list(_progress_listeners):
+        listener(step)
+    if job_dir is None:
+        return
     path = job_dir / PROGRESS_DIR / f"rank-{rank()}"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")

@@ -20,6 +20,30 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torc
 os.environ.setdefault("PREFECT_SGPU_KEEP_WARM", "0")
 
 
+#: tests that share one resource a worker process holds for the whole session run on one xdist
+#: worker, one after another (``--dist loadgroup``): the session's two-node Ray cluster
+#: (``ray_address``): a process joins one Ray cluster, and a cluster serves one job at a time.
+RAY_CLUSTER_GROUP = "ray-cluster"
+#: tests that load the whole machine on purpose (many drivers, a work pool's runs at once): they
+#: never overlap each other.
+MACHINE_GROUP = "whole-machine"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put each test that needs the session's Ray cluster in the Ray group.
+
+    The conformance cases pick their compute's fixture at run time (``getfixturevalue``), so a
+    ``ray`` or ``ray_warm`` case is found by its parameter, not by its fixture names.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "ray_address" in getattr(item, "fixturenames", ()) or any(
+                isinstance(v, str) and v in ("ray", "ray_warm") for v in params.values()):
+            item.add_marker(pytest.mark.xdist_group(RAY_CLUSTER_GROUP))
+
+
 @pytest.fixture(scope="session")
 def sgpu_home() -> Path:
     return _HOME

@@ -28,7 +28,7 @@ from prefect_sgpu import jobfolder
 from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand,
                                        NodeExited, NodeLost, NodeUp, Released, Request)
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, SGPUConfigError
-from prefect_sgpu.jobfolder import NodeStatus
+from prefect_sgpu.jobfolder import HungRank, NodeStatus
 from prefect_sgpu.spec import JobSpec, Plan
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ ACQUIRE_INTERVAL_S = 1.0
 BEAT_INTERVAL_S = 2.0
 #: the least time a graceful cancel gets before the run is killed (see RayTrainCompute._cancel)
 CANCEL_GRACE_S = 30.0
+#: how often a running job's collector is asked which ranks are silent (the hang watchdog)
+HANG_CHECK_INTERVAL_S = 1.0
 TRAINER = "ray.train.torch.TorchTrainer"
 
 #: Ray's accelerator_type names for the catalog's GPU types (``accelerator_type:<name>`` resources)
@@ -153,6 +155,7 @@ class RayAllocation(Allocation):
     finished: bool = False
     stopped: bool = False
     last_drain: float = 0.0
+    last_hang_check: float = 0.0
     #: everything written to each rank's log so far (stores without append get the whole file again)
     logs: dict[int, bytearray] = field(default_factory=dict)
     #: the Ray node each rank's worker reported (Ray places workers, so ranks are not in node order)
@@ -392,25 +395,57 @@ class RayTrainCompute(Compute):
         if now - allocation.last_drain < DRAIN_INTERVAL_S:
             return events
         allocation.last_drain = now
+        hung: dict[str, HungRank] = {}
         if allocation.group is not None:
             error = self._warm_outcome(allocation)
             if error == "running":
-                return events
+                if not (hung := self._silent_ranks(allocation, now)):
+                    return events
+                error = self._stop_hung(allocation, hung)
         else:
             ready, _ = ray.wait([allocation.fit], timeout=0)
             self._drain(allocation)
-            if not ready:
+            if ready:
+                error = _run_error(allocation.fit)
+            elif not (hung := self._silent_ranks(allocation, now)):
                 return events
-            error = _run_error(allocation.fit)
+            else:
+                error = self._stop_hung(allocation, hung)
         allocation.finished = True
         self._drain(allocation)
         for rank, body in ray.get(allocation.collector.results.remote()).items():
             allocation.folder.put_result(rank, body)
         status = None
         if error is not None:
-            status = NodeStatus(node=0, host=self.address, exit_code=1, error=error)
+            status = NodeStatus(node=0, host=self.address, exit_code=1, error=error, hung=hung)
             allocation.folder.put_status(0, status)
         return [*events, NodeExited(0, 0 if error is None else 1, status)]
+
+    def _silent_ranks(self, allocation: RayAllocation, now: float) -> dict[str, HungRank]:
+        """The hang watchdog of a Ray job: started ranks that neither printed nor reported progress
+        for the job's ``hang_timeout`` (asked of the collector about once a second).
+
+        A node agent does this for torchrun ranks; here the driver does it, because a Ray worker
+        that dies without a word (``os._exit``, a segfault) can leave Ray Train waiting for its
+        own health check, which gives up only after minutes."""
+        import ray
+
+        timeout = allocation.request.spec.hang_timeout
+        if not timeout or allocation.collector is None or now - allocation.last_hang_check < HANG_CHECK_INTERVAL_S:
+            return {}
+        allocation.last_hang_check = now
+        silent = ray.get(allocation.collector.silent.remote(float(timeout)))
+        return {str(rank): HungRank(silent_s=round(seconds, 1), step=step,
+                                    stack="(a Ray worker: no stack is taken; its last lines are in the rank's log)")
+                for rank, (seconds, step) in sorted(silent.items())}
+
+    def _stop_hung(self, allocation: RayAllocation, hung: dict[str, HungRank]) -> str:
+        timeout = allocation.request.spec.hang_timeout or 0.0
+        ranks = ", ".join(sorted(hung, key=int))
+        logger.warning("job %s: rank(s) %s made no progress for %gs (hang_timeout): stopping the run",
+                       allocation.run_id, ranks, timeout)
+        self.stop(allocation, grace=0.0)
+        return f"rank(s) {ranks} made no progress for {timeout:g}s (hang_timeout)"
 
     def _warm_outcome(self, allocation: RayAllocation) -> str | None:
         """"running" until every rank ended or one failed (the others are stopped then, as Ray

@@ -16,20 +16,36 @@ import os
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 FLUSH_INTERVAL_S = 0.2
 
 
 class Collector:
-    """A resource-free actor holding a job's output lines and envelope bodies until the driver reads them."""
+    """A resource-free actor holding a job's output lines and envelope bodies until the driver reads them.
+
+    It also keeps when each rank last showed life (started, printed, reported progress), by its
+    own clock, so the driver's hang watchdog needs no clock shared with the workers.
+    """
 
     def __init__(self) -> None:
         self._lines: list[tuple[int, int, str]] = []
         self._results: dict[int, bytes] = {}
+        self._seen: dict[int, float] = {}
+        self._steps: dict[int, str] = {}
 
     def put_lines(self, lines: list[tuple[int, int, str]]) -> None:
         self._lines.extend(lines)
+        now = time.monotonic()
+        for rank, _node, _text in lines:
+            self._seen[rank] = now
+
+    def alive(self, rank: int, step: int | None = None) -> None:
+        """Rank ``rank`` started or reported progress (``runtime.progress``)."""
+        self._seen[rank] = time.monotonic()
+        if step is not None:
+            self._steps[rank] = str(step)
 
     def drain(self) -> list[tuple[int, int, str]]:
         lines, self._lines = self._lines, []
@@ -40,6 +56,12 @@ class Collector:
 
     def results(self) -> dict[int, bytes]:
         return dict(self._results)
+
+    def silent(self, timeout: float) -> dict[int, tuple[float, str]]:
+        """Started ranks without a result that showed no life for ``timeout`` s: rank -> (seconds, last step)."""
+        now = time.monotonic()
+        return {rank: (now - seen, self._steps.get(rank, "")) for rank, seen in self._seen.items()
+                if rank not in self._results and now - seen > timeout}
 
 
 def _plain_print(*objects: Any, sep: str | None = " ", end: str | None = "\n", file: Any = None,
@@ -68,8 +90,18 @@ class OutputToCollector:
         self._last_ref: Any = None
         self._stop_flushing = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._progress: list[int | None] = []  # progress reported since the last flush (its last step)
+        self._remove_listener: Any = None
+
+    def _on_progress(self, step: int | None) -> None:
+        with self._lock:
+            self._progress[:] = [step]
 
     def __enter__(self) -> "OutputToCollector":
+        from prefect_sgpu import runtime
+
+        self.collector.alive.remote(self.rank)  # started: the hang watchdog counts from here
+        self._remove_listener = runtime.add_progress_listener(self._on_progress)
         sys.stdout.flush()
         sys.stderr.flush()
         read_fd, write_fd = os.pipe()
@@ -115,6 +147,9 @@ class OutputToCollector:
             batch, self._pending = self._pending, []
             if batch:
                 self._last_ref = self.collector.put_lines.remote(batch)
+            if self._progress:
+                (step,), self._progress = self._progress, []
+                self.collector.alive.remote(self.rank, step)
 
     def __exit__(self, *exc: Any) -> None:
         import ray
@@ -122,6 +157,8 @@ class OutputToCollector:
         sys.stdout.flush()
         sys.stderr.flush()
         builtins.print = self._print
+        if self._remove_listener is not None:
+            self._remove_listener()
         assert self._saved is not None
         os.dup2(self._saved[0], 1)  # closes the pipe's last write end: the reader sees EOF
         os.dup2(self._saved[1], 2)

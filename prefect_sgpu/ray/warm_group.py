@@ -54,6 +54,8 @@ def _rank_child(config: dict[str, Any], identity: dict[str, Any], log_path: str,
     from prefect_sgpu.launch.rank_main import apply_thread_count, run_payload
 
     apply_thread_count()
+    # progress reaches the collector through the actor's forwarder, which watches this file
+    runtime.add_progress_listener(lambda step: _write_progress(log_path, step))
 
     base = {k: identity[k] for k in ("rank", "node", "local_rank")} | {"host": socket.gethostname()}
     code = 1
@@ -72,6 +74,13 @@ def _rank_child(config: dict[str, Any], identity: dict[str, Any], log_path: str,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _write_progress(log_path: str, step: int | None) -> None:
+    tmp = f"{log_path}.progress.tmp"
+    with open(tmp, "w") as fh:
+        fh.write("" if step is None else str(step))
+    os.replace(tmp, f"{log_path}.progress")
 
 
 class WarmRank:
@@ -129,10 +138,11 @@ class WarmRank:
         code = self.child.exitcode
         with self.lock:
             self.child = None
-        try:
-            os.unlink(log_path)
-        except OSError:
-            pass
+        for leftover in (log_path, f"{log_path}.progress"):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
         return 0 if body is not None and code == 0 else (code or 1)
 
     def busy(self) -> bool:
@@ -163,8 +173,10 @@ class _Forwarder:
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.last: Any = None
+        self.progress_mtime = 0.0
 
     def start(self) -> None:
+        self.collector.alive.remote(self.rank)  # started: the hang watchdog counts from here
         self.thread.start()
 
     def _loop(self) -> None:
@@ -172,6 +184,16 @@ class _Forwarder:
             self._send()
 
     def _send(self, final: bool = False) -> None:
+        try:
+            progress = f"{self.path}.progress"
+            mtime = os.stat(progress).st_mtime
+            if mtime != self.progress_mtime:
+                self.progress_mtime = mtime
+                with open(progress) as fh:
+                    step = fh.read().strip()
+                self.collector.alive.remote(self.rank, int(step) if step.isdigit() else None)
+        except OSError:
+            pass
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self.offset)

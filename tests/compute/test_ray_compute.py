@@ -157,6 +157,23 @@ def test_a_rank_that_dies_without_an_exception_becomes_rank_failed_error(compute
     assert cluster_idle(timeout=240), "the dead worker's CPU and the run's placement group were released"
 
 
+def test_a_silent_rank_ends_the_run_as_hung_within_its_hang_timeout(compute: RayCompute) -> None:
+    """The driver's watchdog ends a Ray Train run whose rank neither prints nor reports progress
+    for ``hang_timeout``; a rank that reports progress without printing is not silent."""
+    from support.rank_functions import progress_on_rank_0_silence_on_rank_1
+
+    from prefect_sgpu.errors import JobHung
+
+    job = distributed(gpus=2, compute=compute, mlflow=False, hang_timeout=4,
+                      timeout=600)(progress_on_rank_0_silence_on_rank_1).job(12.0)
+    with pytest.raises(JobHung) as info:
+        job.run()
+    assert set(info.value.ranks) == {1}, "rank 0 reported progress all along"
+    assert "rank(s) 1 made no progress for 4s" in str(info.value)
+    assert job_leftovers(job.run_id) == []
+    assert cluster_idle(), "the run's workers and placement group were released"
+
+
 def test_gpu_task_runs_as_a_ray_train_job(compute: RayCompute, prefect_server: None) -> None:
     from prefect import flow
 

@@ -86,6 +86,24 @@ def test_warm_group_serves_consecutive_jobs_with_fresh_rank_processes(compute: R
     assert _settled(two.run_id) == []
 
 
+def test_a_silent_rank_on_a_warm_group_ends_the_job_as_hung_and_the_group_serves_the_next(
+        compute: RayTrainCompute) -> None:
+    from support.rank_functions import progress_on_rank_0_silence_on_rank_1
+
+    from prefect_sgpu.errors import JobHung
+
+    fn = distributed(gpus=2, mlflow=False, compute=compute, hang_timeout=4, timeout=600)
+    job = fn(progress_on_rank_0_silence_on_rank_1).job(12.0)
+    with pytest.raises(JobHung) as info:
+        job.run()
+    assert set(info.value.ranks) == {1}, "rank 0 reported progress all along"
+    (group,) = [g for g in RAY_POOL.idle() if g.owner == id(compute)]
+    assert fn(_probe).distributed("after")[1]["sum"] == 1.0
+    assert [g for g in RAY_POOL.idle() if g.owner == id(compute)] == [group] and group.jobs == 2
+    compute.close()
+    assert _settled(job.run_id) == []
+
+
 def test_keep_warm_is_checked() -> None:
     with pytest.raises(SGPUConfigError, match="keep_warm"):
         RayTrainCompute(address="auto", keep_warm=-5)

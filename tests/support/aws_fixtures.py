@@ -194,10 +194,24 @@ class Network:
     availability_zones: list[str]
 
 
+def network_octet() -> int:
+    """The second octet of a new VPC's CIDR (127.X.0.0/16), between 64 and 253.
+
+    Each xdist worker has its own moto server, whose first instances get the same private IPs
+    in the same CIDR; simulated nodes listen on those IPs. So each worker draws from its own
+    residue class (worker index modulo the worker count), and two workers' nodes never share
+    an address."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    slots = 190 // count
+    return 64 + index % count + count * (uuid.uuid4().int % slots)
+
+
 def create_network(aws: MotoAWS) -> Network:
     """A fresh VPC (in 127.0.0.0/8: see above) with one subnet in each of two availability zones."""
     ec2 = aws.client("ec2")
-    octet = uuid.uuid4().int % 190 + 64
+    octet = network_octet()
     vpc_id = ec2.create_vpc(CidrBlock=f"127.{octet}.0.0/16")["Vpc"]["VpcId"]
     zones = [f"{aws.region}a", f"{aws.region}b"]
     subnets = [

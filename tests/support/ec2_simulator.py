@@ -29,7 +29,6 @@ import base64
 import itertools
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -40,6 +39,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
+
+from support.aws_fixtures import network_octet
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
@@ -137,7 +138,7 @@ class EC2Simulator:
         self.nodes: dict[str, SimulatedNode] = {}
         self.skipped: set[str] = set()
         self.namespaces = _pid_namespaces()
-        base = random.randint(64, 191)
+        base = network_octet()  # this worker's own addresses (see aws_fixtures.network_octet)
         self._addresses = (f"127.{base}.{n // 250}.{n % 250 + 1}" for n in itertools.count())
         self._stop = threading.Event()
         self._lock = threading.Lock()

@@ -18,3 +18,15 @@ def fails_on_rank_1() -> int:
 
     dist.barrier()  # rank 0 waits here until its node is stopped
     return runtime.rank()
+
+
+def progress_on_rank_0_silence_on_rank_1(seconds: float) -> int:
+    """Rank 0 reports progress (and prints nothing) for ``seconds``; rank 1 sleeps without a word."""
+    import time
+
+    if runtime.rank() == 1:
+        time.sleep(600)
+    for step in range(int(seconds * 4)):
+        runtime.progress(step)
+        time.sleep(0.25)
+    return runtime.rank()
