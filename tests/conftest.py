@@ -24,11 +24,11 @@ os.environ.setdefault("PREFECT_SGPU_KEEP_WARM", "0")
 #: worker, one after another (``--dist loadgroup``): the session's two-node Ray cluster
 #: (``ray_address``): a process joins one Ray cluster, and a cluster serves one job at a time.
 RAY_CLUSTER_GROUP = "ray-cluster"
-#: tests that load the whole machine on purpose (many drivers, a work pool's runs at once): they
-#: never overlap each other.
-MACHINE_GROUP = "whole-machine"
+#: tests that load the whole machine on purpose (many drivers, a work pool's runs at once) carry
+#: ``pytest.mark.xdist_group("whole-machine")``: they never overlap each other.
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put each test that needs the session's Ray cluster in the Ray group.
 
@@ -42,6 +42,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "ray_address" in getattr(item, "fixturenames", ()) or any(
                 isinstance(v, str) and v in ("ray", "ray_warm") for v in params.values()):
             item.add_marker(pytest.mark.xdist_group(RAY_CLUSTER_GROUP))
+    # the Ray group is the longest run one worker must do alone: it goes first, so the other
+    # workers share out the rest meanwhile instead of waiting for it at the end
+    items.sort(key=lambda item: 0 if _group(item) == RAY_CLUSTER_GROUP else 1)
+
+
+def _group(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return str(marker.args[0]) if marker and marker.args else None
 
 
 @pytest.fixture(scope="session")

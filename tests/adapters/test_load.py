@@ -11,7 +11,9 @@ import pytest
 
 from support import load
 
-pytestmark = pytest.mark.e2e
+# many drivers and jobs at once: these take the machine, so they never overlap each other
+# (one xdist worker runs the group, one test after the other: docs/testing.md)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("whole-machine")]
 
 
 def test_jobs_of_one_driver_and_of_a_second_driver_process_at_once_never_cross(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -179,8 +179,10 @@ _DRIVER = textwrap.dedent(
 )
 
 
-def _kill_a_driver_mid_run(ec2: EC2Env, tmp_path: Path) -> tuple[str, list[str], float]:
+def _kill_a_driver_mid_run(ec2: EC2Env, tmp_path: Path,
+                           before_kill: Callable[[str], None] | None = None) -> tuple[str, list[str], float]:
     """A driver process whose 2-node job is running, SIGKILLed: no finally, no release.
+    ``before_kill(run_id)`` runs while the driver still keeps its heartbeat fresh.
     Returns its run id, its instances and when it died (monotonic)."""
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
@@ -203,6 +205,8 @@ def _kill_a_driver_mid_run(ec2: EC2Env, tmp_path: Path) -> tuple[str, list[str],
                             run_id = found
         output = driver.stdout.read().decode() if driver.poll() is not None else ""
         assert run_id, f"the job never started: {output}"
+        if before_kill is not None:
+            before_kill(run_id)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
@@ -278,12 +282,14 @@ def _report(proc: "subprocess.Popen[str]") -> dict[str, Any]:
 
 
 def test_gc_removes_what_a_killed_driver_left_and_ends_its_mlflow_run_killed(ec2: EC2Env, tmp_path: Path) -> None:
-    run_id, ids, died = _kill_a_driver_mid_run(ec2, tmp_path)
+    def early_sweep(run_id: str) -> None:  # the driver's heartbeat is fresh: however loaded the machine
+        early = Sweeper.for_ec2(ec2.compute(), _mlflow_uri(tmp_path)).sweep()
+        assert run_id in early.live and not [x for x in early.found if x.run_id == run_id], \
+            "a run whose heartbeat is younger than its TTL is left alone"
+
+    run_id, ids, died = _kill_a_driver_mid_run(ec2, tmp_path, before_kill=early_sweep)
     for iid in ids:  # hung VMs: their own TTL never fires, only a sweep removes them
         ec2.simulator.freeze(iid)
-    early = Sweeper.for_ec2(ec2.compute(), _mlflow_uri(tmp_path)).sweep()  # seconds after the kill
-    assert run_id in early.live and not [x for x in early.found if x.run_id == run_id], \
-        "a run whose heartbeat is younger than its TTL is left alone"
     time.sleep(max(0.0, died + HEARTBEAT_TTL_S * 1.5 + 1 - time.monotonic()))
     dry = _report(_gc(ec2, tmp_path, "--dry-run"))
     found = {(x["kind"], x["name"]) for x in dry["found"] if x["run_id"] == run_id}
@@ -597,7 +603,14 @@ def test_store_writers_cannot_run_code_on_nodes_or_move_the_rendezvous(ec2: EC2E
         while not any(n.launch_index == 0 for n in ec2.simulator.nodes.values()):
             assert time.monotonic() < deadline, "node 0 never booted"
             time.sleep(0.2)
-        time.sleep(8)  # node 0 reads (and must refuse) every forged variant several times
+        # node 0 reads (and must refuse) every forged variant: waited for, however slow the machine
+        (node0_id,) = [iid for iid, n in list(ec2.simulator.nodes.items()) if n.launch_index == 0]
+        refusals = ("not a signed prefect-sgpu document", "not a launch bundle", "signature does not match",
+                    "bound to")
+        while not all(r in ec2.simulator.console(node0_id) for r in refusals):
+            assert time.monotonic() < deadline + 120, "node 0 never read every forged variant: " + \
+                ec2.simulator.console(node0_id)
+            time.sleep(0.2)
         store.put(job.run_id, LAUNCH_KEY, unbound)
         time.sleep(2.5)
     finally:
@@ -728,7 +741,14 @@ def test_the_driver_rides_out_a_store_outage_shorter_than_the_nodes_ttl(ec2: EC2
                      compute=ec2.compute(heartbeat_ttl_s=30.0))(_sum_after_a_while)
     job = fn.job(30.0)
     outcome: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: outcome.update(values=job.run().values), daemon=True)
+
+    def drive() -> None:
+        try:
+            outcome["values"] = job.run().values
+        except BaseException as exc:  # noqa: BLE001 - shown by the assertions below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=drive, daemon=True)
     thread.start()
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and thread.is_alive():
