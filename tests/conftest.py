@@ -47,6 +47,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: 0 if _group(item) == RAY_CLUSTER_GROUP else 1)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A clear refusal, before any worker starts, of the pair that loses the groups."""
+    from packaging.version import Version
+
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    import xdist
+
+    if Version(pytest.__version__) >= Version("9.2") and Version(xdist.__version__) <= Version("3.8.0"):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__}: "
+                                "--dist loadgroup groups nothing (pytest-dev/pytest-xdist#1386); "
+                                "install the versions in constraints.txt")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse to run when xdist lost the groups: the Ray group split over workers starts one cluster
+    each (memory, CPUs), which is slow at best and order-dependent at worst."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items if _group(item) and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"--dist loadgroup did not take effect for {len(lost)} grouped tests "
+                                f"(e.g. {lost[0]}); pytest {pytest.__version__} with this pytest-xdist "
+                                "loses the groups: install the versions in constraints.txt")
+
+
 def _group(item: pytest.Item) -> str | None:
     marker = item.get_closest_marker("xdist_group")
     return str(marker.args[0]) if marker and marker.args else None
