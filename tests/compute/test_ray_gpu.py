@@ -17,7 +17,8 @@ from prefect_sgpu import SGPUConfigError, distributed, runtime
 from prefect_sgpu.compute.ray import RayTrainCompute
 from prefect_sgpu.ray import RayCompute
 
-pytestmark = pytest.mark.e2e
+# the module's GPU-resource cluster is started once: its tests share one xdist worker (docs/testing.md)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("ray-gpu-cluster")]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,7 @@ def test_without_gpu_type_the_workers_take_cpus(gpu_compute: RayCompute) -> None
 
 
 def test_a_second_cluster_in_the_same_process_is_refused(gpu_compute: RayCompute) -> None:
+    gpu_compute.get_compute().connect()  # this process joins the GPU cluster, whichever test ran before
     other = RayCompute(address="127.0.0.99:6379")
     with pytest.raises(SGPUConfigError) as info:
         distributed(gpus=1, compute=other, mlflow=False)(_where_am_i).run()
