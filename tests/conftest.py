@@ -110,7 +110,8 @@ def prefect_server() -> Iterator[None]:
     """One real temporary Prefect server (SQLite) for every test that needs one."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # a deadline, not a wait: on a machine busy with other suites the server has taken over 2 minutes
+    with prefect_test_harness(server_startup_timeout=300):
         yield
 
 

@@ -23,6 +23,8 @@ from prefect_sgpu.launch.processes import kill_and_reap
 
 #: what ``ray start`` prints once the node has registered with the GCS
 READY_LINE = "Ray runtime started"
+#: what ``ray start`` says when its fixed wait for the raylet ran out (a busy machine, not a broken node)
+STARTUP_TIMED_OUT = "timed out during startup"
 
 #: environment of every Ray process we start: no usage stats, no metrics, no docker CPU warning,
 #: immediate stop. Nothing a job needs listens without being asked to: Ray's metrics
@@ -152,8 +154,30 @@ class RayNodeProcess:
         self._seen: dict[int, float] = {}  # pid -> create time of every process of the tree seen
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
-    def start(self, timeout: float = 120.0, should_stop: Callable[[], bool] = lambda: False) -> None:
-        """Run ``ray start --block`` and return once the node is up; raise if it is not."""
+    def start(self, timeout: float = 120.0, should_stop: Callable[[], bool] = lambda: False,
+              attempts: int = 3) -> None:
+        """Run ``ray start --block`` and return once the node is up; raise if it is not.
+
+        Ray waits a fixed 30 s for a new node's raylet to register with the GCS. On a machine
+        too busy for that, ``ray start`` exits with "timed out during startup" although nothing
+        is wrong: the node is then stopped and started again, ``attempts`` times in all, within
+        ``timeout``. Any other failure is raised at once."""
+        deadline = time.monotonic() + timeout
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once(max(1.0, deadline - time.monotonic()), should_stop)
+                return
+            except RuntimeError as exc:
+                if attempt == attempts or STARTUP_TIMED_OUT not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                self.output.write(f"[sgpu] the Ray node at {self.spec.ip} timed out during startup "
+                                  f"(attempt {attempt} of {attempts}): starting it again\n")
+                self.stop(grace=5.0)
+                self._ready.clear()
+                self._seen.clear()
+                self._tail.clear()
+
+    def _start_once(self, timeout: float, should_stop: Callable[[], bool]) -> None:
         os.makedirs(self.spec.temp_dir, exist_ok=True)
         self.proc = subprocess.Popen(
             self.spec.argv(), env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -97,14 +97,12 @@ def test_failing_rank_raises_its_own_exception_and_stops_the_others() -> None:
         dist.barrier()
         if runtime.rank() == 3:
             raise TrainingDiverged("loss is nan at step 7")
-        time.sleep(120)  # the others would wait far longer than the test
+        time.sleep(3600)  # left to sleep, the others would keep the job past the test's timeout
         return runtime.rank()
 
     job = diverge.job()
-    started = time.monotonic()
     with pytest.raises(TrainingDiverged, match="loss is nan at step 7") as info:
         job.run()
-    assert time.monotonic() - started < 90, "the other ranks were not left to sleep"
     failure = info.value.sgpu_failure
     assert (failure.rank, failure.node, failure.exit_code) == (3, 1, 1)
     assert failure.host
