@@ -113,10 +113,18 @@ def test_a_forged_result_is_ignored(tmp_path: Path) -> None:
 
     class ForgingCompute(FakeCompute):
         def _node(self, allocation, node):  # type: ignore[no-untyped-def]
-            super()._node(allocation, node)
             forger = jobfolder.JobFolder(allocation.folder.store, allocation.run_id, jobfolder.new_key())
             env = payload.success_envelope({"rank": 1, "node": 0, "local_rank": 1, "host": "evil"}, "forged")
-            forger.put_result(1, payload.dump_envelope(env))
+            own_put = allocation.folder.put_result
+
+            def put_result(rank: int, body: bytes) -> None:  # rank 1's place is the forger's before any poll
+                if rank == 1:
+                    forger.put_result(1, payload.dump_envelope(env))
+                else:
+                    own_put(rank, body)
+
+            allocation.folder.put_result = put_result
+            super()._node(allocation, node)
 
     with pytest.raises(RankFailedError, match=r"rank\(s\) \[1\] exited without a result"):
         _job(_identity, ForgingCompute(), tmp_path, 1, gpus=2).run()

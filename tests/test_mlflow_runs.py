@@ -65,13 +65,20 @@ def test_mlflows_system_metrics_switch_logs_each_ranks_metrics_under_its_own_nod
 
         import mlflow as ml
 
-        deadline = time.time() + seconds
-        while time.time() < deadline:
+        from prefect_sgpu import runtime
+
+        client, mine = ml.MlflowClient(), f"system/rank-{runtime.rank()}/cpu_utilization_percentage"
+        deadline, check = time.time() + seconds, 0.0
+        while time.time() < deadline:  # busy until this rank's own monitor has logged, however loaded the host
             sum(i * i for i in range(20_000))
+            if time.time() > check:
+                check = time.time() + 0.5
+                if mine in client.get_run(os.environ["MLFLOW_RUN_ID"]).data.metrics:
+                    break
         ml.log_metric("done", 1.0)  # resuming the run in user code starts no second monitor
         return "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING" in os.environ
 
-    result = busy.run(2.0)
+    result = busy.run(120.0)
     assert result.values == [False, False], "the switch is taken out of the rank's environment"
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     metrics = client.get_run(result.mlflow_run_id).data.metrics

@@ -41,8 +41,8 @@ def ray_cluster(cpus_per_node: int = 1, gpus_per_node: int | None = None,
                                         num_gpus=gpus_per_node, head_address=address, resources=resources,
                                         object_store_memory=256 << 20), env=env, output=log)
     try:
-        head.start(timeout=300)  # a loaded machine (other suites beside this one) can need several tries
-        worker.start(timeout=300)
+        head.start(timeout=450, attempts=8)  # a loaded machine (other suites beside it) can need several tries
+        worker.start(timeout=450, attempts=8)
         yield address
     finally:
         worker.stop()
