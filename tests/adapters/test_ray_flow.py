@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# @ray_launch clusters sit on the local compute's node addresses (127.0.0.1, 127.0.0.2): these
+# modules share one xdist worker, so two such clusters never run at once (docs/testing.md)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("ray-launch")]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "flows"))
 

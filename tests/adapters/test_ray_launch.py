@@ -10,7 +10,9 @@ from support.ray_cluster import job_leftovers
 from prefect_sgpu import SGPUConfigError
 from prefect_sgpu.ray import RayCompute, ray_launch
 
-pytestmark = pytest.mark.e2e
+# @ray_launch clusters sit on the local compute's node addresses (127.0.0.1, 127.0.0.2): these
+# modules share one xdist worker, so two such clusters never run at once (docs/testing.md)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("ray-launch")]
 
 
 class ShardMissing(Exception):

@@ -16,7 +16,9 @@ import pytest
 
 from prefect_sgpu.ray import ray_launch
 
-pytestmark = pytest.mark.e2e
+# @ray_launch clusters sit on the local compute's node addresses (127.0.0.1, 127.0.0.2): these
+# modules share one xdist worker, so two such clusters never run at once (docs/testing.md)
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("ray-launch")]
 
 #: how long either side waits for the other; a limit on a hang, not a timing assertion
 HANDOFF_TIMEOUT_S = 300.0
