@@ -53,6 +53,20 @@ def cache_dir(uri: str) -> Path:
     return base / f"node-{node}" / key
 
 
+def _compressed(path: Path) -> bool:
+    """Does the local shard set at ``path`` hold compressed shards?"""
+    import json
+
+    try:
+        index = json.loads((path / "index.json").read_text())
+    except (OSError, ValueError) as exc:
+        from prefect_sgpu.errors import SGPUConfigError
+
+        raise SGPUConfigError("uri", str(path), f"a readable MDS index.json ({exc})") from exc
+    shards = index.get("shards") if isinstance(index, dict) else None
+    return isinstance(shards, list) and any(isinstance(s, dict) and s.get("compression") for s in shards)
+
+
 def clean_stale_shared_memory() -> None:
     """Remove shared memory a crashed run left on this node; once per process.
 
@@ -76,7 +90,7 @@ def streaming_dataset(uri: Any, *, batch_size: int, shuffle: bool = True, seed: 
     ``uri``: a :class:`~prefect_sgpu.pipeline.mds.ShardSet`, a local folder or a remote
     URI. ``batch_size`` is the per-rank batch size (streaming partitions by it, and a
     resumed run needs the same). ``local``: cache folder for a remote set (default: per
-    job and node). Other keywords go to ``StreamingDataset`` (``num_canonical_nodes``,
+    job and node; compressed local sets use it too). Other keywords go to ``StreamingDataset`` (``num_canonical_nodes``,
     ``predownload``, ``shuffle_algo``, ``epoch_size``, ...).
     """
     from prefect_sgpu.errors import SGPUConfigError
@@ -91,7 +105,11 @@ def streaming_dataset(uri: Any, *, batch_size: int, shuffle: bool = True, seed: 
         path = Path(text.removeprefix("file://")).expanduser()
         if not (path / "index.json").is_file():
             raise SGPUConfigError("uri", text, "a complete MDS shard set (a folder with index.json)")
-        remote, local_dir = None, str(path.absolute())
+        if _compressed(path):  # decompressed into this node's cache, never beside the set
+            remote = str(path.absolute())
+            local_dir = str(local) if local is not None else str(cache_dir(remote))
+        else:
+            remote, local_dir = None, str(path.absolute())
     clean_stale_shared_memory()
     from streaming import StreamingDataset
 

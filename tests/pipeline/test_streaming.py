@@ -58,18 +58,30 @@ def test_bad_uri_and_batch_size_fail_before_reading(tmp_path: Path, shard_set: A
 
 @distributed(gpus=4, nodes=2, mlflow=False)
 def read_epochs(uri: str, batch_size: int, epochs: int) -> dict:
+    import os
+    from pathlib import Path
+
     from prefect_sgpu import runtime
-    from prefect_sgpu.pipeline.streaming import streaming_loader
+    from prefect_sgpu.pipeline.streaming import cache_dir, streaming_loader
 
     runtime.init_process_group()
     loader = streaming_loader(uri, batch_size, seed=7)
     seen = [[int(i) for batch in loader for i in batch["id"]] for _ in range(epochs)]
-    return {"rank": runtime.rank(), "node": runtime.node_rank(), "epochs": seen}
+    cache = cache_dir(str(Path(uri).absolute()))
+    return {"rank": runtime.rank(), "node": runtime.node_rank(), "epochs": seen, "cache": str(cache),
+            "cached": sorted(os.listdir(cache)) if cache.is_dir() else []}
 
 
 @pytest.mark.e2e
 def test_two_nodes_read_each_sample_once_per_epoch(shard_set: Any) -> None:
+    written = sorted(os.listdir(shard_set.uri))
     results = read_epochs.distributed(shard_set.uri, batch_size=8, epochs=2)
+    # zstd shards are decompressed in each node's own cache, never beside the set: two nodes
+    # on one filesystem decompressing the same shard in place raced on its temporary file
+    assert sorted(os.listdir(shard_set.uri)) == written
+    caches = {r["node"]: r["cache"] for r in results}
+    assert len(set(caches.values())) == 2 and all(f"node-{n}" in c for n, c in caches.items())
+    assert all(any(name.endswith(".mds") for name in r["cached"]) for r in results), results[0]["cached"]
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert [r["node"] for r in results] == [0, 0, 1, 1]
     for epoch in range(2):
