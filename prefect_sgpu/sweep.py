@@ -43,7 +43,6 @@ from prefect_sgpu import aws
 from prefect_sgpu.jobfolder import CONTROL, HEARTBEAT, PAYLOAD, STOP, ssm_key_parameter, ssm_secrets_parameter
 
 if TYPE_CHECKING:
-    from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
     from prefect_sgpu.compute.ec2.instances import EC2Provisioner
     from prefect_sgpu.store import Store
 
@@ -130,14 +129,6 @@ class Sweeper:
         self.tracking_uri = tracking_uri
         self.grace_s = grace_s
         self.exclude = set(exclude)
-
-    @classmethod
-    def for_ec2(cls, compute: "EC2InstanceCompute", tracking_uri: str | None = None,
-                **options: Any) -> "Sweeper":
-        """The sweeper of an EC2 compute: its store, region, credentials, clients and TTL."""
-        iam = compute._client("iam") if compute.settings.job_roles else None
-        return cls(compute.store, ttl_s=compute.heartbeat_ttl_s, ec2=compute.provisioner, ssm=compute._client("ssm"),
-                   tracking_uri=tracking_uri, iam=iam, **options)
 
     # -- the pass -------------------------------------------------------------------
 
@@ -350,12 +341,11 @@ class Sweeper:
 
 
 def sweeper(compute: Any = None, store: Any = None, tracking_uri: str | None = None, **options: Any) -> Sweeper:
-    """The sweeper of a compute (an ``EC2InstanceCompute``, or any compute with a store) or of a
-    store alone; the default is this machine's local job store with the local heartbeat TTL."""
-    from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
-
-    if isinstance(compute, EC2InstanceCompute):
-        return Sweeper.for_ec2(compute, tracking_uri, **options)
+    """The sweeper of a compute (one that builds its own, as ``EC2InstanceCompute.sweeper`` does
+    with its clients and TTL, or any compute with a store) or of a store alone; the default is
+    this machine's local job store with the local heartbeat TTL."""
+    if callable(getattr(compute, "sweeper", None)):
+        return compute.sweeper(tracking_uri, **options)
     if store is None:
         from prefect_sgpu.store import LocalStore
 
@@ -366,9 +356,10 @@ def sweeper(compute: Any = None, store: Any = None, tracking_uri: str | None = N
     return Sweeper(store, tracking_uri=tracking_uri, **options)
 
 
-def start_of_job_pass(compute: "EC2InstanceCompute", run_id: str, tracking_uri: str | None) -> None:
-    """The sweep an EC2 job makes before it launches: never fails the job, never waits."""
+def start_of_job_pass(compute: Any, run_id: str, tracking_uri: str | None) -> None:
+    """The sweep a remote job makes before it launches (with ``compute.sweeper``, leaving the job
+    itself out): never fails the job, never waits."""
     try:
-        Sweeper.for_ec2(compute, tracking_uri, exclude=[run_id]).sweep(scan_store=False, wait=False)
+        compute.sweeper(tracking_uri, exclude=[run_id]).sweep(scan_store=False, wait=False)
     except Exception:  # noqa: BLE001 - tidying up must not cost a job
         logger.warning("the sweep before job %s failed; the job goes on", run_id, exc_info=True)

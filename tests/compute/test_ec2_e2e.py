@@ -31,7 +31,6 @@ from prefect_sgpu.errors import DocumentRefused, InfrastructureLost, SGPUConfigE
 from prefect_sgpu.jobfolder import (LAUNCH_KEY, Alive, JobFolder, LaunchDocument, launch_bundle, new_key,
                                    ssm_key_parameter)
 from prefect_sgpu.store_s3 import S3Store
-from prefect_sgpu.sweep import Sweeper
 from support.threads import run_in_thread
 from support.rank_functions import TrainingDiverged, fails_on_rank_1
 from support.tokens import digest_of, token_digest
@@ -283,7 +282,7 @@ def _report(proc: "subprocess.Popen[str]") -> dict[str, Any]:
 
 def test_gc_removes_what_a_killed_driver_left_and_ends_its_mlflow_run_killed(ec2: EC2Env, tmp_path: Path) -> None:
     def early_sweep(run_id: str) -> None:  # the driver's heartbeat is fresh: however loaded the machine
-        early = Sweeper.for_ec2(ec2.compute(), _mlflow_uri(tmp_path)).sweep()
+        early = ec2.compute().sweeper(_mlflow_uri(tmp_path)).sweep()
         assert run_id in early.live and not [x for x in early.found if x.run_id == run_id], \
             "a run whose heartbeat is younger than its TTL is left alone"
 
@@ -791,7 +790,7 @@ def test_a_node_whose_bootstrap_never_takes_over_powers_itself_off(ec2: EC2Env, 
             ec2.simulator.console(iid)
         assert "-h now" in ec2.simulator.shutdowns(iid), f"{why}: terminated by its own shutdown"
         assert ec2.leftovers(run_id), "its groups and key stay: the node cannot remove them"
-        report = Sweeper.for_ec2(compute).sweep()  # no job folder: the job has ended, all of it goes
+        report = compute.sweeper().sweep()  # no job folder: the job has ended, all of it goes
         assert "security group" in {x.kind for x in report.removed if x.run_id == run_id}, report
         assert ec2.leftovers(run_id) == []
     finally:

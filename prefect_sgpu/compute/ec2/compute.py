@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
-from prefect_sgpu import aws, catalog
+from prefect_sgpu import catalog
 from prefect_sgpu.compute.base import (
     MASKED_ENV,
     AllocatedNode,
@@ -55,7 +55,7 @@ from prefect_sgpu.compute.base import (
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.compute.ec2.roles import ROLE_PATH
-from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
+from prefect_sgpu.compute.ec2.instances import DEAD_STATES, EC2Provisioner, Instance
 from prefect_sgpu.compute.ec2.lease import WarmLease, lease_id
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
@@ -70,11 +70,11 @@ from prefect_sgpu.store_s3 import S3Store
 
 if TYPE_CHECKING:
     from prefect_sgpu.store import Store
+    from prefect_sgpu.sweep import Sweeper
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
 
 DEFAULT_RENDEZVOUS_PORT = 29400
-DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 HEARTBEAT_INTERVAL_S = 2.0
 #: seconds the nodes of a warm lease get to take up a job before the lease is given up for new instances
 WARM_TAKEUP_S = 120.0
@@ -215,7 +215,6 @@ class EC2InstanceCompute(Compute):
         self.python = python
         self.setup_commands = setup_commands
         self.kms_key_id = kms_key_id
-        self._clients: dict[str, Any] = {}
         self._account: str | None = None
         self._lock = threading.RLock()
 
@@ -266,12 +265,7 @@ class EC2InstanceCompute(Compute):
         )
 
     def _client(self, service: str) -> Any:
-        with self._lock:
-            if service not in self._clients:
-                self._clients[service] = aws.client(service, self.session, self.region, self.endpoint_url,
-                                                    retry_mode=self.settings.retry_mode,
-                                                    max_attempts=self.settings.max_attempts)
-            return self._clients[service]
+        return self.provisioner.client(service)
 
     # -- before anything is spent ---------------------------------------------------
 
@@ -394,7 +388,7 @@ class EC2InstanceCompute(Compute):
         request = allocation.request
         assert isinstance(request, EC2Request)
         lease = WarmLease(key=self._lease_key(request), folder=JobFolder(self.store, request.lease_id, new_key()),
-                          instances=[], compute=self)
+                          instances=[], provisioner=self.provisioner, node_silence_s=self.node_silence_s)
         allocation.lease = lease
         POOL.add(lease, owner=id(self))
         self._put_secure(lease, ssm_key_parameter(lease.lease_id), lease.folder.key,
@@ -468,6 +462,14 @@ class EC2InstanceCompute(Compute):
         tags = {rq.RUN_ID_TAG: request.run_id, **self.provisioner.run_tags}
         roles.create(self._client("iam"), request.run_id, policy, tags, self.settings.node_permissions_boundary)
 
+    def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper":
+        """The sweeper of this compute (:mod:`prefect_sgpu.sweep`): its store, clients and TTL."""
+        from prefect_sgpu.sweep import Sweeper
+
+        iam = self._client("iam") if self.settings.job_roles else None
+        return Sweeper(self.store, ttl_s=self.heartbeat_ttl_s, ec2=self.provisioner, ssm=self._client("ssm"),
+                       tracking_uri=tracking_uri, iam=iam, **options)
+
     def _sweep(self, request: EC2Request) -> None:
         """What dead drivers of this store left (:mod:`prefect_sgpu.sweep`): removed before launching,
         without waiting for anything, never failing the job."""
@@ -513,7 +515,7 @@ class EC2InstanceCompute(Compute):
                 raise LaunchTimeout(run_id, waited, phase="agent start")
             if now - last_state_check > 5.0:
                 last_state_check = now
-                dead = {k: v for k, v in self._instance_states([i.id for i in instances]).items()
+                dead = {k: v for k, v in self.provisioner.instance_states([i.id for i in instances]).items()
                         if v in DEAD_STATES}
                 if dead:
                     raise ProvisioningError(f"job {run_id}: instance(s) {dead} went away while booting")
@@ -573,7 +575,7 @@ class EC2InstanceCompute(Compute):
         pending = [n for n in allocation.nodes if n.index not in allocation.reported]
         if now - allocation.states_checked > max(5.0, self.poll_interval_s):
             allocation.states_checked = now
-            allocation.states = self._instance_states([n.instance_id or "" for n in allocation.nodes])
+            allocation.states = self.provisioner.instance_states([n.instance_id or "" for n in allocation.nodes])
         # one listing a pass for every node: statuses and notices are read only once they appear,
         # and a node is alive while its alive document's version keeps changing (no read at all)
         listed = allocation.folder.node_documents() if pending else {}
@@ -607,24 +609,6 @@ class EC2InstanceCompute(Compute):
                                                    f"{self.node_silence_s:g}s"))
         return events
 
-    def _instance_states(self, ids: list[str]) -> dict[str, str]:
-        states: dict[str, str] = {}
-        ids = [i for i in ids if i]
-        if not ids:
-            return states
-        try:
-            pages = self._client("ec2").get_paginator("describe_instances").paginate(InstanceIds=ids)
-            for page in pages:
-                for reservation in page.get("Reservations", []):
-                    for inst in reservation.get("Instances", []):
-                        states[inst["InstanceId"]] = inst["State"]["Name"]
-        except Exception as exc:  # noqa: BLE001 - an unknown id means the instance is long gone
-            if aws.error_code(exc).startswith("InvalidInstanceID"):
-                states = {i: "terminated" for i in ids}
-            else:
-                logger.warning("describe_instances failed: %s", exc)
-        return states
-
     def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
         """Write the sealed stop document; wait (grace + sync time) for every live node to report."""
         assert isinstance(allocation, EC2Allocation)
@@ -645,7 +629,7 @@ class EC2InstanceCompute(Compute):
         deadline = time.monotonic() + grace + 10.0
         while left and time.monotonic() < deadline:
             time.sleep(0.5)
-            states = self._instance_states([n.instance_id or "" for n in left])
+            states = self.provisioner.instance_states([n.instance_id or "" for n in left])
             dead = {n.index for n in left if states.get(n.instance_id or "") in DEAD_STATES}
             allocation.lost = allocation.lost or bool(dead)
             left = [n for n in pending(left) if n.index not in dead]
@@ -689,7 +673,7 @@ class EC2InstanceCompute(Compute):
                 gone += [i.id for i in lease.instances]
         finally:
             for name in (allocation.key_parameter, allocation.secrets_parameter):
-                if name and self._delete_key(name):
+                if name and self.provisioner.delete_secret(name):
                     gone.append(f"SSM parameter {name}")
             if allocation.job_role:  # after the instances: their nodes use it until they end
                 try:
@@ -697,15 +681,6 @@ class EC2InstanceCompute(Compute):
                 except Exception as exc:  # noqa: BLE001 - the sweeper takes it later
                     logger.warning("could not delete the IAM role of run %s: %s", allocation.run_id, exc)
         return Released(gone=gone)
-
-    def _delete_key(self, name: str) -> bool:
-        try:
-            self._client("ssm").delete_parameter(Name=name)
-            return True
-        except Exception as exc:  # noqa: BLE001
-            if aws.error_code(exc) != "ParameterNotFound":
-                logger.warning("could not delete SSM parameter %s: %s", name, exc)
-            return False
 
     @contextmanager
     def _driver_heartbeat(self, folder: "JobFolder") -> Iterator[None]:

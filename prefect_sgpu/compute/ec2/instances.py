@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -60,6 +61,8 @@ CAPACITY_ERRORS = frozenset(
     }
 )
 SG_DELETE_TIMEOUT_S = 180.0
+#: instance states of an instance that will not run a job again
+DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 
 Progress = Callable[[str], None] | None
 
@@ -103,6 +106,7 @@ class EC2Provisioner:
         self.run_tags = dict(run_tags or {})
         self._session = session
         self._clients: dict[str, Any] = {}
+        self._clients_lock = threading.Lock()  # boto3 sessions do not create clients thread-safely
         self._launched: dict[str, set[str]] = {}
         self._expiry: dict[str, str] = {}
 
@@ -117,13 +121,47 @@ class EC2Provisioner:
         return self._session
 
     def client(self, service: str) -> Any:
-        """A client whose every call is retried by botocore on throttling and 5xx (:mod:`prefect_sgpu.aws`)."""
-        if service not in self._clients:
-            self._clients[service] = aws.client(
-                service, self.session, self.settings.region, self.settings.endpoint_url,
-                retry_mode=self.settings.retry_mode, max_attempts=self.settings.max_attempts,
-            )
-        return self._clients[service]
+        """A client whose every call is retried by botocore on throttling and 5xx (:mod:`prefect_sgpu.aws`);
+        one per service, shared by the compute, its leases and its sweeper."""
+        with self._clients_lock:
+            if service not in self._clients:
+                self._clients[service] = aws.client(
+                    service, self.session, self.settings.region, self.settings.endpoint_url,
+                    retry_mode=self.settings.retry_mode, max_attempts=self.settings.max_attempts,
+                )
+            return self._clients[service]
+
+    # -- what the compute, its leases and its sweeper read and delete -----------------
+
+    def instance_states(self, ids: list[str]) -> dict[str, str]:
+        """The state name of each instance id (empty ids skipped). An id EC2 no longer knows is
+        long gone: every id reads ``terminated`` then. Another failure is logged and reads as no
+        states (the caller asks again at its next poll)."""
+        states: dict[str, str] = {}
+        ids = [i for i in ids if i]
+        if not ids:
+            return states
+        try:
+            for page in self.client("ec2").get_paginator("describe_instances").paginate(InstanceIds=ids):
+                for reservation in page.get("Reservations", []):
+                    for inst in reservation.get("Instances", []):
+                        states[inst["InstanceId"]] = inst["State"]["Name"]
+        except Exception as exc:  # noqa: BLE001 - an unknown id means the instance is long gone
+            if aws.error_code(exc).startswith("InvalidInstanceID"):
+                return {i: "terminated" for i in ids}
+            logger.warning("describe_instances failed: %s", exc)
+        return states
+
+    def delete_secret(self, name: str) -> bool:
+        """Delete the SSM parameter ``name`` (a job's or a lease's key); False when it was not
+        there. Another failure is logged, not raised: the sweeper deletes it later."""
+        try:
+            self.client("ssm").delete_parameter(Name=name)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if aws.error_code(exc) != "ParameterNotFound":
+                logger.warning("could not delete SSM parameter %s: %s", name, exc)
+            return False
 
     # -- the request (built by prefect_sgpu.compute.ec2.request) -------------------
 

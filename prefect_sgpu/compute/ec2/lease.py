@@ -43,8 +43,7 @@ from prefect_sgpu.compute.warm import Pooled
 from prefect_sgpu.jobfolder import Assign, alive_key, notice_key
 
 if TYPE_CHECKING:
-    from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
-    from prefect_sgpu.compute.ec2.instances import Instance
+    from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
     from prefect_sgpu.jobfolder import JobFolder
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.lease")
@@ -66,7 +65,10 @@ class WarmLease(Pooled):
 
     folder: "JobFolder"
     instances: list["Instance"]
-    compute: "EC2InstanceCompute"
+    #: the provisioner of the compute that launched it: instance states, termination, the key
+    provisioner: "EC2Provisioner"
+    #: seconds a node of an idle lease may go without announcing itself
+    node_silence_s: float
     #: the last assignment's sequence number
     seq: int = 0
     #: why this lease may not serve another job (None: fit)
@@ -105,9 +107,9 @@ class WarmLease(Pooled):
     def check(self) -> None:
         """An idle lease's health: every instance running, no reclaim notice, every node announcing
         itself in the lease's folder (one DescribeInstances, one listing)."""
-        from prefect_sgpu.compute.ec2.compute import DEAD_STATES
+        from prefect_sgpu.compute.ec2.instances import DEAD_STATES
 
-        states = self.compute._instance_states([i.id for i in self.instances])
+        states = self.provisioner.instance_states([i.id for i in self.instances])
         dead = {i: s for i, s in states.items() if s in DEAD_STATES}
         if dead:
             self.mark_unfit(f"instance(s) {dead} are no longer running")
@@ -122,8 +124,8 @@ class WarmLease(Pooled):
             seen, since = self._alive.get(index, (None, now))
             if version != seen or index not in self._alive:
                 self._alive[index] = (version, now)
-            elif now - since > self.compute.node_silence_s and now - self.idle_since > self.compute.node_silence_s:
-                self.mark_unfit(f"node {index} has not announced itself for {self.compute.node_silence_s:g}s")
+            elif now - since > self.node_silence_s and now - self.idle_since > self.node_silence_s:
+                self.mark_unfit(f"node {index} has not announced itself for {self.node_silence_s:g}s")
                 return
 
     def mark_unfit(self, why: str) -> None:
@@ -154,10 +156,10 @@ class WarmLease(Pooled):
                 self.folder.put_stop(0.0, reason="the warm lease was closed")
             except Exception:  # noqa: BLE001 - termination below is what matters
                 logger.debug("lease %s: could not write its stop", self.lease_id, exc_info=True)
-            gone += self.compute.provisioner.terminate(self.lease_id)
+            gone += self.provisioner.terminate(self.lease_id)
         finally:
             self._done.set()
-            if self.key_parameter and self.compute._delete_key(self.key_parameter):
+            if self.key_parameter and self.provisioner.delete_secret(self.key_parameter):
                 gone.append(f"SSM parameter {self.key_parameter}")
             try:
                 self.folder.delete_control_files()
