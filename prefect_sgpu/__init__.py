@@ -10,7 +10,6 @@ import sys
 from typing import Any
 
 from prefect_sgpu import runtime
-from prefect_sgpu.adapters.decorator import DistributedFunction, distributed, run_script
 from prefect_sgpu.errors import (
     JobCancelled,
     LaunchTimeout,
@@ -46,6 +45,11 @@ __all__ = [
 ]
 
 _LAZY = {
+    # the decorator loads the job spec and the driver: not for node agents and ranks, which
+    # import this package for its small modules (the job folder, the runtime, the payload)
+    "DistributedFunction": "prefect_sgpu.adapters.decorator",
+    "distributed": "prefect_sgpu.adapters.decorator",
+    "run_script": "prefect_sgpu.adapters.decorator",
     "GPUTaskRunner": "prefect_sgpu.adapters.task_runner",
     "gpu_task": "prefect_sgpu.adapters.task_runner",
     "GPUTask": "prefect_sgpu.adapters.task_runner",
