@@ -1,6 +1,9 @@
-"""What an EC2 node runs at boot: the bridge between the S3 store and the node agent.
+"""What a remote node runs at boot: the bridge between the store and the node agent.
 
-The instance's user-data is a few lines of shell that start this program; it holds
+Everything here is the protocol over the store; what it asks of the cloud (who am I, read
+a secret, is a reclaim notice out, end this machine) goes through a node host
+(:mod:`prefect_sgpu.launch.node_host`). On EC2 (:mod:`prefect_sgpu.launch.ec2_host`) the
+instance's user-data is a few lines of shell that start this program; it holds
 no credentials (the instance profile grants S3, SSM and ``ec2:TerminateInstances``
 on itself) and no key. The program:
 
@@ -23,7 +26,7 @@ on itself) and no key. The program:
    at the end, uploads sealed result envelopes, copies the driver's sealed heartbeat
    down verbatim (the agent verifies it too), and finally re-seals the agent's status
    bound to this instance;
-6. watches IMDS for a spot interruption notice (``spot/instance-action``) and a rebalance
+6. watches the host (IMDS on EC2) for a spot interruption notice (``spot/instance-action``) and a rebalance
    recommendation (``events/recommendations/rebalance``): on either it tells the ranks
    (the ``preempt`` file ``runtime.preemption_requested()`` reads; a ``Checkpointer``
    saves at once) and the driver (a sealed ``nodes/node-<i>.notice``), which relaunches
@@ -61,12 +64,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect_sgpu import aws
 from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.jobfolder import (
     HEARTBEAT,
@@ -84,102 +84,15 @@ from prefect_sgpu.jobfolder import (
     ssm_secrets_parameter,
     unseal,
 )
+from prefect_sgpu.launch.node_host import NodeHost, NodeIdentity
 from prefect_sgpu.launch.processes import kill_and_reap
 from prefect_sgpu.mlflow_relay import METRICS
 from prefect_sgpu.runtime import PROGRESS_DIR
 
-DEFAULT_IMDS = "http://169.254.169.254/"
-IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
 NODE_DIR_ENV = "PREFECT_SGPU_NODE_DIR"
 KEY_ENV = "SGPU_PAYLOAD_KEY"
 #: seconds a job waits for the lease's warm node to finish preloading before its agent starts cold
 WARM_PRELOAD_WAIT_S = 30.0
-
-
-# --- identity from IMDSv2 ----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NodeIdentity:
-    instance_id: str
-    launch_index: int
-    private_ip: str
-
-
-def _imds_base() -> str:
-    return os.environ.get(IMDS_ENV, DEFAULT_IMDS).rstrip("/") + "/"
-
-
-def _imds_token(base: str, timeout: float) -> str:
-    request = urllib.request.Request(
-        base + "latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read().decode()
-
-
-def _imds_get(base: str, token: str, path: str, timeout: float) -> str:
-    request = urllib.request.Request(
-        base + "latest/meta-data/" + path, headers={"X-aws-ec2-metadata-token": token}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read().decode().strip()
-
-
-#: what IMDS says when the cloud will take the instance away, and how to say it to people
-NOTICE_PATHS = (("spot/instance-action", "spot interruption"),
-                ("events/recommendations/rebalance", "rebalance recommendation"))
-
-
-class NoticeWatch:
-    """Reads IMDS for reclaim notices (404 until there is one), at most every ``every`` seconds."""
-
-    def __init__(self, every: float = 2.0, timeout: float = 1.0) -> None:
-        self.base = _imds_base()
-        self.every = every
-        self.timeout = timeout
-        self._token: str | None = None
-        self._checked = 0.0
-
-    def check(self) -> str | None:
-        import urllib.error
-
-        now = time.monotonic()
-        if now - self._checked < self.every:
-            return None
-        self._checked = now
-        try:
-            if self._token is None:
-                self._token = _imds_token(self.base, self.timeout)
-            for path, what in NOTICE_PATHS:
-                try:
-                    return f"{what}: {_imds_get(self.base, self._token, path, self.timeout)}"
-                except urllib.error.HTTPError as exc:
-                    if exc.code == 401:
-                        self._token = None
-                    elif exc.code != 404:
-                        raise
-        except (OSError, ValueError):
-            pass  # the metadata service is unreachable for a moment: ask again next time
-        return None
-
-
-def fetch_identity(attempts: int = 30, timeout: float = 2.0) -> NodeIdentity:
-    """Instance id, launch index and private IP from IMDSv2 (token PUT, then GETs)."""
-    base = _imds_base()
-    last: Exception | None = None
-    for attempt in range(attempts):
-        try:
-            token = _imds_token(base, timeout)
-            return NodeIdentity(
-                instance_id=_imds_get(base, token, "instance-id", timeout),
-                launch_index=int(_imds_get(base, token, "ami-launch-index", timeout)),
-                private_ip=_imds_get(base, token, "local-ipv4", timeout),
-            )
-        except (OSError, ValueError) as exc:  # the metadata service may lag right after boot
-            last = exc
-            time.sleep(min(0.2 * (attempt + 1), 2.0))
-    raise RuntimeError(f"instance metadata service at {base} did not answer: {last}")
 
 
 # --- the node ------------------------------------------------------------------------
@@ -206,7 +119,15 @@ class NodeBootstrap:
         key: str | None = None,
         lease: bool = False,
         key_wait: float = 60.0,
+        host: NodeHost | None = None,
     ) -> None:
+        """``host``: the cloud as this node sees it (default: EC2, :mod:`prefect_sgpu.launch.ec2_host`,
+        with ``region`` and ``endpoint_url``)."""
+        if host is None:
+            from prefect_sgpu.launch.ec2_host import EC2NodeHost
+
+            host = EC2NodeHost(region, endpoint_url)
+        self.host = host
         self.store = store
         self.run_id = run_id
         self.identity = identity
@@ -224,15 +145,12 @@ class NodeBootstrap:
         #: a lease's warm node process (torch imported), from which each job's agent is forked
         self.warm: Any = None
         self.heartbeat_ttl = heartbeat_ttl
-        self.region = region
-        self.endpoint_url = endpoint_url
         self.interval = interval
         self.grace = grace
         self.phase = "waiting"
         self.key: str | None = None
         self.folder: JobFolder | None = None
         self.local: JobFolder | None = None
-        self._clients: dict[str, Any] = {}
         self._uploaded: dict[str, tuple[int, int]] = {}
         #: growing files shipped as appended pieces: key -> (local path, bytes shipped so far)
         self._appended: dict[str, tuple[Path, int]] = {}
@@ -247,16 +165,10 @@ class NodeBootstrap:
         self.notice: str | None = None
         self._notice_published = False
         self.terminated = False
-        self._notices = NoticeWatch()
         if key is not None:
             self.use_key(key)
 
     # -- the key and the folders ------------------------------------------------------
-
-    def _client(self, service: str) -> Any:
-        if service not in self._clients:
-            self._clients[service] = aws.client(service, region=self.region, endpoint_url=self.endpoint_url)
-        return self._clients[service]
 
     def use_key(self, key: str) -> None:
         """From now on every document is read and written sealed with ``key``."""
@@ -279,7 +191,7 @@ class NodeBootstrap:
         self._notice_published = False
 
     def read_key(self, run_id: str | None = None, wait: float | None = None) -> str | None:
-        """The job key from SSM, under the name this node derives from a run id (its own, or an
+        """The job key from its secret (SSM on EC2), under the name this node derives from a run id (its own, or an
         assigned job's): never from a document.
 
         The driver writes it before launching, so it is normally there at once; a read
@@ -291,14 +203,12 @@ class NodeBootstrap:
         deadline = time.monotonic() + wait
         while True:
             try:
-                response = self._client("ssm").get_parameter(Name=name, WithDecryption=True)
-                return str(response["Parameter"]["Value"])
-            except Exception as exc:  # noqa: BLE001 - not there yet, or SSM unreachable for a while
+                return self.host.read_secret(name)
+            except Exception as exc:  # noqa: BLE001 - not there yet, or unreachable for a while
                 if time.monotonic() > deadline:
-                    _log(f"no job key in SSM parameter {name} after {self.heartbeat_ttl:g}s: "
-                         f"{aws.error_code(exc) or type(exc).__name__}")
+                    _log(f"no job key in secret {name} after {self.heartbeat_ttl:g}s: {self.host.error_text(exc)}")
                     return None
-                self._store_error(f"reading the job key from SSM parameter {name}", exc)
+                self._store_error(f"reading the job key from secret {name}", exc)
             time.sleep(self.interval)
 
     def _refused(self, exc: Exception) -> None:
@@ -408,9 +318,7 @@ class NodeBootstrap:
         """The job's ``secrets=`` from their SecureString, when the (sealed) launch document says it has some."""
         if not doc.secrets:
             return {}
-        name = ssm_secrets_parameter(self.run_id)
-        response = self._client("ssm").get_parameter(Name=name, WithDecryption=True)
-        values = json.loads(response["Parameter"]["Value"])
+        values = json.loads(self.host.read_secret(ssm_secrets_parameter(self.run_id)))
         return {str(k): str(v) for k, v in values.items()}
 
     def start_agent(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -493,13 +401,13 @@ class NodeBootstrap:
         self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
 
     def watch_notices(self) -> None:
-        """A reclaim notice from IMDS: tell the ranks (the ``preempt`` file) and the driver (a notice document)."""
+        """A reclaim notice from the host (IMDS on EC2): tell the ranks (the ``preempt`` file) and the driver (a notice document)."""
         from prefect_sgpu.runtime import PREEMPT_FILE
         from prefect_sgpu.store import atomic_write
 
         if self.notice is not None:
             return
-        notice = self._notices.check()
+        notice = self.host.reclaim_notice()
         if notice is None:
             return
         self.notice = notice
@@ -574,10 +482,10 @@ class NodeBootstrap:
             runs = dict.fromkeys(r for r in (self.run_id, self.lease_id) if r)
             for name in [n for r in runs for n in (ssm_key_parameter(r), ssm_secrets_parameter(r))]:
                 try:
-                    self._client("ssm").delete_parameter(Name=name)
+                    self.host.delete_secret(name)
                 except Exception:  # noqa: BLE001 - the parameter may already be gone, or never was
                     pass
-        self._client("ec2").terminate_instances(InstanceIds=[self.identity.instance_id])
+        self.host.terminate(self.identity)
         self.terminated = True
         return 0
 
@@ -834,30 +742,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def power_off(reason: str) -> int:
-    """The last resort when this program cannot even terminate its instance through the API:
-    shut the machine down (the instance is launched with shutdown behaviour "terminate")."""
-    _log(f"{reason}: powering off")
-    try:
-        subprocess.run(["shutdown", "-h", "now"], check=False, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        _log(f"shutdown failed: {exc}")
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     from prefect_sgpu.store import default_home
     from prefect_sgpu.store_s3 import S3Store
 
+    from prefect_sgpu.launch.ec2_host import EC2NodeHost
+
     args = parse_args(argv)
+    host = EC2NodeHost(args.region, args.endpoint_url)
     node: NodeBootstrap | None = None
     try:
-        identity = fetch_identity()
+        identity = host.identity()
         store = S3Store(args.store, region=args.region, endpoint_url=args.endpoint_url,
                         kms_key_id=args.store_kms_key, bucket_owner=args.bucket_owner)
         node_dir = Path(os.environ.get(NODE_DIR_ENV) or default_home() / "node-jobs")
-        node = NodeBootstrap(store, args.run_id, identity, node_dir, args.heartbeat_ttl, region=args.region,
-                             endpoint_url=args.endpoint_url, interval=args.interval, lease=args.lease)
+        node = NodeBootstrap(store, args.run_id, identity, node_dir, args.heartbeat_ttl, interval=args.interval,
+                             lease=args.lease, host=host)
         if args.backstop_marker:
             Path(args.backstop_marker).touch()  # from here on this program watches the node
         return node.run()
@@ -867,10 +767,10 @@ def main(argv: list[str] | None = None) -> int:
 
             _log(f"bootstrap failed before it knew its instance: {type(exc).__name__}: {exc}\n"
                  f"{traceback.format_exc()}")
-            return power_off("no identity, no way to terminate through the API")
+            return host.power_off("no identity, no way to terminate through the API")
         code = node.crashed(exc)
         if not node.terminated:  # crashed() could not terminate the instance through the API
-            return power_off("termination through the API failed")
+            return host.power_off("termination through the API failed")
         return code
 
 

@@ -355,7 +355,7 @@ def test_bootstrap_reads_its_identity_from_imdsv2(monkeypatch: pytest.MonkeyPatc
 
     from support.ec2_simulator import FakeIMDS
     from prefect_sgpu.compute.ec2.request import render_user_data
-    from prefect_sgpu.launch.bootstrap import IMDS_ENV, fetch_identity
+    from prefect_sgpu.launch.ec2_host import IMDS_ENV, fetch_identity
 
     imds = FakeIMDS({"instance-id": "i-0123456789abcdef0", "ami-launch-index": "3", "local-ipv4": "10.1.2.3"})
     try:

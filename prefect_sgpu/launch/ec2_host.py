@@ -1,0 +1,148 @@
+"""The EC2 node host: what the node bootstrap asks of EC2 (:mod:`prefect_sgpu.launch.node_host`).
+
+- **Identity** from IMDSv2 (a token PUT, then GETs): the instance id, the AMI launch index
+  (the node's index in its gang) and the private IPv4 address.
+  ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` points it elsewhere, as botocore honours it.
+- **Secrets** are SSM SecureStrings, read and deleted with the instance profile's rights.
+- **Reclaim notices**: IMDS's ``spot/instance-action`` (a spot interruption) and
+  ``events/recommendations/rebalance`` (a rebalance recommendation), 404 until there is one.
+- **Termination**: ``ec2:TerminateInstances`` on itself; the last resort is ``shutdown -h
+  now`` (the instance is launched with shutdown behaviour "terminate").
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import urllib.request
+from typing import Any
+
+from prefect_sgpu import aws
+from prefect_sgpu.launch.node_host import NodeIdentity
+
+DEFAULT_IMDS = "http://169.254.169.254/"
+IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
+
+#: what IMDS says when the cloud will take the instance away, and how to say it to people
+NOTICE_PATHS = (("spot/instance-action", "spot interruption"),
+                ("events/recommendations/rebalance", "rebalance recommendation"))
+
+
+def _log(message: str) -> None:
+    print(f"[sgpu-bootstrap] {message}", flush=True)
+
+
+def _imds_base() -> str:
+    return os.environ.get(IMDS_ENV, DEFAULT_IMDS).rstrip("/") + "/"
+
+
+def _imds_token(base: str, timeout: float) -> str:
+    request = urllib.request.Request(
+        base + "latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode()
+
+
+def _imds_get(base: str, token: str, path: str, timeout: float) -> str:
+    request = urllib.request.Request(
+        base + "latest/meta-data/" + path, headers={"X-aws-ec2-metadata-token": token}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.read().decode().strip()
+
+
+class NoticeWatch:
+    """Reads IMDS for reclaim notices (404 until there is one), at most every ``every`` seconds."""
+
+    def __init__(self, every: float = 2.0, timeout: float = 1.0) -> None:
+        self.base = _imds_base()
+        self.every = every
+        self.timeout = timeout
+        self._token: str | None = None
+        self._checked = 0.0
+
+    def check(self) -> str | None:
+        import urllib.error
+
+        now = time.monotonic()
+        if now - self._checked < self.every:
+            return None
+        self._checked = now
+        try:
+            if self._token is None:
+                self._token = _imds_token(self.base, self.timeout)
+            for path, what in NOTICE_PATHS:
+                try:
+                    return f"{what}: {_imds_get(self.base, self._token, path, self.timeout)}"
+                except urllib.error.HTTPError as exc:
+                    if exc.code == 401:
+                        self._token = None
+                    elif exc.code != 404:
+                        raise
+        except (OSError, ValueError):
+            pass  # the metadata service is unreachable for a moment: ask again next time
+        return None
+
+
+def fetch_identity(attempts: int = 30, timeout: float = 2.0) -> NodeIdentity:
+    """Instance id, launch index and private IP from IMDSv2 (token PUT, then GETs)."""
+    base = _imds_base()
+    last: Exception | None = None
+    for attempt in range(attempts):
+        try:
+            token = _imds_token(base, timeout)
+            return NodeIdentity(
+                instance_id=_imds_get(base, token, "instance-id", timeout),
+                launch_index=int(_imds_get(base, token, "ami-launch-index", timeout)),
+                private_ip=_imds_get(base, token, "local-ipv4", timeout),
+            )
+        except (OSError, ValueError) as exc:  # the metadata service may lag right after boot
+            last = exc
+            time.sleep(min(0.2 * (attempt + 1), 2.0))
+    raise RuntimeError(f"instance metadata service at {base} did not answer: {last}")
+
+
+class EC2NodeHost:
+    """An EC2 instance as its bootstrap sees it (see :mod:`prefect_sgpu.launch.node_host`)."""
+
+    def __init__(self, region: str | None = None, endpoint_url: str | None = None) -> None:
+        self.region = region
+        self.endpoint_url = endpoint_url
+        self._clients: dict[str, Any] = {}
+        self._notices = NoticeWatch()
+
+    def _client(self, service: str) -> Any:
+        if service not in self._clients:
+            self._clients[service] = aws.client(service, region=self.region, endpoint_url=self.endpoint_url)
+        return self._clients[service]
+
+    def identity(self) -> NodeIdentity:
+        return fetch_identity()
+
+    def read_secret(self, name: str) -> str:
+        response = self._client("ssm").get_parameter(Name=name, WithDecryption=True)
+        return str(response["Parameter"]["Value"])
+
+    def delete_secret(self, name: str) -> None:
+        self._client("ssm").delete_parameter(Name=name)
+
+    def reclaim_notice(self) -> str | None:
+        return self._notices.check()
+
+    def terminate(self, identity: NodeIdentity) -> None:
+        self._client("ec2").terminate_instances(InstanceIds=[identity.instance_id])
+
+    def power_off(self, reason: str) -> int:
+        """The last resort when the API cannot terminate this instance: shut the machine down
+        (the instance is launched with shutdown behaviour "terminate")."""
+        _log(f"{reason}: powering off")
+        try:
+            subprocess.run(["shutdown", "-h", "now"], check=False, timeout=60)
+        except (OSError, subprocess.SubprocessError) as exc:
+            _log(f"shutdown failed: {exc}")
+        return 2
+
+    def error_text(self, exc: BaseException) -> str:
+        return aws.error_code(exc) or type(exc).__name__

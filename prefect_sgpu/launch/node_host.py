@@ -1,0 +1,57 @@
+"""What the node bootstrap needs from the machine it runs on, whatever the cloud.
+
+:mod:`prefect_sgpu.launch.bootstrap` runs the remote-node protocol over the store (sealed
+documents, heartbeats, logs, results); everything it asks of the cloud goes through a
+:class:`NodeHost`. EC2's is :class:`prefect_sgpu.launch.ec2_host.EC2NodeHost` (IMDSv2 and
+SSM); another cloud is one more class with these methods.
+
+Each method's guarantee:
+
+- :meth:`NodeHost.identity`: who this node is, asked once at boot; it may wait for the
+  metadata service to come up and raises when it never does.
+- :meth:`NodeHost.read_secret`: a secret (a job's or a lease's key, a job's ``secrets=``)
+  by the name the node derives from a run id, never from a document; raises when it is not
+  there (yet) or cannot be read, and the caller decides how long to try.
+- :meth:`NodeHost.delete_secret`: best effort; raises when it failed (the caller ignores
+  it: the driver's release and the sweeper delete it too).
+- :meth:`NodeHost.reclaim_notice`: a notice that the cloud will take the machine away
+  (spot interruption, rebalance), or None; cheap to call every tick (it limits its own
+  rate) and never raises for an unreachable metadata service.
+- :meth:`NodeHost.terminate`: end this machine through the cloud's API; raises when the
+  API refused, and then :meth:`NodeHost.power_off` is the last resort.
+- :meth:`NodeHost.error_text`: a short name for an error of this cloud's API, for logs.
+
+This module imports nothing of any cloud.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Who a node is: its instance id, its index in the gang and its private address."""
+
+    instance_id: str
+    launch_index: int
+    private_ip: str
+
+
+class NodeHost(Protocol):
+    """The cloud as one node sees it (see the module docstring for each guarantee)."""
+
+    def identity(self) -> NodeIdentity: ...
+
+    def read_secret(self, name: str) -> str: ...
+
+    def delete_secret(self, name: str) -> None: ...
+
+    def reclaim_notice(self) -> str | None: ...
+
+    def terminate(self, identity: NodeIdentity) -> None: ...
+
+    def power_off(self, reason: str) -> int: ...
+
+    def error_text(self, exc: BaseException) -> str: ...
