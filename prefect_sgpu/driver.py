@@ -527,10 +527,25 @@ class Job:
                 how = f"killed by {fail.signal}" if fail.signal else "exited"
                 return RankFailedError(int(rank), status.host or hosts.get(index), fail.exit_code, None,
                                        f"{how} without a Python exception (see its log)", node=index)
-            return RankFailedError(None, (status.host if status else None) or hosts.get(index), code, None,
-                                   (status.error if status else None)
-                                   or f"node {index}'s agent exited with code {code}", node=index)
+            why = (status.error if status else None) or (f"node {index}'s agent exited with code {code}"
+                                                         + self._agent_output_tail(index))
+            return RankFailedError(None, (status.host if status else None) or hosts.get(index), code, None, why,
+                                   node=index)
         return RankFailedError(None, None, None, None, "the job failed without a report")
+
+    def _agent_output_tail(self, index: int, lines: int = 12, limit: int = 3000) -> str:
+        """The last lines a node agent printed (its import error, its own traceback), for a node
+        that ended without a status: the reason is there, and nowhere else."""
+        from prefect_sgpu.jobfolder import agent_output_key
+
+        try:
+            data = self.folder.store.get(self.run_id, agent_output_key(index)) if self.folder else None
+        except Exception:  # noqa: BLE001 - the error is still raised, without the output
+            return ""
+        text = (data or b"")[-limit:].decode("utf-8", "replace").strip()
+        if not text:
+            return ""
+        return "; the end of its output:\n" + "\n".join(text.splitlines()[-lines:])
 
     def _cleanup(self, outcome: str, tailer: LogTailer | None) -> Any:
         released = None

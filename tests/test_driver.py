@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,3 +129,25 @@ def test_a_forged_result_is_ignored(tmp_path: Path) -> None:
 
     with pytest.raises(RankFailedError, match=r"rank\(s\) \[1\] exited without a result"):
         _job(_identity, ForgingCompute(), tmp_path, 1, gpus=2).run()
+
+
+class _AgentDiesUnreported(FakeCompute):
+    """Each node's agent dies before it can write a status (an import error on the node),
+    leaving only what it printed."""
+
+    def _node(self, allocation: Any, node: int) -> None:
+        printed = "".join(f"line {i}\n" for i in range(40)) + (
+            "Traceback (most recent call last):\n  File \"node_agent.py\", line 194, in run\n"
+            "TypeError: LaunchConfig.__init__() got an unexpected keyword argument 'shutdown_timeout'\n")
+        allocation.folder.store.put(allocation.run_id, jobfolder.agent_output_key(node), printed.encode())
+        allocation.codes[node] = 1
+
+
+def test_an_agent_that_dies_unreported_fails_the_job_with_the_end_of_its_output(tmp_path: Path) -> None:
+    job = _job(_identity, _AgentDiesUnreported(), tmp_path, 1, gpus=1, timeout=30)
+    with pytest.raises(RankFailedError) as info:
+        job.run()
+    text = str(info.value)
+    assert "agent exited with code 1" in text
+    assert "unexpected keyword argument 'shutdown_timeout'" in text, text
+    assert "line 39" in text and "line 0\n" not in text, "only the end of the output, not all of it"

@@ -14,6 +14,7 @@ seals its status; the ranks verify the payload and seal their envelopes.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import signal
 import socket
@@ -23,6 +24,9 @@ import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
+
+#: stands for "no NUMA binding" while a LaunchConfig is built without asking torch about CUDA
+_NO_NUMA_QUERY = object()
 
 if TYPE_CHECKING:
     from prefect_sgpu.jobfolder import JobFolder
@@ -191,6 +195,15 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
     if args.hang_timeout > 0:
         threading.Thread(target=_watch_progress, args=(job_dir, args.hang_timeout, hung), daemon=True).start()
 
+    accepted = inspect.signature(LaunchConfig).parameters
+    # older torch (2.11) has no shutdown_timeout: its agent then waits its own default
+    newer: dict[str, Any] = {"shutdown_timeout": 10} if "shutdown_timeout" in accepted else {}
+    if forked and "numa_options" in accepted:
+        # Without numa_options, LaunchConfig asks torch whether the accelerator is available to
+        # choose a NUMA binding; on a GPU that query initializes CUDA in this agent, and the
+        # ranks forked from it then cannot use CUDA at all. A placeholder skips the query and
+        # is cleared below: ranks forked from a warm node are not NUMA-bound.
+        newer["numa_options"] = _NO_NUMA_QUERY
     config = LaunchConfig(
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,
@@ -204,9 +217,11 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
         monitor_interval=0.1,
         start_method="fork" if forked else "spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(job_dir / "agent" / f"node-{args.node_index}")),
-        shutdown_timeout=10,
         local_addr=args.local_addr,
+        **newer,
     )
+    if getattr(config, "numa_options", None) is _NO_NUMA_QUERY:
+        config.numa_options = None
     status: dict[str, Any] = {"node": args.node_index, "host": socket.gethostname(), "exit_code": 0,
                               "failures": {}}
     from prefect_sgpu.jobfolder import NodeStatus
