@@ -70,6 +70,21 @@ def head_env(node_ip: str) -> dict[str, str]:
     return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} if node_ip == LOOPBACK else {}
 
 
+def cluster_address(spec: "RayNodeSpec", argv: list[str]) -> str:
+    """The GCS address of the cluster this node belongs to (its own ``--port`` on a head).
+
+    It goes into ``RAY_ADDRESS`` of ``ray start``, and so of every process the node starts:
+    Ray code that finds "the" cluster by itself (Ray Train's placement-group cleaner asks the
+    state API with no address) then finds this one, never another cluster on the same host,
+    where it would fail with "Found multiple active Ray instances" and leave the run's
+    placement group behind.
+    """
+    if spec.head_address:
+        return spec.head_address
+    port = next(a.split("=", 1)[1] for a in argv if a.startswith("--port="))
+    return f"{spec.ip}:{port}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A listening port for a Ray component: free, outside the ephemeral range, not handed out before."""
     from prefect_sgpu.compute.ports import free_port as listener_port
@@ -179,8 +194,10 @@ class RayNodeProcess:
 
     def _start_once(self, timeout: float, should_stop: Callable[[], bool]) -> None:
         os.makedirs(self.spec.temp_dir, exist_ok=True)
+        argv = self.spec.argv()
         self.proc = subprocess.Popen(
-            self.spec.argv(), env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            argv, env={**self.env, "RAY_ADDRESS": cluster_address(self.spec, argv)},
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         self._pump = threading.Thread(target=self._forward, name="ray-start-output", daemon=True)

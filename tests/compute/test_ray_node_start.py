@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -45,3 +46,26 @@ def test_other_failures_and_the_last_attempt_are_raised() -> None:
     with pytest.raises(RuntimeError, match=STARTUP_TIMED_OUT):
         busy.start(timeout=60, attempts=3)
     assert busy.tries == 3
+
+
+def test_every_process_of_a_node_is_told_its_own_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``RAY_ADDRESS`` names the node's own cluster: Ray code that looks "the" cluster up by
+    itself (Ray Train's placement-group cleaner) must not meet another cluster on the host."""
+    from prefect_sgpu.ray import node_process
+
+    seen: list[dict[str, str]] = []
+
+    class Refused(Exception):
+        pass
+
+    def popen(argv: list[str], env: dict[str, str], **_: object) -> None:
+        seen.append(env)
+        raise Refused  # the command line and environment are all this test looks at
+
+    monkeypatch.setattr(node_process.subprocess, "Popen", popen)
+    head = RayNodeSpec(node_ip="127.0.0.21", temp_dir=str(tmp_path / "head"), gcs_port=46123)
+    joiner = RayNodeSpec(node_ip="127.0.0.22", temp_dir=str(tmp_path / "joiner"), head_address="127.0.0.21:46123")
+    for spec in (head, joiner):
+        with pytest.raises(Refused):
+            RayNodeProcess(spec, env={"RAY_ADDRESS": "127.0.0.99:1"}, output=io.StringIO())._start_once(5.0, bool)
+    assert [env["RAY_ADDRESS"] for env in seen] == ["127.0.0.21:46123", "127.0.0.21:46123"]
