@@ -24,7 +24,9 @@ def _spread_over_nodes(tasks: int) -> dict:
 
     ray.init()  # RAY_ADDRESS points at the job's head
 
-    @ray.remote(num_cpus=1)
+    # SPREAD: one task per node as the nodes come up, however long a node takes to start its
+    # first worker (packed, a busy machine ran every task on the first node's worker)
+    @ray.remote(num_cpus=1, scheduling_strategy="SPREAD")
     def where() -> str:
         import time
 
