@@ -93,3 +93,36 @@ def test_without_the_switch_no_system_metrics_are_logged() -> None:
     result = log_from_rank_zero.run(1)
     metrics = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(result.mlflow_run_id).data.metrics
     assert not [k for k in metrics if k.startswith("system/")], sorted(metrics)
+
+
+def test_system_metrics_resume_after_the_store_fails_a_read(tmp_path, monkeypatch) -> None:
+    """MLflow's own monitor stops for good at its first store error; the rank's monitor starts again."""
+    import threading
+    import time
+
+    from prefect_sgpu.launch.rank_main import _KeptMonitor
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("metrics")).info.run_id
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    real_get_run, failures, lock = MlflowClient.get_run, [3], threading.Lock()
+
+    def flaky_get_run(self, rid):  # the store refuses the first three reads, as a locked SQLite file does
+        with lock:
+            if failures[0]:
+                failures[0] -= 1
+                raise RuntimeError("database is locked")
+        return real_get_run(self, rid)
+
+    monkeypatch.setattr(MlflowClient, "get_run", flaky_get_run)
+    monitor = _KeptMonitor(run_id, "rank-0", uri)
+    monitor.start()
+    deadline = time.monotonic() + 120
+    while "system/rank-0/cpu_utilization_percentage" not in real_get_run(client, run_id).data.metrics:
+        assert time.monotonic() < deadline, "no system metric was logged after the store came back"
+        time.sleep(0.2)
+    assert monitor.restarts >= 1
+    monitor.finish()
+    assert not monitor.thread.is_alive()
+    client.set_terminated(run_id)

@@ -154,15 +154,91 @@ def _system_metrics(rank: int) -> Any:
     os.environ.pop("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING")
     os.environ["MLFLOW_SYSTEM_METRICS_NODE_ID"] = f"rank-{rank}"
     try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        monitor = SystemMetricsMonitor(run_id, node_id=f"rank-{rank}",
-                                       tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"))
+        monitor = _KeptMonitor(run_id, f"rank-{rank}", os.environ.get("MLFLOW_TRACKING_URI"))
         monitor.start()
         return monitor
     except Exception as exc:  # noqa: BLE001 - metrics must never fail the rank
         print(f"[sgpu] MLflow system metrics are off for rank {rank}: {exc}", file=sys.stderr, flush=True)
         return None
+
+
+class _KeptMonitor:
+    """MLflow's ``SystemMetricsMonitor``, started again after a store error.
+
+    MLflow's monitor loop ends for good the first time it cannot read the run or log a batch
+    (a busy SQLite store, a tracking server restarting). Here its loop runs in a thread of
+    ours: when it ends while the run is still RUNNING and the rank still works, a new monitor
+    resumes after the last logged step, after a pause that doubles up to 30 s. It ends when
+    the run ends or ``finish()`` is called.
+    """
+
+    def __init__(self, run_id: str, node_id: str, tracking_uri: str | None) -> None:
+        import threading
+
+        self.run_id, self.node_id, self.tracking_uri = run_id, node_id, tracking_uri
+        self.stop = threading.Event()
+        self.current: Any = None
+        self.restarts = 0
+        self.unlogged: list[Any] = []  # samples a failed monitor could not log
+        self.thread = threading.Thread(target=self._keep, name="sgpu-system-metrics", daemon=True)
+
+    def _new(self) -> Any:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(self.run_id, node_id=self.node_id, tracking_uri=self.tracking_uri,
+                                       resume_logging=self.restarts > 0)
+        monitor._shutdown_event = self.stop  # its loop waits on, and ends with, our stop
+        monitor.mlflow_logger.data, self.unlogged = self.unlogged, []
+        return monitor
+
+    def start(self) -> None:
+        self.current = self._new()  # a monitor that cannot be built at all turns metrics off
+        self.thread.start()
+
+    def _keep(self) -> None:
+        pause = 1.0
+        while not self.stop.is_set():
+            try:
+                if self.current is None:
+                    self.current = self._new()
+                self.current.monitor()  # returns on finish(), when the run ends, or on a store error
+                if self.stop.is_set() or not self._running():
+                    return
+            except Exception:  # noqa: BLE001 - a failed restart is tried again
+                pass
+            self._flush()
+            self.current = None
+            self.restarts += 1
+            if self.stop.wait(pause):
+                return
+            pause = min(pause * 2, 30.0)
+
+    def _running(self) -> bool:
+        from mlflow.tracking import MlflowClient
+
+        try:
+            return MlflowClient(self.tracking_uri).get_run(self.run_id).info.status == "RUNNING"
+        except Exception:  # noqa: BLE001 - an unreadable store is the error being ridden out
+            return True
+
+    def _flush(self) -> None:
+        logger = self.current.mlflow_logger if self.current is not None else None
+        try:
+            if logger is not None and logger.data:
+                logger.flush()
+        except Exception:  # noqa: BLE001 - kept for the next monitor
+            self.unlogged = logger.data[-1000:]
+
+    def finish(self) -> None:
+        """Stop sampling and log what was sampled last."""
+        self.stop.set()
+        self.thread.join(timeout=30)
+        monitor = self.current
+        if monitor is not None:
+            try:
+                monitor.mlflow_logger.flush()
+            except Exception:  # noqa: BLE001 - the rank's outcome is already decided
+                pass
 
 
 def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> tuple[Any, int]:
