@@ -154,7 +154,7 @@ def build_sides(wanted: list[str], gpus: int, keep: list[Any]) -> dict[str, Call
         cluster = Ray(cpus=2 * gpus)
         keep.append(cluster)
         ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
-        from prefect_sgpu.compute.ray import RayTrainCompute
+        from prefect_sgpu.ray.compute import RayTrainCompute
 
         if "ray-torchtrainer" in wanted:
             from ray.train import RunConfig, ScalingConfig

@@ -2,7 +2,7 @@
 
     prefect-sgpu gc [--dry-run] [--compute-block SLUG/NAME | --store URI] [options]
 
-``gc`` removes what dead drivers left behind (:mod:`prefect_sgpu.sweep`): with
+``gc`` removes what dead drivers left behind (:mod:`prefect_sgpu.compute.remote.sweep`): with
 ``--compute-block`` the store, region and credentials of a saved compute block; with
 ``--store s3://...`` that store and the EC2 resources of its runs in ``--region``;
 with ``--store /folder`` or nothing, a local job store. Exit status 0 when the pass
@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sweeper(args: argparse.Namespace) -> Any:
-    from prefect_sgpu.sweep import Sweeper, sweeper
+    from prefect_sgpu.compute.remote.sweep import Sweeper, sweeper
 
     tracking_uri = None
     if not args.no_mlflow:

@@ -14,7 +14,7 @@ import pytest
 from prefect_sgpu import jobfolder
 from prefect_sgpu.jobfolder import JobFolder, new_key
 from prefect_sgpu.store import LocalStore
-from prefect_sgpu.sweep import Sweeper
+from prefect_sgpu.compute.remote.sweep import Sweeper
 
 REPO = Path(__file__).resolve().parents[1]
 TTL_S = 60.0
@@ -148,7 +148,7 @@ def test_the_gc_flow_sweeps_and_publishes_what_it_removed(world: dict[str, objec
 
 def test_the_sweeper_of_the_local_compute_is_the_local_job_store(sgpu_home: Path) -> None:
     from prefect_sgpu.compute.local import LocalProcessCompute, heartbeat_ttl
-    from prefect_sgpu.sweep import sweeper
+    from prefect_sgpu.compute.remote.sweep import sweeper
 
     made = sweeper(LocalProcessCompute())
     assert made.store.root_uri == str(sgpu_home / "jobs") and made.ttl_s == heartbeat_ttl()

@@ -224,7 +224,7 @@ class RayCompute(Block):
     )
 
     def get_compute(self) -> Any:
-        from prefect_sgpu.compute.ray import RayTrainCompute as Ray
+        from prefect_sgpu.ray.compute import RayTrainCompute as Ray
 
         return Ray(address=self.address, runtime_env=self.runtime_env, backend=self.backend,
                    resources_per_worker=self.resources_per_worker, keep_warm=self.keep_warm)

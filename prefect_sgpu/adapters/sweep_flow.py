@@ -3,7 +3,7 @@
     prefect deploy prefect_sgpu/adapters/sweep_flow.py:gc --name hourly --cron "0 * * * *" \
         --pool <any pool> --param compute_block=sgpu-ec2-compute/h100-pool
 
-Each run sweeps one store (:mod:`prefect_sgpu.sweep`), logs every removal to the flow
+Each run sweeps one store (:mod:`prefect_sgpu.compute.remote.sweep`), logs every removal to the flow
 run, publishes a table artifact (key ``prefect-sgpu-gc``) and fails when part of the
 pass failed, so Prefect's automations and retries apply.
 """
@@ -25,7 +25,7 @@ def gc(compute_block: str | None = None, store_block: str | None = None, store: 
     from prefect.blocks.core import Block
 
     from prefect_sgpu.store import LocalStore
-    from prefect_sgpu.sweep import sweeper
+    from prefect_sgpu.compute.remote.sweep import sweeper
     from prefect_sgpu.tracking import default_tracking_uri, mlflow_available
 
     compute = Block.load(compute_block).get_compute() if compute_block else None

@@ -44,7 +44,7 @@ from prefect_sgpu.compute.base import (
     node_base_environment,
 )
 from prefect_sgpu.compute import leases
-from prefect_sgpu.compute.warm import AGENT_MODULE, POOL, WarmSet, check_keep_warm, start_set, warm_node_argv
+from prefect_sgpu.launch.warm_pool import AGENT_MODULE, POOL, WarmSet, check_keep_warm, start_set, warm_node_argv
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.launch.processes import kill_and_reap
 from prefect_sgpu.spec import JobSpec, Plan, plan_local

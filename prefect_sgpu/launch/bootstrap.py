@@ -632,7 +632,7 @@ class NodeBootstrap:
 
     def start_warm_node(self) -> None:
         """The lease's warm node: it preloads while the node waits for its first assignment."""
-        from prefect_sgpu.compute.warm import WarmNodeProcess, warm_node_argv
+        from prefect_sgpu.launch.warm_pool import WarmNodeProcess, warm_node_argv
 
         try:
             self.warm = WarmNodeProcess(self.index, warm_node_argv(self.index), dict(os.environ),
@@ -644,7 +644,7 @@ class NodeBootstrap:
     def fork_agent(self, argv: list[str], env: dict[str, str]) -> "ForkedAgent | None":
         """The job's node agent forked from the warm node, when there is one, it has preloaded and
         the argv is the node agent's; else None (the caller starts the agent cold)."""
-        from prefect_sgpu.compute.warm import AGENT_MODULE
+        from prefect_sgpu.launch.warm_pool import AGENT_MODULE
 
         warm = self.warm
         if warm is None or argv[1:3] != ["-m", AGENT_MODULE]:

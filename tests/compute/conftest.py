@@ -30,7 +30,7 @@ def ray_address() -> "Iterator[str]":
 
     A process joins one Ray cluster, so the Ray tests share it; this process leaves it at the end.
     """
-    from prefect_sgpu.compute.ray import RayTrainCompute
+    from prefect_sgpu.ray.compute import RayTrainCompute
     from support.ray_cluster import ray_cluster
 
     with ray_cluster(cpus_per_node=1) as address:

@@ -24,7 +24,7 @@ from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env
 from support.ec2_simulator import REPO_ROOT
 from support.rank_functions import TrainingDiverged, fails_on_rank_1
 from prefect_sgpu import distributed, runtime
-from prefect_sgpu.compute.ec2.lease import lease_id
+from prefect_sgpu.compute.remote.lease import lease_id
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.jobfolder import ASSIGN_KEY, Assign, JobFolder, new_key, ssm_key_parameter
 

@@ -16,7 +16,7 @@ from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.store import LocalStore
-from prefect_sgpu.sweep import Sweeper
+from prefect_sgpu.compute.remote.sweep import Sweeper
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "iam"
 

@@ -14,7 +14,7 @@ import pytest
 
 from support.ray_cluster import job_leftovers, ray_cluster
 from prefect_sgpu import SGPUConfigError, distributed, runtime
-from prefect_sgpu.compute.ray import RayTrainCompute
+from prefect_sgpu.ray.compute import RayTrainCompute
 from prefect_sgpu.ray import RayCompute
 
 # the module's GPU-resource cluster is started once: its tests share one xdist worker (docs/testing.md)

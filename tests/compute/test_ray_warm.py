@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import pytest
 
 from prefect_sgpu import distributed, runtime
-from prefect_sgpu.compute.ray import RayTrainCompute
+from prefect_sgpu.ray.compute import RayTrainCompute
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.ray.warm_group import RAY_POOL
 from support.conformance_ray import SETTLE_S, ray_leftovers

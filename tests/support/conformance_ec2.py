@@ -204,7 +204,7 @@ class EC2WarmCase(EC2Case):
         return super().options(compute=self.compute, **overrides)
 
     def launched_for(self, job: Any) -> str:
-        from prefect_sgpu.compute.ec2.lease import lease_id
+        from prefect_sgpu.compute.remote.lease import lease_id
 
         return lease_id(job.run_id)
 

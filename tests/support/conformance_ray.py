@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from prefect_sgpu.compute.ray import RayAllocation, RayTrainCompute, collector_name
+from prefect_sgpu.ray.compute import RayAllocation, RayTrainCompute, collector_name
 from support.conformance import control_files
 from support.ray_cluster import job_leftovers
 

@@ -18,7 +18,7 @@ profile. Node addresses (node 0's rendezvous host) come from DescribeInstances, 
 from what a node writes.
 
 **Warm leases.** With ``keep_warm`` seconds the instances are launched for a lease instead
-(:mod:`prefect_sgpu.compute.ec2.lease`) and kept between jobs of the same shape: the next job
+(:mod:`prefect_sgpu.compute.remote.lease`) and kept between jobs of the same shape: the next job
 is assigned to them and pays no boot. Each job still has its own folder and key.
 
 Provisioning itself (subnets, markets, failover, tags, termination, prices) is
@@ -56,10 +56,10 @@ from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.compute.ec2.roles import ROLE_PATH
 from prefect_sgpu.compute.ec2.instances import DEAD_STATES, EC2Provisioner, Instance
-from prefect_sgpu.compute.ec2.lease import WarmLease, lease_id
+from prefect_sgpu.compute.remote.lease import WarmLease, lease_id
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
-from prefect_sgpu.compute.warm import POOL, check_keep_warm
+from prefect_sgpu.launch.warm_pool import POOL, check_keep_warm
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
@@ -70,7 +70,7 @@ from prefect_sgpu.store_s3 import S3Store
 
 if TYPE_CHECKING:
     from prefect_sgpu.store import Store
-    from prefect_sgpu.sweep import Sweeper
+    from prefect_sgpu.compute.remote.sweep import Sweeper
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
 
@@ -197,7 +197,7 @@ class EC2InstanceCompute(Compute):
         keep_warm: float = 0.0,
     ) -> None:
         """``keep_warm``: seconds a job's instances wait for the next job of the same shape (a
-        warm lease, :mod:`~prefect_sgpu.compute.ec2.lease`); 0 terminates them after every job."""
+        warm lease, :mod:`~prefect_sgpu.compute.remote.lease`); 0 terminates them after every job."""
         self.keep_warm = check_keep_warm("keep_warm", keep_warm, "every job terminates its instances")
         if self.keep_warm > 0 and provisioner.settings.job_roles:
             raise SGPUConfigError("keep_warm", keep_warm, "0 while job_roles is on (a job role covers one job, and "
@@ -463,17 +463,17 @@ class EC2InstanceCompute(Compute):
         roles.create(self._client("iam"), request.run_id, policy, tags, self.settings.node_permissions_boundary)
 
     def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper":
-        """The sweeper of this compute (:mod:`prefect_sgpu.sweep`): its store, clients and TTL."""
-        from prefect_sgpu.sweep import Sweeper
+        """The sweeper of this compute (:mod:`prefect_sgpu.compute.remote.sweep`): its store, clients and TTL."""
+        from prefect_sgpu.compute.remote.sweep import Sweeper
 
         iam = self._client("iam") if self.settings.job_roles else None
         return Sweeper(self.store, ttl_s=self.heartbeat_ttl_s, ec2=self.provisioner, ssm=self._client("ssm"),
                        tracking_uri=tracking_uri, iam=iam, **options)
 
     def _sweep(self, request: EC2Request) -> None:
-        """What dead drivers of this store left (:mod:`prefect_sgpu.sweep`): removed before launching,
+        """What dead drivers of this store left (:mod:`prefect_sgpu.compute.remote.sweep`): removed before launching,
         without waiting for anything, never failing the job."""
-        from prefect_sgpu.sweep import start_of_job_pass
+        from prefect_sgpu.compute.remote.sweep import start_of_job_pass
         from prefect_sgpu.tracking import default_tracking_uri, mlflow_available
 
         tracking_uri = default_tracking_uri() if request.spec.mlflow and mlflow_available() else None

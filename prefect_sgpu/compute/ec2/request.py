@@ -74,7 +74,7 @@ def expiry(ttl_minutes: int, now: _dt.datetime | None = None) -> str:
 
 
 def run_tags(store_uri: str, heartbeat_ttl_s: float) -> dict[str, str]:
-    """The tags that let a sweeper judge a run (:mod:`prefect_sgpu.sweep`): its store and its TTL."""
+    """The tags that let a sweeper judge a run (:mod:`prefect_sgpu.compute.remote.sweep`): its store and its TTL."""
     return {STORE_TAG: store_uri, HEARTBEAT_TTL_TAG: str(int(math.ceil(heartbeat_ttl_s)))}
 
 

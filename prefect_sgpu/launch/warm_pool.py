@@ -33,14 +33,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 
-if TYPE_CHECKING:
-    from prefect_sgpu.compute import leases
-
-logger = logging.getLogger("prefect_sgpu.compute.warm")
+logger = logging.getLogger("prefect_sgpu.launch.warm_pool")
 
 #: the module every warm node runs; node commands of other programs (Ray nodes) start cold
 AGENT_MODULE = "prefect_sgpu.launch.node_agent"
@@ -212,7 +209,7 @@ class WarmSet(Pooled):
     """The warm nodes of one allocation shape, and the GPUs they hold."""
 
     nodes: list[WarmNodeProcess]
-    lease: "leases.GpuLease | None" = None
+    lease: Any = None  # the GpuLease (prefect_sgpu.compute.leases) its node holds, if any
 
     @property
     def gpus(self) -> list[str]:
@@ -239,7 +236,7 @@ class WarmSet(Pooled):
 
 
 def start_set(key: tuple[Any, ...], argvs: list[list[str]], env: dict[str, str], logs: Path,
-              lease: "leases.GpuLease | None", fds_of: Callable[[int], list[int]], until: float,
+              lease: Any, fds_of: Callable[[int], list[int]], until: float,
               cancel: threading.Event, beat: Callable[[], None], run_id: str, timeout: float) -> WarmSet:
     """Start one warm node per argv and wait until all have preloaded; on any failure none is left."""
     nodes: list[WarmNodeProcess] = []

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from prefect_sgpu.compute.ec2.instances import EC2Provisioner
     from prefect_sgpu.store import Store
 
-logger = logging.getLogger("prefect_sgpu.sweep")
+logger = logging.getLogger("prefect_sgpu.compute.remote.sweep")
 
 #: seconds added to a run's TTL before it is judged dead (clock skew, a slow heartbeat write);
 #: half the TTL when that is less

@@ -34,7 +34,7 @@ from prefect_sgpu.spec import JobSpec, Plan
 if TYPE_CHECKING:
     from prefect_sgpu.jobfolder import JobFolder
 
-logger = logging.getLogger("prefect_sgpu.compute.ray")
+logger = logging.getLogger("prefect_sgpu.ray.compute")
 
 #: seconds between two reads of the collector (poll() itself is called every 50 ms)
 DRAIN_INTERVAL_S = 0.2
@@ -183,7 +183,7 @@ class RayTrainCompute(Compute):
         """``keep_warm``: seconds a warm worker group (placement group, one actor per rank with torch
         imported) waits for the next job of the same shape, which then pays only for its function;
         0: every job is a Ray Train run of its own (needed by functions that call Ray Train's API)."""
-        from prefect_sgpu.compute.warm import check_keep_warm
+        from prefect_sgpu.launch.warm_pool import check_keep_warm
 
         self.keep_warm = check_keep_warm("keep_warm", keep_warm, "a Ray Train run per job")
         if not isinstance(address, str) or not address.strip():
