@@ -278,7 +278,7 @@ class Job:
 
     def _run(self) -> JobResult:
         request, body, key = self.prepare()
-        self.secret_values()  # an unreadable Secret block fails here, before anything is spent
+        self.compute.check_secrets(self.secret_values())  # unreadable or undeliverable: fails before spending
         plan = self.plan = request.plan
         self.started_at = time.monotonic()
         deadline = self.started_at + self.spec.timeout

@@ -2,21 +2,44 @@
 
 Inside a Prefect flow or task run the lines go to that run's logger (so they are
 stored on the server as the run's logs); elsewhere they are printed.
+
+What a rank writes is not trusted to drive the terminal it lands on: every control
+character but the tab (escape sequences, carriage returns, bidirectional overrides) is
+shown as its escape (``\\x1b``), in the printed line and in Prefect's log alike. A log
+object whose name is not ``logs/rank-N.log`` is skipped with one log line; the other
+ranks' logs go on.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 from typing import Any, Callable
 
-from prefect_sgpu.jobfolder import LOGS, rank_of_key
+from prefect_sgpu.jobfolder import LOGS
 from prefect_sgpu.store import Store
 
 logger = logging.getLogger("prefect_sgpu")
 
 LineSink = Callable[[int, int, str], None]
+
+#: C0 controls but the tab, DEL, C1 controls, and the Unicode format controls that reorder or hide text
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+#: the names ranks write (``jobfolder.log_key``), digits in ASCII only
+_RANK_LOG = re.compile(r"rank-([0-9]{1,9})\.log")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character but the tab shown as its escape (``\\x1b``, ``\\u202e``)."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def rank_of_log(key: str) -> int | None:
+    """``logs/rank-00003.log`` -> 3; None for any other name."""
+    match = _RANK_LOG.fullmatch(key.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
 
 
 def prefect_run_logger() -> Any | None:
@@ -65,6 +88,7 @@ class LogTailer:
         self.interval = interval
         self._offsets: dict[str, int] = {}
         self._partial: dict[str, bytes] = {}
+        self._skipped: set[str] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -89,6 +113,11 @@ class LogTailer:
     def poll(self, final: bool = False) -> None:
         with self._lock:
             for key in self.store.list(self.run_id, LOGS):
+                if key in self._skipped:
+                    continue
+                place = self._place(key)
+                if place is None:
+                    continue
                 data = self.store.read_from(self.run_id, key, self._offsets.get(key, 0))
                 if not data and not (final and self._partial.get(key)):
                     continue
@@ -99,14 +128,24 @@ class LogTailer:
                     lines.append(rest)
                     rest = b""
                 self._partial[key] = rest
-                rank = rank_of_key(key)
-                node = self.node_of(rank) if self.node_of is not None else rank // self.procs_per_node
                 for raw in lines:
                     try:
-                        self.sink(rank, node,
-                                  raw.decode("utf-8", "replace").rstrip("\r"))
+                        self.sink(*place, printable(raw.decode("utf-8", "replace").rstrip("\r")))
                     except Exception:  # noqa: BLE001 - a broken sink must not kill the job
                         logger.debug("log sink failed", exc_info=True)
+
+    def _place(self, key: str) -> tuple[int, int] | None:
+        """(rank, node) of a rank log; None, once logged, for a name that is not one."""
+        rank = rank_of_log(key)
+        try:
+            if rank is None:
+                raise ValueError("not named logs/rank-N.log")
+            return rank, (self.node_of(rank) if self.node_of is not None else rank // self.procs_per_node)
+        except Exception as exc:  # noqa: BLE001 - one bad name must not end every rank's live logs
+            self._skipped.add(key)
+            logger.warning("skipping log object %s of job %s (%s); the other rank logs go on",
+                           printable(repr(key)), self.run_id, printable(str(exc)))
+            return None
 
     def restart(self, move_aside: Callable[[], None]) -> None:
         """Show every line so far, let ``move_aside`` move the logs away, then follow new files from

@@ -4,6 +4,9 @@ The same resources, options and compute as ``@distributed`` (local simulated nod
 EC2 nodes, ...); only what each node runs differs. Node 0 hosts the Ray head on the
 job's rendezvous port, the others join it, and the function runs once on node 0 with
 ``RAY_ADDRESS`` set, so Ray Train, Ray Data and actors inside it use every node.
+
+Every cluster runs with Ray's token authentication, so a Ray without it (before 2.52.0)
+is refused (:mod:`prefect_sgpu.ray.token_auth`).
 """
 
 from __future__ import annotations
@@ -104,6 +107,11 @@ class RayLaunchFunction(DistributedFunction[P, R]):
                 "@ray_launch builds its own Ray cluster; on an existing cluster call ray.init(address) "
                 "in the flow, or use @distributed with RayCompute for Ray Train jobs",
             )
+        from prefect_sgpu.ray.token_auth import installed_ray_version, require_token_auth
+
+        here = installed_ray_version()
+        if here is not None:  # the nodes check their own Ray again before starting it
+            require_token_auth(here)
         job.launcher = RayLauncher(metrics_to_mlflow=self.ray_metrics_to_mlflow)
         return job
 

@@ -256,6 +256,11 @@ class Compute(ABC):
     def check_store(self, store: "Store") -> None:
         """Raise SGPUConfigError if this compute's nodes cannot use ``store``. Spends nothing."""
 
+    def check_secrets(self, secrets: dict[str, str]) -> None:
+        """Raise SGPUConfigError if this compute cannot deliver ``secrets`` (the rank environment
+        read from the job's Secret blocks, as :class:`JobLaunch` carries it): a channel's size limit,
+        say. The driver calls it once the blocks are read, before anything is spent."""
+
     @abstractmethod
     def plan(self, spec: JobSpec, run_id: str) -> Request:
         """Resolve ``spec`` into a typed request, or raise SGPUConfigError naming the field.

@@ -13,6 +13,10 @@ rank 0 while the node's other ranks wait (streaming's own collective helper, cal
 every rank). Simulated nodes on one host do not collide: the local compute gives each
 node its own ``/dev/shm``.
 
+Every set's ``index.json`` is checked before Streaming turns its shard names into paths
+(:mod:`.shard_index`): a name that would lead outside the set's folder or the cache is
+refused, with nothing read or downloaded.
+
 Remote sets (``s3://...``) are downloaded to a local cache that is per job and per
 node: under the job folder when the launcher set one, else under the temp dir keyed by
 the torch elastic run id. Local sets are read in place.
@@ -27,6 +31,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from prefect_sgpu.pipeline.shard_index import INDEX, check_dataset, check_index_file, fetch_checked_index
 
 _cleaned_stale_shm = False
 
@@ -53,16 +59,8 @@ def cache_dir(uri: str) -> Path:
     return base / f"node-{node}" / key
 
 
-def _compressed(path: Path) -> bool:
-    """Does the local shard set at ``path`` hold compressed shards?"""
-    import json
-
-    try:
-        index = json.loads((path / "index.json").read_text())
-    except (OSError, ValueError) as exc:
-        from prefect_sgpu.errors import SGPUConfigError
-
-        raise SGPUConfigError("uri", str(path), f"a readable MDS index.json ({exc})") from exc
+def _compressed(index: Any) -> bool:
+    """Does this (checked) MDS index describe compressed shards?"""
     shards = index.get("shards") if isinstance(index, dict) else None
     return isinstance(shards, list) and any(isinstance(s, dict) and s.get("compression") for s in shards)
 
@@ -98,23 +96,30 @@ def streaming_dataset(uri: Any, *, batch_size: int, shuffle: bool = True, seed: 
     if not isinstance(batch_size, int) or batch_size < 1:
         raise SGPUConfigError("batch_size", batch_size, "a positive int (the per-rank batch size)")
     text = _uri_of(uri)
+    split = kw.get("split")
     if _is_remote(text):
         remote: str | None = text
         local_dir = str(local) if local is not None else str(cache_dir(text))
     else:
-        path = Path(text.removeprefix("file://")).expanduser()
-        if not (path / "index.json").is_file():
+        path = Path(text.removeprefix("file://")).expanduser().absolute()
+        index_file = path / (split or "") / INDEX
+        if not index_file.is_file():
             raise SGPUConfigError("uri", text, "a complete MDS shard set (a folder with index.json)")
-        if _compressed(path):  # decompressed into this node's cache, never beside the set
-            remote = str(path.absolute())
+        if _compressed(check_index_file(index_file, str(index_file))):
+            # decompressed into this node's cache, never beside the set
+            remote = str(path)
             local_dir = str(local) if local is not None else str(cache_dir(remote))
         else:
-            remote, local_dir = None, str(path.absolute())
+            remote, local_dir = None, str(path)
+    if remote is not None:  # Streaming finds the checked index in the cache and fetches none
+        fetch_checked_index(remote, local_dir, split, kw.get("download_timeout"))
     clean_stale_shared_memory()
     from streaming import StreamingDataset
 
-    return StreamingDataset(remote=remote, local=local_dir, batch_size=batch_size, shuffle=shuffle,
-                            shuffle_seed=seed, **kw)
+    dataset = StreamingDataset(remote=remote, local=local_dir, batch_size=batch_size, shuffle=shuffle,
+                               shuffle_seed=seed, **kw)
+    check_dataset(dataset)  # what Streaming parsed, before any shard is fetched
+    return dataset
 
 
 def streaming_loader(uri: Any, batch_size: int, *, state: dict[str, Any] | None = None, shuffle: bool = True,

@@ -30,6 +30,7 @@ from typing import Any
 
 from prefect_sgpu.launch.node_agent import _Stop, _watch_heartbeat, job_folder, node_main
 from prefect_sgpu.ray.node_process import RAY_ENV, RayNodeProcess, RayNodeSpec, head_env, ray_ip
+from prefect_sgpu.ray.token_auth import installed_ray_version, require_token_auth
 
 POLL_S = 0.2
 
@@ -194,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     status: dict[str, Any] = {"node": args.node_index, "host": socket.gethostname(), "exit_code": 0,
                               "failures": {}}
     try:
+        require_token_auth(installed_ray_version())  # an older Ray ignores RAY_AUTH_MODE: no auth at all
         if args.node_index == 0:
             code = _run_head(args, node, gcs, marks)
             if code:

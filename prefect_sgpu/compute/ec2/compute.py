@@ -278,6 +278,22 @@ class EC2InstanceCompute(Compute):
             raise SGPUConfigError("store", repr(store), f"the EC2 compute's own store {self.store.root_uri} (its "
                                   "nodes only reach that one): leave store unset or pass the same URI")
 
+    def check_secrets(self, secrets: dict[str, str]) -> None:
+        """``secrets=`` reach the nodes as one SSM SecureString holding their JSON (``start`` writes
+        ``json.dumps(launch.secrets)``), and SSM's standard tier refuses a value over 4096 bytes:
+        refused here, before any instance is paid for. Names and sizes only in the message."""
+        import json
+
+        limit = 4096
+        size = len(json.dumps(secrets).encode())
+        if size > limit:
+            sizes = ", ".join(f"{name}: {len(json.dumps(value).encode())}"
+                              for name, value in sorted(secrets.items()))
+            raise SGPUConfigError("secrets", f"{size} bytes as the JSON EC2 nodes read ({sizes})",
+                                  f"at most {limit} bytes in all (one SSM standard-tier parameter per job)",
+                                  "Keep large values (files, certificates) in S3 or a mounted secret "
+                                  "and pass where they are")
+
     def user_data(self, run_id: str, lease: bool = False) -> str:
         return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
                                    endpoint_url=self.endpoint_url, python=self.python,
