@@ -457,7 +457,7 @@ def run_size(aws: Any, proxy: Any, nodes: int, stub: bool, waiter_delay: float, 
         counter = CallCounter(session)  # before any client of this session exists
         compute = EC2InstanceCompute.from_settings(settings, session=session)
         phases = Phases(counter)
-        progress_logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
+        progress_logger = logging.getLogger("prefect_sgpu.compute.remote.nodes")
         progress_logger.addHandler(phases)
         progress_logger.setLevel(logging.INFO)
         try:

@@ -97,7 +97,11 @@ class Attempt:
 
 
 class EC2Provisioner:
-    """Launches, waits for and terminates one run's instances (see the module docstring)."""
+    """Launches, waits for and terminates one run's instances (see the module docstring); the
+    remote-node wing's provider (:class:`prefect_sgpu.compute.remote.nodes.Provider`) on EC2."""
+
+    #: instance states of a machine that will not run a job again
+    dead_states = DEAD_STATES
 
     def __init__(self, settings: EC2Settings, session: Any | None = None,
                  run_tags: dict[str, str] | None = None) -> None:
@@ -133,24 +137,29 @@ class EC2Provisioner:
 
     # -- what the compute, its leases and its sweeper read and delete -----------------
 
-    def instance_states(self, ids: list[str]) -> dict[str, str]:
-        """The state name of each instance id (empty ids skipped). An id EC2 no longer knows is
-        long gone: every id reads ``terminated`` then. Another failure is logged and reads as no
-        states (the caller asks again at its next poll)."""
+    def instance_states(self, ids: list[str], reasons: bool = False) -> dict[str, str]:
+        """The state name of each instance id (empty ids skipped; with ``reasons``, EC2's state
+        reason in brackets). An id EC2 no longer knows is long gone: every id reads ``terminated``
+        then. Another failure is logged and reads as no states (the caller asks again)."""
         states: dict[str, str] = {}
         ids = [i for i in ids if i]
-        if not ids:
-            return states
         try:
-            for page in self.client("ec2").get_paginator("describe_instances").paginate(InstanceIds=ids):
-                for reservation in page.get("Reservations", []):
-                    for inst in reservation.get("Instances", []):
-                        states[inst["InstanceId"]] = inst["State"]["Name"]
+            for page in self.client("ec2").get_paginator("describe_instances").paginate(InstanceIds=ids) \
+                    if ids else ():
+                for inst in (i for r in page.get("Reservations", []) for i in r.get("Instances", [])):
+                    reason = inst.get("StateReason", {}).get("Message", "") if reasons else ""
+                    states[inst["InstanceId"]] = inst["State"]["Name"] + (f" ({reason})" if reason else "")
         except Exception as exc:  # noqa: BLE001 - an unknown id means the instance is long gone
             if aws.error_code(exc).startswith("InvalidInstanceID"):
                 return {i: "terminated" for i in ids}
             logger.warning("describe_instances failed: %s", exc)
         return states
+
+    def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:
+        """An SSM SecureString (under ``kms_key_id`` when set), overwritten if it exists."""
+        extra = {"KeyId": kms_key_id} if kms_key_id else {}
+        self.client("ssm").put_parameter(Name=name, Value=value, Type="SecureString", Overwrite=True,
+                                         Description=description, **extra)
 
     def delete_secret(self, name: str) -> bool:
         """Delete the SSM parameter ``name`` (a job's or a lease's key); False when it was not
@@ -429,7 +438,7 @@ class EC2Provisioner:
                 break
             except WaiterError as exc:
                 if "Max attempts exceeded" not in str(exc):  # a terminal state: not coming up
-                    states = self._states(ids)
+                    states = self.instance_states(ids, reasons=True)
                     raise ProvisioningError(
                         f"run {run_id}: instances stopped before running (spot reclaimed or launch failure): "
                         f"{states}"
@@ -457,15 +466,6 @@ class EC2Provisioner:
                         )
                     )
         return sorted(instances, key=lambda i: (i.launch_index, i.id))
-
-    def _states(self, ids: list[str]) -> dict[str, str]:
-        states = {}
-        for page in self.client("ec2").get_paginator("describe_instances").paginate(InstanceIds=ids):
-            for reservation in page["Reservations"]:
-                for inst in reservation["Instances"]:
-                    reason = inst.get("StateReason", {}).get("Message", "")
-                    states[inst["InstanceId"]] = inst["State"]["Name"] + (f" ({reason})" if reason else "")
-        return states
 
     # -- cleanup -------------------------------------------------------------------
 

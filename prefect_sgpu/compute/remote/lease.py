@@ -1,4 +1,4 @@
-"""Warm EC2 leases: instances kept between jobs of one shape, for the next job to run on.
+"""Warm leases: machines (EC2 instances) kept between jobs of one shape, for the next job to run on.
 
 A cold EC2 job pays for its instances' boot (minutes on a GPU AMI) and terminates them when
 it ends. With ``keep_warm`` the compute instead launches the instances for a *lease*: their
@@ -43,7 +43,7 @@ from prefect_sgpu.launch.warm_pool import Pooled
 from prefect_sgpu.jobfolder import Assign, alive_key, notice_key
 
 if TYPE_CHECKING:
-    from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
+    from prefect_sgpu.compute.remote.nodes import Machine, Provider
     from prefect_sgpu.jobfolder import JobFolder
 
 logger = logging.getLogger("prefect_sgpu.compute.remote.lease")
@@ -64,9 +64,9 @@ class WarmLease(Pooled):
     """One lease: its folder (with the lease key), its instances, and the thread that beats for it."""
 
     folder: "JobFolder"
-    instances: list["Instance"]
-    #: the provisioner of the compute that launched it: instance states, termination, the key
-    provisioner: "EC2Provisioner"
+    instances: list["Machine"]
+    #: the provider of the compute that launched it: machine states, termination, the key
+    provisioner: "Provider"
     #: seconds a node of an idle lease may go without announcing itself
     node_silence_s: float
     #: the last assignment's sequence number
@@ -107,10 +107,8 @@ class WarmLease(Pooled):
     def check(self) -> None:
         """An idle lease's health: every instance running, no reclaim notice, every node announcing
         itself in the lease's folder (one DescribeInstances, one listing)."""
-        from prefect_sgpu.compute.ec2.instances import DEAD_STATES
-
         states = self.provisioner.instance_states([i.id for i in self.instances])
-        dead = {i: s for i, s in states.items() if s in DEAD_STATES}
+        dead = {i: s for i, s in states.items() if s in self.provisioner.dead_states}
         if dead:
             self.mark_unfit(f"instance(s) {dead} are no longer running")
             return

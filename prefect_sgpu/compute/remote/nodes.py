@@ -1,0 +1,533 @@
+"""The driver half of the remote-node protocol: machines of their own, reached only through the store.
+
+A remote-node compute never needs an inbound port on the driver: everything between it and
+the nodes goes through the job's store folder as sealed documents
+(:mod:`prefect_sgpu.jobfolder`). The machines boot the node half
+(:mod:`prefect_sgpu.launch.bootstrap` over a :mod:`~prefect_sgpu.launch.node_host`); each
+node announces itself (a sealed ``alive`` document), the driver writes every node's sealed
+launch document (one object) once all are up, and the nodes run the ordinary node agent
+against a local mirror of the job folder.
+
+:class:`RemoteNodeCompute` is that protocol, whatever the cloud: the job key and ``secrets=``
+put where nodes read them, the waits for nodes, launch documents, polling (statuses, notices,
+silence, machine states), stop, release, warm leases (:mod:`~prefect_sgpu.compute.remote.lease`)
+and their assignments. A cloud brings a :class:`Provider` (machines and secrets) and a
+subclass that plans its requests and launches its machines (:meth:`_provision`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
+
+from prefect_sgpu.compute.base import (
+    MASKED_ENV,
+    AllocatedNode,
+    Allocation,
+    Compute,
+    Event,
+    JobLaunch,
+    NodeExited,
+    NodeLost,
+    NodeNotice,
+    NodeUp,
+    Released,
+    Request,
+)
+from prefect_sgpu.compute.remote.lease import WarmLease
+from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError
+from prefect_sgpu.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
+                                    ssm_secrets_parameter, status_key)
+from prefect_sgpu.launch.warm_pool import POOL, check_keep_warm
+
+if TYPE_CHECKING:
+    from prefect_sgpu.store import Store
+
+logger = logging.getLogger("prefect_sgpu.compute.remote.nodes")
+
+HEARTBEAT_INTERVAL_S = 2.0
+#: seconds the nodes of a warm lease get to take up a job before the lease is given up for new machines
+WARM_TAKEUP_S = 120.0
+
+
+class Machine(Protocol):
+    """One provisioned machine, as the wing needs it."""
+
+    #: the cloud's id of the machine: documents are bound to it, states are read by it
+    id: str
+    #: the address peers reach it at (node 0's is the rendezvous host); from the cloud's API, never a node
+    private_ip: str
+
+
+class Provider(Protocol):
+    """What a cloud gives the remote-node wing besides launching machines (the compute's ``_provision``).
+
+    EC2's is :class:`prefect_sgpu.compute.ec2.instances.EC2Provisioner`.
+    """
+
+    #: the states of a machine that will not run a job again (lost, reclaimed, stopped)
+    dead_states: tuple[str, ...]
+
+    def instance_states(self, ids: list[str]) -> dict[str, str]:
+        """Each machine's state by id. An id the cloud no longer knows reads as a dead state; a
+        failed call is logged and returns what it has (possibly nothing): the caller asks again.
+        Never raises, spends nothing, safe from any thread."""
+
+    def terminate(self, launch_id: str) -> list[str]:
+        """End every machine (and group) launched for ``launch_id`` (a run id or a lease id),
+        whether or not this process launched it. Idempotent; returns what it removed."""
+
+    def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:
+        """Store ``value`` encrypted under ``name`` where the run's nodes (and only they, through
+        the run's identity) read it; overwritten if it exists. Raises on failure."""
+
+    def delete_secret(self, name: str) -> bool:
+        """Delete the secret ``name``; False when it was not there. Never raises (logged)."""
+
+    def cost(self, instances: list[Any], started: float, ended: float) -> dict[str, Any]:
+        """Machine-hours and their price between two wall-clock times (may raise: prices are optional)."""
+
+
+@dataclass(frozen=True)
+class RemoteRequest(Request):
+    """What a remote-node job launches, rendered by ``plan``."""
+
+    #: seconds every node's bootstrap gets to announce itself
+    agent_timeout_s: float = 900.0
+    #: seconds the machines wait for the next job of this shape (0: this job's own, ended after it)
+    keep_warm: float = 0.0
+    #: the lease the machines are launched for when no warm one fits; empty for a cold job
+    lease_id: str = ""
+
+
+@dataclass
+class RemoteAllocation(Allocation):
+    """One job's machines and what the driver tracks about them until release."""
+
+    instances: list[Any] = field(default_factory=list)
+    started: float = 0.0
+    key_parameter: str | None = None
+    #: the secret of the job's ``secrets=``, once written
+    secrets_parameter: str | None = None
+    progress: Any = None
+    announced: set[int] = field(default_factory=set)
+    reported: set[int] = field(default_factory=set)
+    launched: bool = False
+    polled: float = 0.0
+    states_checked: float = 0.0
+    states: dict[str, str] = field(default_factory=dict)
+    alive_version: dict[int, str | None] = field(default_factory=dict)
+    alive_changed: dict[int, float] = field(default_factory=dict)
+    noticed: set[int] = field(default_factory=set)
+    outcome: Released | None = None
+    #: the warm lease this job runs on (None: a cold job, its machines its own)
+    lease: WarmLease | None = None
+    #: a node was lost or received a reclaim notice: its lease serves no other job
+    lost: bool = False
+    #: release gave the lease back to the pool (its machines wait for the next job)
+    kept: bool = False
+
+    def instance_id(self, node: int) -> str:
+        return self.instances[node].id
+
+
+class Progress:
+    """requested -> running -> agent up -> rendezvous, as log lines of the library: on the terminal,
+    in the Prefect run's logs and on the job's live status line (:mod:`prefect_sgpu.live`)."""
+
+    def __init__(self, label: str, run_id: str) -> None:
+        self.label, self.run_id = label, run_id
+
+    def __call__(self, phase: str, detail: str = "") -> None:
+        logger.info(f"[{self.label} {self.run_id}] {phase}" + (f": {detail}" if detail else ""))
+
+
+class RemoteNodeCompute(Compute):
+    """The remote-node protocol over a store; a cloud subclasses it (see the module docstring).
+
+    A subclass implements ``plan`` (a :class:`RemoteRequest`), :meth:`_provision` and
+    :meth:`_lease_key`; the other hooks have defaults.
+    """
+
+    remote = True
+    runs_node_agents = True
+    #: machine states are read every 5 s: a peer's failure waits that long for the loss behind it
+    loss_grace_s = 8.0
+
+    def __init__(self, provisioner: Provider, store: "Store", *, agent_timeout_s: float = 900.0,
+                 rendezvous_port: int = 29400, poll_interval_s: float = 1.0, node_silence_s: float = 120.0,
+                 keep_warm: float = 0.0, kms_key_id: str | None = None) -> None:
+        """``keep_warm``: seconds a job's machines wait for the next job of the same shape (a warm
+        lease, :mod:`~prefect_sgpu.compute.remote.lease`); 0 ends them after every job.
+        ``node_silence_s``: a node that announces nothing for that long is lost."""
+        self.provisioner = provisioner
+        self.store = store
+        self.agent_timeout_s = agent_timeout_s
+        self.rendezvous_port = rendezvous_port
+        self.poll_interval_s = poll_interval_s
+        self.node_silence_s = node_silence_s
+        self.keep_warm = check_keep_warm("keep_warm", keep_warm, "every job ends its machines")
+        self.kms_key_id = kms_key_id
+        self._lock = threading.RLock()
+
+    # -- what a cloud provides --------------------------------------------------------
+
+    def _provision(self, allocation: RemoteAllocation, launch_id: str, deadline: float,
+                   cancel: threading.Event) -> list[Machine]:
+        """The request's machines, launched for ``launch_id`` (the run id, or its lease's) and
+        running, in node order; a deadline reached while they start is ``LaunchTimeout``; once
+        ``cancel`` is set, ``JobCancelled``. What it launched is ended by ``provisioner.terminate``."""
+        raise NotImplementedError
+
+    def _lease_key(self, request: RemoteRequest) -> tuple[Any, ...]:
+        """Jobs whose keys are equal may share a warm lease."""
+        raise NotImplementedError
+
+    def _sweep(self, request: RemoteRequest) -> None:
+        """Remove what dead drivers of this store left, before launching; never fails the job."""
+
+    def _prepare(self, allocation: RemoteAllocation) -> None:
+        """A cold job's own cloud resources besides machines (say, an identity), before they launch;
+        recorded on the allocation first, so that :meth:`_cleanup` removes even a half-made one."""
+
+    def _cleanup(self, allocation: RemoteAllocation) -> list[str]:
+        """Remove what :meth:`_prepare` made, after the machines; never raises. What it removed."""
+        return []
+
+    def _launch_env(self, allocation: RemoteAllocation) -> dict[str, str]:
+        """Environment every rank gets on this cloud besides the job's (how ranks reach the store)."""
+        return {}
+
+    def _describe(self, machine: Any) -> str:
+        return f"{machine.id} ({machine.private_ip})"
+
+    # -- spending -------------------------------------------------------------------
+
+    def acquire(self, request: Request, folder: "JobFolder", deadline: float,
+                cancel: threading.Event) -> RemoteAllocation:
+        assert isinstance(request, RemoteRequest)
+        allocation = self._new_allocation(request, folder)
+        allocation.progress("requested", self._requested_text(request))
+        if request.keep_warm > 0:
+            return self._acquire_warm(allocation, deadline, cancel)
+        try:
+            with self._driver_heartbeat(folder):  # nodes must not think the driver died while we wait
+                self._sweep(request)
+                self._put_key(allocation)  # before any machine exists: nodes verify from their first read
+                self._prepare(allocation)
+                allocation.instances = self._provision(allocation, request.run_id, deadline, cancel)
+                allocation.progress("running", ", ".join(self._describe(m) for m in allocation.instances))
+                self._wait_for_agents(allocation, deadline, cancel)
+        except BaseException:
+            self._give_back(allocation)
+            raise
+        return allocation
+
+    def _new_allocation(self, request: RemoteRequest, folder: "JobFolder") -> RemoteAllocation:
+        return RemoteAllocation(request=request, folder=folder, nodes=[], started=time.time(),
+                                progress=Progress(self.name, request.run_id))
+
+    def _requested_text(self, request: RemoteRequest) -> str:
+        return f"{request.plan.nodes} node(s)"
+
+    # -- warm leases ------------------------------------------------------------------
+
+    def _acquire_warm(self, allocation: RemoteAllocation, deadline: float,
+                      cancel: threading.Event) -> RemoteAllocation:
+        """An idle warm lease of this job's shape, or a new one; either way the job is assigned to its
+        nodes and acquire returns once every node announced itself in the job's folder."""
+        request = allocation.request
+        assert isinstance(request, RemoteRequest)
+        progress = allocation.progress
+        try:
+            with self._driver_heartbeat(allocation.folder):
+                self._put_key(allocation)  # before the assignment: the nodes read it once assigned
+                lease = POOL.take(self._lease_key(request), owner=id(self))
+                if lease is not None:
+                    allocation.lease = lease
+                    progress("warm", f"lease {lease.lease_id}: {len(lease.instances)} machine(s) kept from "
+                                     f"an earlier job ({lease.jobs} so far)")
+                    try:
+                        self._assign(allocation, deadline, cancel, timeout=min(self.agent_timeout_s, WARM_TAKEUP_S))
+                        return allocation
+                    except (LaunchTimeout, ProvisioningError) as exc:
+                        if cancel.is_set() or time.monotonic() >= deadline:
+                            raise
+                        logger.warning("job %s: warm lease %s did not take the job up (%s); launching new "
+                                       "machines", allocation.run_id, lease.lease_id, exc)
+                        allocation.lease = None
+                        POOL.discard(lease)
+                self._sweep(request)
+                self._new_lease(allocation, deadline, cancel)
+                self._assign(allocation, deadline, cancel)
+        except BaseException:
+            self._give_back(allocation)
+            raise
+        return allocation
+
+    def _new_lease(self, allocation: RemoteAllocation, deadline: float, cancel: threading.Event) -> WarmLease:
+        """Machines for a new lease (its key written and its heartbeat beating before they exist)."""
+        request = allocation.request
+        assert isinstance(request, RemoteRequest)
+        lease = WarmLease(key=self._lease_key(request), folder=JobFolder(self.store, request.lease_id, new_key()),
+                          instances=[], provisioner=self.provisioner, node_silence_s=self.node_silence_s)
+        allocation.lease = lease
+        POOL.add(lease, owner=id(self))
+        self._put_secret(lease, ssm_key_parameter(lease.lease_id), lease.folder.key,
+                         "prefect-sgpu key of one warm lease (deleted when the lease ends)", "key_parameter")
+        lease.start_beating()
+        lease.instances = self._provision(allocation, lease.lease_id, deadline, cancel)
+        allocation.progress("running", f"lease {lease.lease_id}: " +
+                            ", ".join(self._describe(m) for m in lease.instances))
+        return lease
+
+    def _assign(self, allocation: RemoteAllocation, deadline: float, cancel: threading.Event,
+                timeout: float | None = None) -> None:
+        """The lease's nodes serve this job next: one sealed assignment each, then their alive documents
+        in the job's folder."""
+        lease = allocation.lease
+        assert lease is not None
+        allocation.instances = list(lease.instances)
+        seq = lease.assign(allocation.run_id)
+        logger.debug("job %s: assignment %d of lease %s written", allocation.run_id, seq, lease.lease_id)
+        self._wait_for_agents(allocation, deadline, cancel, timeout)
+
+    def close(self) -> None:
+        """End the idle warm leases this compute used last (a task runner does at flow end);
+        ones in a job end when it gives them back."""
+        POOL.close(owner=id(self))
+
+    # -- nodes up -----------------------------------------------------------------------
+
+    def _wait_for_agents(self, allocation: RemoteAllocation, deadline: float, cancel: threading.Event,
+                         timeout: float | None = None) -> None:
+        """Every node's bootstrap has announced itself (a sealed alive document of its machine).
+
+        Ends at the job's deadline or after ``agent_timeout_s``, whichever is first
+        (``LaunchTimeout``, phase "agent start"). An alive document that is not sealed
+        by this job for this node and machine is refused (logged) and waited past.
+        """
+        run_id, instances = allocation.run_id, allocation.instances
+        if len(instances) != allocation.plan.nodes:
+            raise ProvisioningError(f"job {run_id}: asked for {allocation.plan.nodes} machine(s), "
+                                    f"got {len(instances)}")
+        own_timeout = self.agent_timeout_s if timeout is None else timeout
+        own_limit = time.monotonic() + own_timeout
+        limit = min(deadline, own_limit)
+        up: set[int] = set()
+        last_state_check = 0.0
+        while True:
+            listed = allocation.folder.node_documents()  # one listing a pass; a read only for what appeared
+            for index, inst in enumerate(instances):
+                if index not in up and alive_key(index) in listed and \
+                        allocation.folder.alive(index, instance_id=inst.id) is not None:
+                    up.add(index)
+                    allocation.progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})")
+            if len(up) == len(instances):
+                break
+            if cancel.is_set():
+                raise JobCancelled(f"job {run_id} was cancelled while its nodes booted; they are terminated")
+            now = time.monotonic()
+            if now > limit:
+                missing = [instances[i].id for i in range(len(instances)) if i not in up]
+                waited = allocation.request.spec.timeout if deadline <= own_limit else own_timeout
+                logger.error("job %s: no node agent on %s after %gs", run_id, missing, waited)
+                raise LaunchTimeout(run_id, waited, phase="agent start")
+            if now - last_state_check > 5.0:
+                last_state_check = now
+                dead = {k: v for k, v in self.provisioner.instance_states([i.id for i in instances]).items()
+                        if v in self.provisioner.dead_states}
+                if dead:
+                    raise ProvisioningError(f"job {run_id}: machine(s) {dead} went away while booting")
+            cancel.wait(0.5)
+        # addresses from the cloud's API (the provisioner), never from what a node wrote
+        allocation.nodes = [AllocatedNode(index=i, address=inst.private_ip, host=inst.id, instance_id=inst.id)
+                            for i, inst in enumerate(instances)]
+
+    def rendezvous_endpoint(self, allocation: Allocation) -> str:
+        """Node 0's private address (from the cloud) and the configured port: no port can be probed remotely."""
+        endpoint = f"{allocation.nodes[0].address}:{self.rendezvous_port}"
+        if isinstance(allocation, RemoteAllocation) and allocation.progress:
+            allocation.progress("rendezvous", f"c10d on node 0 at {endpoint}")
+        return endpoint
+
+    # -- running ------------------------------------------------------------------------
+
+    def start(self, allocation: Allocation, launch: JobLaunch) -> None:
+        """One sealed launch document per node, bound to its index and its machine, all in one write."""
+        assert isinstance(allocation, RemoteAllocation)
+        env = {k: v for k, v in launch.env.items() if k not in MASKED_ENV}  # the key travels as a secret only
+        env.update(self._launch_env(allocation))
+        if launch.secrets:  # encrypted beside the key; the documents only say they exist
+            self._put_secret(allocation, ssm_secrets_parameter(allocation.run_id), json.dumps(launch.secrets),
+                             "prefect-sgpu secrets= of one job (deleted when the job ends)", "secrets_parameter")
+        allocation.folder.put_launches({
+            command.node: (LaunchDocument(argv=list(command.argv), env=env, secrets=bool(launch.secrets)),
+                           allocation.instance_id(command.node))
+            for command in launch.commands})
+        allocation.launched = True
+
+    def _put_key(self, allocation: RemoteAllocation) -> None:
+        self._put_secret(allocation, ssm_key_parameter(allocation.run_id), allocation.folder.key,
+                         "prefect-sgpu job key of one job (deleted when the job ends)", "key_parameter")
+
+    def _put_secret(self, owner: Any, name: str, value: str, description: str, field: str) -> None:
+        """A secret, recorded on its owner (the allocation, or a lease) *before* the put, so that
+        even a failed put is cleaned up by release or close."""
+        setattr(owner, field, name)
+        self.provisioner.put_secret(name, value, description, self.kms_key_id)
+
+    def poll(self, allocation: Allocation) -> list[Event]:
+        """Sealed node statuses; a node whose machine died or went silent is lost."""
+        assert isinstance(allocation, RemoteAllocation)
+        now = time.monotonic()
+        events: list[Event] = []
+        for node in allocation.nodes:
+            if node.index not in allocation.announced:
+                allocation.announced.add(node.index)
+                events.append(NodeUp(node.index, f"{node.instance_id} ({node.address})"))
+        if now - allocation.polled < self.poll_interval_s:
+            return events
+        allocation.polled = now
+        pending = [n for n in allocation.nodes if n.index not in allocation.reported]
+        if now - allocation.states_checked > max(5.0, self.poll_interval_s):
+            allocation.states_checked = now
+            allocation.states = self.provisioner.instance_states([n.instance_id or "" for n in allocation.nodes])
+        # one listing a pass for every node: statuses and notices are read only once they appear,
+        # and a node is alive while its alive document's version keeps changing (no read at all)
+        listed = allocation.folder.node_documents() if pending else {}
+        for node in pending:
+            iid = node.instance_id or ""
+            status = allocation.folder.status(node.index, instance_id=iid) if status_key(node.index) in listed else None
+            if status is not None:
+                allocation.reported.add(node.index)
+                events.append(NodeExited(node.index, status.exit_code, status))
+                continue
+            state = allocation.states.get(iid)
+            if state in self.provisioner.dead_states:
+                allocation.reported.add(node.index)
+                allocation.lost = True
+                events.append(NodeLost(node.index, f"instance {iid} is {state} (lost or reclaimed) before "
+                                                   "its ranks finished"))
+                continue
+            if node.index not in allocation.noticed and notice_key(node.index) in listed:
+                notice = allocation.folder.notice(node.index, instance_id=iid)
+                if notice is not None:
+                    allocation.noticed.add(node.index)
+                    allocation.lost = True
+                    events.append(NodeNotice(node.index, f"{iid}: {notice.text}"))
+            version = listed.get(alive_key(node.index))
+            if version != allocation.alive_version.get(node.index) or node.index not in allocation.alive_changed:
+                allocation.alive_version[node.index], allocation.alive_changed[node.index] = version, now
+            elif now - allocation.alive_changed[node.index] > self.node_silence_s:
+                allocation.reported.add(node.index)
+                allocation.lost = True
+                events.append(NodeLost(node.index, f"node {node.index} ({iid}) has not reported for "
+                                                   f"{self.node_silence_s:g}s"))
+        return events
+
+    def stop(self, allocation: Allocation, grace: float = 10.0) -> None:
+        """Write the sealed stop document; wait (grace + sync time) for every live node to report."""
+        assert isinstance(allocation, RemoteAllocation)
+        folder = allocation.folder
+
+        def pending(nodes: list[AllocatedNode]) -> list[AllocatedNode]:  # one listing, reads for what appeared
+            listed = folder.node_documents()
+            return [n for n in nodes if status_key(n.index) not in listed
+                    or folder.status(n.index, instance_id=n.instance_id) is None]
+
+        if not allocation.launched:
+            return
+        left = pending(allocation.nodes)
+        if not left:
+            allocation.reported |= {n.index for n in allocation.nodes}
+            return
+        folder.put_stop(grace, reason="stopped by the driver")
+        deadline = time.monotonic() + grace + 10.0
+        while left and time.monotonic() < deadline:
+            time.sleep(0.5)
+            states = self.provisioner.instance_states([n.instance_id or "" for n in left])
+            dead = {n.index for n in left if states.get(n.instance_id or "") in self.provisioner.dead_states}
+            allocation.lost = allocation.lost or bool(dead)
+            left = [n for n in pending(left) if n.index not in dead]
+        # every node that reported (a warm lease needs all of them to serve another job)
+        allocation.reported |= {n.index for n in allocation.nodes} - {n.index for n in left}
+
+    # -- giving back --------------------------------------------------------------------
+
+    def release(self, allocation: Allocation) -> Released:
+        """End the machines and delete the job's secrets; the second call returns the first's result."""
+        assert isinstance(allocation, RemoteAllocation)
+        with self._lock:
+            if allocation.outcome is not None:
+                return allocation.outcome
+            allocation.released = True
+        released = self._give_back(allocation)
+        cost = None
+        try:
+            cost = self.provisioner.cost(allocation.instances, allocation.started, time.time())
+        except Exception:  # noqa: BLE001 - a missing price must not hide the job's outcome
+            logger.warning("could not estimate the cost of job %s", allocation.run_id, exc_info=True)
+        released.cost = cost
+        if allocation.progress:
+            allocation.progress("kept warm" if allocation.kept else "terminated", cost_text(cost))
+        allocation.outcome = released
+        return released
+
+    def _give_back(self, allocation: RemoteAllocation) -> Released:
+        """Everything acquire took (machines, the job's secrets, what ``_prepare`` made), on every
+        path. A warm lease goes back to the pool only after a job every node of which reported its end."""
+        gone: list[str] = []
+        try:
+            lease, allocation.lease = allocation.lease, None
+            if lease is None:
+                gone += self.provisioner.terminate(allocation.run_id)
+            elif (allocation.launched and not allocation.lost and lease.healthy()
+                  and allocation.reported >= {n.index for n in allocation.nodes}):
+                POOL.give_back(lease, self.keep_warm)
+                allocation.kept = True
+            else:
+                lease.mark_unfit("its last job did not end cleanly on every node")
+                POOL.discard(lease)
+                gone += [i.id for i in lease.instances]
+        finally:
+            for name in (allocation.key_parameter, allocation.secrets_parameter):
+                if name and self.provisioner.delete_secret(name):
+                    gone.append(f"SSM parameter {name}")
+            gone += self._cleanup(allocation)  # after the machines: their nodes use it until they end
+        return Released(gone=gone)
+
+    @contextmanager
+    def _driver_heartbeat(self, folder: "JobFolder") -> Iterator[None]:
+        """Keep the driver's sealed heartbeat fresh while acquire blocks (the driver beats afterwards)."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(HEARTBEAT_INTERVAL_S):
+                try:
+                    folder.beat()
+                except Exception:  # noqa: BLE001 - the next beat may succeed
+                    logger.debug("heartbeat failed", exc_info=True)
+
+        thread = threading.Thread(target=beat, name=f"sgpu-remote-beat-{folder.run_id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(timeout=5)
+
+
+def cost_text(cost: dict[str, Any] | None) -> str:
+    if not cost:
+        return ""
+    hours = cost.get("instance_hours")
+    usd = cost.get("usd", cost.get("estimated_usd"))
+    if hours is None or usd is None:
+        return str(cost)
+    return f"{hours:.4f} instance-hours, about ${usd:.4f}"
