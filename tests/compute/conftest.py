@@ -10,6 +10,7 @@ from support.conformance import LocalCase, LocalWarmCase
 
 if TYPE_CHECKING:
     from support.conformance_ec2 import EC2Case, EC2Env, EC2WarmCase
+    from support.conformance_fake import FakeCase, FakeWarmCase
     from support.conformance_ray import RayCase
 
 @pytest.fixture
@@ -53,6 +54,31 @@ def ray_warm_case(ray_address: str) -> "Iterator[RayCase]":
     case = RayWarmCase(ray_address)
     yield case
     RAY_POOL.close(owner=id(case.compute))
+
+
+@pytest.fixture
+def fake_case(tmp_path: Any) -> "Iterator[FakeCase]":
+    """The fake cloud: the remote-node wing with local processes for machines and no AWS."""
+    from support.aws_fixtures import free_port
+    from support.conformance_fake import FakeCase
+
+    case = FakeCase(tmp_path, free_port())
+    try:
+        yield case
+    finally:
+        case.close()
+
+
+@pytest.fixture
+def fake_warm_case(tmp_path: Any) -> "Iterator[FakeWarmCase]":
+    from support.aws_fixtures import free_port
+    from support.conformance_fake import FakeWarmCase
+
+    case = FakeWarmCase(tmp_path, free_port())
+    try:
+        yield case
+    finally:
+        case.close()
 
 
 @pytest.fixture

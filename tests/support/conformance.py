@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator, Protocol
 from support.processes import job_processes
 
 #: the computes the suite runs against (fixtures ``<name>_case`` in tests/compute/conftest.py)
-CASES = ["local", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm"]
+CASES = ["local", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm", "fake", "fake_warm"]
 #: those whose acquire can be made to wait (timeout and cancel during acquire)
-STALLABLE: list[str] = ["local", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm"]
+STALLABLE: list[str] = ["local", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm", "fake", "fake_warm"]
 
 
 class ComputeCase(Protocol):

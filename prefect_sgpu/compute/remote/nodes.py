@@ -104,6 +104,10 @@ class RemoteRequest(Request):
     #: the lease the machines are launched for when no warm one fits; empty for a cold job
     lease_id: str = ""
 
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "agent_timeout_s": self.agent_timeout_s,
+                **({"keep_warm": self.keep_warm, "lease": self.lease_id} if self.lease_id else {})}
+
 
 @dataclass
 class RemoteAllocation(Allocation):

@@ -1,0 +1,97 @@
+"""The fake cloud's node host, and the program its machines boot.
+
+A fake machine is a local process (in a PID namespace of its own where the kernel allows, so
+that ending it ends everything it started, as terminating a VM does). It runs the real node
+half, :class:`prefect_sgpu.launch.bootstrap.NodeBootstrap`, over a local job store; what the
+bootstrap asks of the cloud goes through :class:`FakeNodeHost`: its identity from the command
+line, secrets from files the provider writes, reclaim notices from a file the test writes, and
+terminate or power-off by killing its own machine.
+
+Run as ``python -m support.fake_node_host --store DIR --run-id ID --machine-id M --index I
+--address A --secrets DIR --node-dir DIR [--lease]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import urllib.parse
+from pathlib import Path
+
+from prefect_sgpu.launch.node_host import NodeIdentity
+
+
+def secret_path(folder: Path, name: str) -> Path:
+    """Where the fake cloud keeps secret ``name``: one file, named by the quoted name."""
+    return folder / urllib.parse.quote(name, safe="")
+
+
+class FakeNodeHost:
+    """The fake cloud as one node sees it (the guarantees of :mod:`prefect_sgpu.launch.node_host`)."""
+
+    def __init__(self, identity: NodeIdentity, secrets: Path, machine_dir: Path) -> None:
+        self._identity = identity
+        self.secrets = secrets
+        self.machine_dir = machine_dir
+
+    def identity(self) -> NodeIdentity:
+        return self._identity
+
+    def read_secret(self, name: str) -> str:
+        return secret_path(self.secrets, name).read_text()  # FileNotFoundError until the driver wrote it
+
+    def delete_secret(self, name: str) -> None:
+        secret_path(self.secrets, name).unlink(missing_ok=True)
+
+    def reclaim_notice(self) -> str | None:
+        notice = self.machine_dir / "notice"
+        return notice.read_text() if notice.exists() else None
+
+    def terminate(self, identity: NodeIdentity) -> None:
+        (self.machine_dir / "terminated").write_text("terminated through the API\n")
+        self._end()
+
+    def power_off(self, reason: str) -> int:
+        (self.machine_dir / "terminated").write_text(f"powered off: {reason}\n")
+        self._end()
+        return 1
+
+    def error_text(self, exc: BaseException) -> str:
+        return type(exc).__name__
+
+    @staticmethod
+    def _end() -> None:
+        """Every process of this machine dies at once: its PID namespace's init, or its session."""
+        if os.getpid() != 1 and os.environ.get("SGPU_FAKE_NAMESPACE") == "1":
+            os.kill(1, signal.SIGKILL)  # PID 1 of the machine's namespace: the kernel kills the rest
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from prefect_sgpu.launch.bootstrap import NodeBootstrap
+    from prefect_sgpu.store import LocalStore
+
+    p = argparse.ArgumentParser()
+    for name in ("--store", "--run-id", "--machine-id", "--address", "--secrets", "--node-dir", "--machine-dir"):
+        p.add_argument(name, required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--heartbeat-ttl", type=float, default=30.0)
+    p.add_argument("--lease", action="store_true")
+    args = p.parse_args(argv)
+    identity = NodeIdentity(args.machine_id, args.index, args.address)
+    host = FakeNodeHost(identity, Path(args.secrets), Path(args.machine_dir))
+    node = NodeBootstrap(LocalStore(args.store), args.run_id, identity, Path(args.node_dir), args.heartbeat_ttl,
+                         interval=0.5, lease=args.lease, host=host)
+    try:
+        return node.run()
+    except Exception as exc:  # noqa: BLE001 - as the real bootstrap: report, then end the machine
+        code = node.crashed(exc)
+        if not node.terminated:
+            return host.power_off("termination through the API failed")
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""A fake cloud for the remote-node wing: its machines are local processes, and no AWS is involved.
+
+:class:`FakeProvider` implements :class:`prefect_sgpu.compute.remote.nodes.Provider` (machine
+states, terminate, secrets, cost); :class:`FakeCompute` is the whole of a cloud's compute on
+top of :class:`~prefect_sgpu.compute.remote.nodes.RemoteNodeCompute`: it plans a request and
+boots machines. Each machine runs :mod:`support.fake_node_host` (the real node bootstrap over
+a local job store). With :class:`support.fake_node_host.FakeNodeHost` and the conformance case
+in :mod:`support.conformance_fake`, this is what adding a cloud takes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from support.fake_node_host import secret_path
+
+from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
+from prefect_sgpu.errors import JobCancelled, LaunchTimeout
+from prefect_sgpu.spec import JobSpec, plan_remote
+from prefect_sgpu.store import LocalStore
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TESTS = REPO_ROOT / "tests"
+
+
+@dataclass
+class FakeMachine:
+    id: str
+    private_ip: str
+    launch_id: str
+    index: int
+    proc: subprocess.Popen[bytes]
+    home: Path
+
+
+def _pid_namespaces() -> bool:
+    unshare = shutil.which("unshare")
+    if not unshare or os.geteuid() != 0:
+        return False
+    probe = [unshare, "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc", "--", "true"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@dataclass
+class FakeProvider:
+    """Machines are processes under ``workdir``; secrets are files in ``workdir/secrets`` (0600)."""
+
+    workdir: Path
+    store_root: Path
+    heartbeat_ttl_s: float
+    #: False: machines start but never boot the node half (a stalled acquire)
+    boot: bool = True
+    machines: dict[str, FakeMachine] = field(default_factory=dict)
+    #: what each provision was asked for: (launch id, nodes)
+    sent: list[tuple[str, int]] = field(default_factory=list)
+    dead_states: tuple[str, ...] = ("terminated",)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        # each machine its own loopback address (all of 127.0.0.0/8 is local on Linux), as each VM
+        # has its own: node 0 hosts the rendezvous on its address, and only node 0 may take it
+        octet = 64 + int.from_bytes(os.urandom(1), "big") % 128
+        self.addresses = (f"127.{octet}.{n // 250}.{n % 250 + 2}" for n in itertools.count())
+        self.secrets = self.workdir / "secrets"
+        self.secrets.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.namespaces = _pid_namespaces()
+
+    def provision(self, launch_id: str, nodes: int, lease: bool, cancel: threading.Event) -> list[FakeMachine]:
+        self.sent.append((launch_id, nodes))
+        booted = []
+        for index in range(nodes):
+            if cancel.is_set():
+                raise JobCancelled(f"{launch_id} was cancelled while its machines started")
+            booted.append(self._boot(launch_id, index, lease))
+        return booted
+
+    def _boot(self, launch_id: str, index: int, lease: bool) -> FakeMachine:
+        machine_id, address = f"fake-{uuid.uuid4().hex[:12]}", next(self.addresses)
+        home = self.workdir / machine_id
+        home.mkdir(parents=True)
+        argv = [sys.executable, "-m", "support.fake_node_host", f"--store={self.store_root}",
+                f"--run-id={launch_id}", f"--machine-id={machine_id}", f"--index={index}", f"--address={address}",
+                f"--secrets={self.secrets}", f"--node-dir={home / 'jobs'}", f"--machine-dir={home}",
+                f"--heartbeat-ttl={self.heartbeat_ttl_s:g}", *(["--lease"] if lease else [])]
+        if not self.boot:
+            argv = [sys.executable, "-c", "import time; time.sleep(3600)"]  # up, but never announces itself
+        env = {
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+            "PYTHONPATH": f"{REPO_ROOT}:{TESTS}",
+            "HOME": str(home), "LANG": "C.UTF-8",
+            "PREFECT_SGPU_HOME": str(home / "sgpu-home"),
+            "SGPU_DEVICE": "cpu", "PREFECT_SGPU_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+        if os.environ.get("TORCH_EXTENSIONS_DIR"):
+            env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+        if self.namespaces:
+            env["SGPU_FAKE_NAMESPACE"] = "1"
+            argv = [shutil.which("unshare") or "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
+                    "--mount-proc", "--", *argv]
+        with open(home / "console.log", "ab") as out:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=home)
+        machine = FakeMachine(machine_id, address, launch_id, index, proc, home)
+        with self._lock:
+            self.machines[machine_id] = machine
+        return machine
+
+    # -- the Provider protocol ----------------------------------------------------------
+
+    def instance_states(self, ids: list[str]) -> dict[str, str]:
+        states = {}
+        for machine_id in (i for i in ids if i):
+            machine = self.machines.get(machine_id)
+            states[machine_id] = "running" if machine is not None and machine.proc.poll() is None else "terminated"
+        return states
+
+    def terminate(self, launch_id: str) -> list[str]:
+        gone = []
+        for machine in [m for m in list(self.machines.values()) if m.launch_id == launch_id]:
+            if machine.proc.poll() is None:
+                try:
+                    os.killpg(machine.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                gone.append(machine.id)
+            machine.proc.wait(timeout=30)
+        return gone
+
+    def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:
+        path = secret_path(self.secrets, name)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(value)
+        os.replace(tmp, path)
+
+    def delete_secret(self, name: str) -> bool:
+        path = secret_path(self.secrets, name)
+        existed = path.exists()
+        path.unlink(missing_ok=True)
+        return existed
+
+    def cost(self, instances: list[Any], started: float, ended: float) -> dict[str, Any]:
+        hours = len(instances) * max(0.0, ended - started) / 3600
+        return {"instance_hours": round(hours, 6), "usd": 0.0}
+
+    def close(self) -> None:
+        for launch_id in {m.launch_id for m in self.machines.values()}:
+            self.terminate(launch_id)
+
+
+class FakeCompute(RemoteNodeCompute):
+    """The fake cloud's compute: a local job store the machines share, machines from :class:`FakeProvider`."""
+
+    name = "fake"
+
+    def __init__(self, provider: FakeProvider, *, rendezvous_port: int, keep_warm: float = 0.0,
+                 agent_timeout_s: float = 90.0) -> None:
+        super().__init__(provider, LocalStore(provider.store_root), agent_timeout_s=agent_timeout_s,
+                         rendezvous_port=rendezvous_port, poll_interval_s=0.2, node_silence_s=30.0,
+                         keep_warm=keep_warm)
+        self.heartbeat_ttl_s = provider.heartbeat_ttl_s
+        #: per run, each node's launch document as the nodes read it from the store (sealed, verified)
+        self.sent_launches: dict[str, dict[int, list[str]]] = {}
+
+    def start(self, allocation: Any, launch: Any) -> None:
+        super().start(allocation, launch)
+        read = {n.index: allocation.folder.launch(n.index, instance_id=n.instance_id) for n in allocation.nodes}
+        self.sent_launches[allocation.run_id] = {i: list(doc.argv) for i, doc in read.items() if doc is not None}
+
+    def default_store(self) -> LocalStore:
+        return self.store
+
+    def plan(self, spec: JobSpec, run_id: str) -> RemoteRequest:
+        from prefect_sgpu.compute.remote.lease import lease_id
+
+        return RemoteRequest(run_id=run_id, compute=self.name, plan=plan_remote(spec), spec=spec,
+                             heartbeat_ttl_s=self.heartbeat_ttl_s, agent_timeout_s=self.agent_timeout_s,
+                             keep_warm=self.keep_warm, lease_id=lease_id(run_id) if self.keep_warm > 0 else "")
+
+    def replan(self, request: Any, gang: int) -> RemoteRequest:
+        from dataclasses import replace
+
+        from prefect_sgpu.compute.remote.lease import lease_id
+
+        return replace(request, lease_id=lease_id(request.run_id, gang)) if request.lease_id else request
+
+    def _provision(self, allocation: RemoteAllocation, launch_id: str, deadline: float,
+                   cancel: threading.Event) -> list[Any]:
+        request = allocation.request
+        if time.monotonic() >= deadline:
+            raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning")
+        return self.provisioner.provision(launch_id, request.plan.nodes, bool(request.lease_id), cancel)
+
+    def _lease_key(self, request: Any) -> tuple[Any, ...]:
+        return ("fake", str(self.store.root_uri), request.plan.nodes, request.plan.procs_per_node)
