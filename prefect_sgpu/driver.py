@@ -215,7 +215,8 @@ class Job:
         }
         commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
                     for i, address in enumerate(addresses)]
-        return JobLaunch(env=env, commands=commands, rendezvous=endpoint, secrets=self.secret_values())
+        return JobLaunch(env=env, commands=commands, rendezvous=endpoint,
+                         secrets={**self.secret_values(), **self._checkpoint_key()})
 
     def secret_values(self) -> dict[str, str]:
         """The ``secrets=`` of the spec, read from their Prefect Secret blocks once (in memory only);
@@ -258,6 +259,17 @@ class Job:
         if URI_ENV in self.spec.env or DIR_ENV in self.spec.env:
             return {}
         return {URI_ENV: self.store.uri(self.run_id, "checkpoints")}
+
+    def _checkpoint_key(self) -> dict[str, str]:
+        """The checkpoint location's key, for the ranks: it travels as ``secrets=`` do (never in the store)
+        and, derived from the driver's checkpoint secret per location, is the same for every retry of a
+        task (:mod:`prefect_sgpu.checkpoint_manifest`)."""
+        from prefect_sgpu.checkpoint_manifest import KEY_ENV, location_key
+        from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV
+
+        env = {**self._checkpoint_env(), **self.spec.env}
+        uri = env.get(URI_ENV) or env.get(DIR_ENV)
+        return {KEY_ENV: location_key(uri)} if uri else {}
 
     def dry_run(self) -> dict[str, Any]:
         """The request and each node's command, without starting anything."""
@@ -374,7 +386,7 @@ class Job:
 
     def _checkpoint_progress(self, gang_started: float) -> tuple[int | None, float | None]:
         """The newest complete checkpoint step and the seconds of work the lost gang did after it."""
-        from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV, Location
+        from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV, Location, step_dir_name
 
         env = {**self._checkpoint_env(), **self.spec.env}
         uri = env.get(URI_ENV) or env.get(DIR_ENV)
@@ -385,7 +397,8 @@ class Job:
             steps = location.complete_steps()
             if not steps:
                 return None, time.monotonic() - gang_started
-            written = json.loads(location.marker(steps[-1]) or b"{}").get("written_at")
+            manifest = location.manifest(step_dir_name(steps[-1]))
+            written = manifest.info.get("written_at") if manifest is not None else None
             return steps[-1], (max(0.0, time.time() - written) if written else None)
         except Exception:  # noqa: BLE001 - a report, not a reason to fail the relaunch
             logger.debug("could not read the checkpoints of job %s", self.run_id, exc_info=True)

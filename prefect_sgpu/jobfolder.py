@@ -36,7 +36,9 @@ Layout of one job (``<store root>/<run_id>/...``)::
     logs/rank-<r>.log           rank r's stdout+stderr (kept after the job)
     logs/gang-<n>/rank-<r>.log  the logs of a gang relaunched after infrastructure loss
     agent/node-<i>.out          node i's agent output
-    checkpoints/step-<n>/...    checkpoints (runtime.checkpoint_uri()), COMPLETE marker last
+    checkpoints/step-<n>/...    checkpoints (runtime.checkpoint_uri()), COMPLETE marker last: a manifest
+                                sealed with the location's key, not the job's
+                                (:mod:`prefect_sgpu.checkpoint_manifest`)
 
 A warm EC2 lease (instances kept between jobs) has a folder of its own, ``<lease id>/``, with
 its own key: the lease's ``heartbeat`` and ``stop``, its nodes' ``alive`` and ``notice`` while
@@ -76,7 +78,8 @@ MAGIC = b"SGPU2\n"
 BUNDLE_MAGIC = b"SGPU2-LAUNCH\n"
 _DIGEST = 32
 
-Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result", "assign"]
+Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result", "assign",
+               "checkpoint"]
 
 # --- keys ------------------------------------------------------------------------------
 

@@ -117,9 +117,7 @@ def checkpoint_dir() -> Path:
     """
     from prefect_sgpu.checkpoints import Location
 
-    path = Location().local
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Location().ensure_local()
 
 
 # --- signals between a rank and its node ------------------------------------------------

@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 
 
 #: never handed to a node: ranks do not need Prefect's API, and must not hold its key
-SECRET_ENV = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_CLOUD_API_KEY")
+SECRET_ENV = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_CLOUD_API_KEY",
+              "SGPU_CHECKPOINT_SECRET")  # the driver's: a rank gets its own location's key only
 #: shown as *** wherever a launch is printed
-MASKED_ENV = ("SGPU_PAYLOAD_KEY",)
+MASKED_ENV = ("SGPU_PAYLOAD_KEY", "SGPU_CHECKPOINT_KEY")
 
 
 @lru_cache(maxsize=1)

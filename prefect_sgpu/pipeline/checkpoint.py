@@ -5,9 +5,14 @@ part — the whole model and optimizer from rank 0 for DDP, one shard per rank f
 (``torch.distributed.checkpoint``) and DeepSpeed ZeRO (``engine.save_checkpoint``) —
 plus its own extra state (step, data-loader position, RNG). Then all ranks meet at a
 barrier and rank 0 writes the ``COMPLETE`` marker, atomically (write to a temporary
-name, then rename). Resume picks the newest folder that has the marker, so a job
-killed while writing never resumes from half a checkpoint. Only the last ``keep``
-complete checkpoints stay.
+name, then rename). The marker carries a manifest of every file of the step (name, size,
+sha256), sealed with the location's key (:mod:`prefect_sgpu.checkpoint_manifest`): the
+key is derived per location from a secret the driver holds, so a Prefect retry of the task
+verifies what earlier attempts wrote, and whoever can only write the location cannot.
+Resume picks the newest folder whose marker is sealed and whose files match it, so a job
+killed while writing never resumes from half a checkpoint, and a forged marker or a
+changed file is refused (logged) and the next older verified step is restored instead
+(or none: a fresh start). Only the last ``keep`` complete checkpoints stay.
 
 The location defaults to ``runtime.checkpoint_uri()``: the job store's checkpoint
 folder, which ``gpu_task`` keys by flow run, task and inputs so a Prefect retry (or a
@@ -24,7 +29,7 @@ so the loop saves at once instead of losing the work since the last regular save
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import pickle
 import random
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefect_sgpu import runtime
+from prefect_sgpu.checkpoint_manifest import FileEntry, check_name
 from prefect_sgpu.checkpoints import MARKER, Location, step_dir_name
 from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
 
@@ -43,12 +49,15 @@ if TYPE_CHECKING:
 __all__ = ["MARKER", "Checkpointer", "complete_steps", "latest_complete_step", "load_model", "save_model",
            "step_dir_name"]
 
+logger = logging.getLogger("prefect_sgpu.checkpoints")
+
 #: the file of a model saved with :func:`save_model`, in its own folder at the checkpoint location
 MODEL_FILE = "model.pt"
 
 
 def complete_steps(folder: str | Path) -> list[int]:
-    """Steps with a complete checkpoint at ``folder`` (a path or an ``s3://`` URI), oldest first."""
+    """Steps with a complete checkpoint at ``folder`` (a path or an ``s3://`` URI), oldest first: their
+    marker is sealed with the location's key (the files are checked when a step is restored)."""
     return Location(folder).complete_steps()
 
 
@@ -253,25 +262,28 @@ def save_model(state_dict: dict[str, Any] | None, name: str = "final") -> str:
     if runtime.is_rank_zero():
         if state_dict is None:
             raise SGPUConfigError("state_dict", None, "rank 0's full state dict (Wrapped.full_state_dict())")
-        folder = location.local / name
+        if "/" in check_name(name, f"{location.uri}/{name}"):
+            raise SGPUConfigError("name", name, "one folder name (no '/')")
+        folder = location.ensure_local() / name
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         _atomic_torch_save(state_dict, folder / MODEL_FILE)
-        location.upload(name)
-        location.put_marker(name, json.dumps({"written_at": time.time()}).encode())  # last: complete
+        files = location.upload(name)  # rank 0 wrote the folder whole: its manifest is this node's
+        location.put_marker(name, {"written_at": time.time()}, files)  # last: complete
     _barrier()
     return f"{location.uri.rstrip('/')}/{name}/{MODEL_FILE}"
 
 
 def load_model(uri: str) -> dict[str, Any]:
-    """A state dict saved by :func:`save_model`, fetched when on S3, loaded with ``weights_only=True``."""
+    """A state dict saved by :func:`save_model`: its folder's sealed manifest checked (the files fetched
+    first when on S3), then loaded with ``weights_only=True``."""
     import torch
 
     folder_uri, _, file_name = uri.rstrip("/").rpartition("/")
     location_uri, _, name = folder_uri.rpartition("/")
     location = Location(location_uri)
-    path = location.fetch(name) / file_name
+    path = location.fetch(name) / check_name(file_name, uri)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -310,9 +322,8 @@ class Checkpointer:
             raise SGPUConfigError("keep", keep, "an integer >= 1 (complete checkpoints to keep)")
         self.wrapped = wrapped
         self.location = Location(folder)
-        #: where this rank reads and writes: the location itself, or this node's stage of it
-        self.folder = self.location.local
-        self.folder.mkdir(parents=True, exist_ok=True)
+        #: where this rank reads and writes: the location itself, or this node's (private) stage of it
+        self.folder = self.location.ensure_local()
         self.every = every
         self.keep = keep
         self.preempted_at: int | None = None
@@ -364,19 +375,38 @@ class Checkpointer:
         state = {"step": step, "extra": extra or {}, "rng": _rng_state()}
         _atomic_torch_save(state, target / f"extra-rank-{runtime.rank():05d}.pt")
         _barrier()  # every rank's part is on its node's disk
-        if self.location.remote and runtime.local_rank() == 0:
-            self.location.upload(name)
-        _barrier()  # ... and, remotely, at the location
+        files = None
+        if self.location.remote:  # each node sends its part; rank 0 seals what they all sent
+            files = self._gather(self.location.upload(name) if runtime.local_rank() == 0 else {})
+        else:
+            _barrier()
         if runtime.is_rank_zero():
             info = {"step": step, "strategy": self.wrapped.strategy, "world_size": runtime.world_size(),
                     "written_at": time.time()}
-            self.location.put_marker(name, json.dumps(info).encode())
+            self.location.put_marker(name, info, files)  # a local folder: rank 0 hashes what all wrote
             self._prune(step)
         if self.location.remote and runtime.local_rank() == 0:
             self.location.prune_stage(keep=name)
         runtime.progress(step)
         _barrier()
         return target
+
+    def _gather(self, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        """Every node's uploaded files, on every rank (collective; also the barrier before the marker)."""
+        if not _dist_ready():
+            return files
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * dist.get_world_size(group=self._flags)
+        dist.all_gather_object(parts, {k: (v.size, v.sha256) for k, v in files.items()}, group=self._flags)
+        merged: dict[str, FileEntry] = {}
+        for part in parts:
+            for rel, (size, sha256) in part.items():
+                entry = FileEntry(size=size, sha256=sha256)
+                if merged.setdefault(rel, entry) != entry:
+                    raise CheckpointRefused(f"checkpoint file {rel} was written differently by two nodes: "
+                                            "the step is not sealed")
+        return merged
 
     def _save_training_state(self, target: Path) -> None:
         w = self.wrapped
@@ -405,21 +435,43 @@ class Checkpointer:
     # --- restoring ---------------------------------------------------------------
 
     def latest(self) -> int | None:
-        """The newest complete step, as rank 0 sees it (the same answer on every rank)."""
-        return _from_rank_zero(latest_complete_step(self.location.uri) if runtime.is_rank_zero() else None)
+        """The newest step whose marker is sealed, as rank 0 sees it (the same answer on every rank)."""
+        steps = self._candidates()
+        return steps[0] if steps else None
+
+    def _candidates(self) -> list[int]:
+        """Steps with a sealed marker, newest first, as rank 0 sees them (the same list on every rank)."""
+        steps = list(reversed(self.location.complete_steps())) if runtime.is_rank_zero() else None
+        return list(_from_rank_zero(steps))
+
+    def _checked(self, step: int) -> bool:
+        """Collective: the step's files are here and match its sealed manifest on every node (fetched
+        into each node's stage when remote; checked in place by rank 0 when local)."""
+        problem: CheckpointRefused | None = None
+        checks = runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
+        if checks:
+            try:
+                self.location.fetch(step_dir_name(step))
+            except CheckpointRefused as exc:
+                problem = exc
+        if problem is not None:
+            logger.warning("%s; restoring an older checkpoint instead (or starting fresh)", problem)
+        return not self._any_rank(problem is not None)
 
     def restore(self) -> tuple[int, dict[str, Any]]:
-        """Load the newest complete checkpoint into the model and optimizer.
+        """Load the newest complete, verified checkpoint into the model and optimizer.
 
         Returns ``(step, extra)``: the step it was saved at and the extra state given to
-        ``save``, or ``(0, {})`` when there is none. RNG states are restored too.
+        ``save``, or ``(0, {})`` when there is none. RNG states are restored too. A step whose
+        marker is not sealed with the location's key, or whose files differ from its sealed
+        manifest, is skipped with a warning, and the next older one is tried.
         """
-        step = self.latest()
-        if step is None:
-            return 0, {}
-        if self.location.remote and runtime.local_rank() == 0:
-            self.location.fetch(step_dir_name(step))  # a new node has nothing staged
-        _barrier()
+        for step in self._candidates():
+            if self._checked(step):
+                return self._restore_step(step)
+        return 0, {}
+
+    def _restore_step(self, step: int) -> tuple[int, dict[str, Any]]:
         source = self.folder / step_dir_name(step)
         self._load_training_state(source)
         own = source / f"extra-rank-{runtime.rank():05d}.pt"

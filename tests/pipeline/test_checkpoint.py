@@ -131,7 +131,11 @@ class _Planted:
         return (open, (str(self.marker), "w"))
 
 
-def test_a_tampered_checkpoint_file_is_refused_and_never_runs(tmp_path: Path) -> None:
+def test_a_tampered_checkpoint_file_is_refused_and_never_runs(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A planted pickle differs from the sealed manifest: the step is skipped. Even sealed (by a key
+    holder), the weights-only loader refuses it before it runs."""
+    from prefect_sgpu.checkpoints import Location
     from prefect_sgpu.errors import CheckpointRefused
 
     w = _wrapped()
@@ -139,13 +143,18 @@ def test_a_tampered_checkpoint_file_is_refused_and_never_runs(tmp_path: Path) ->
     _train_step(w)
     ckpt.save(1, {"note": "fine"})
     marker = tmp_path / "pwned"
+    location = Location(tmp_path / "ckpt")
     for name in ("model.pt", "extra-rank-00000.pt"):
         good = (tmp_path / "ckpt" / "step-00000001" / name).read_bytes()
         torch.save({"model": _Planted(marker)}, tmp_path / "ckpt" / "step-00000001" / name)
+        assert Checkpointer(_wrapped(seed=1), tmp_path / "ckpt", every=1).restore() == (0, {})
+        assert f"{name} differs from its sealed manifest" in caplog.text
+        location.put_marker("step-00000001", {"step": 1})  # sealed over the planted file
         with pytest.raises(CheckpointRefused, match=name):
             Checkpointer(_wrapped(seed=1), tmp_path / "ckpt", every=1).restore()
         assert not marker.exists(), "the planted pickle ran"
         (tmp_path / "ckpt" / "step-00000001" / name).write_bytes(good)
+        location.put_marker("step-00000001", {"step": 1})
     step, extra = Checkpointer(_wrapped(seed=1), tmp_path / "ckpt", every=1).restore()
     assert (step, extra) == (1, {"note": "fine"}), "the untouched checkpoint still restores (RNG states included)"
 

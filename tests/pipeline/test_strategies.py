@@ -139,11 +139,13 @@ def _deepspeed_tamper(folder: str) -> dict[str, Any]:
     import torch
     from torch import nn
 
+    from prefect_sgpu.checkpoints import Location
     from prefect_sgpu.errors import CheckpointRefused
     from prefect_sgpu.pipeline.checkpoint import Checkpointer
     from prefect_sgpu.pipeline.strategies import wrap
 
     marker = Path(folder) / "pwned"
+    location = Location(folder)
 
     class Planted:
         def __reduce__(self) -> tuple:
@@ -166,12 +168,14 @@ def _deepspeed_tamper(folder: str) -> dict[str, Any]:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         good = (step / name).read_bytes()
         torch.save({"module": Planted(), "optimizer_state_dict": Planted()}, step / name)
+        location.put_marker(step.name, {"step": 1})  # sealed over the planted file, as a key holder could
         try:
             Checkpointer(build(), folder, every=1).restore()
             refusals[name] = None
         except CheckpointRefused as exc:
             refusals[name] = str(exc)
         (step / name).write_bytes(good)
+        location.put_marker(step.name, {"step": 1})
     return {"restored": restored, "refusals": refusals, "marker": marker.exists(),
             "again": Checkpointer(build(), folder, every=1).restore()}
 
