@@ -80,12 +80,8 @@ class RankFailedError(SGPUError):
         message: str | None = None,
         node: int | None = None,
     ) -> None:
-        self.rank = rank
-        self.host = host
-        self.exit_code = exit_code
-        self.remote_traceback = remote_traceback
-        self.message = message
-        self.node = node
+        self.rank, self.node, self.host = rank, node, host
+        self.exit_code, self.message, self.remote_traceback = exit_code, message, remote_traceback
         where = f"rank {rank}" if rank is not None else "a rank"
         if node is not None:
             where += f" (node {node})"

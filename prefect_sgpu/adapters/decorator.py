@@ -116,15 +116,19 @@ class DistributedFunction(Generic[P, R]):
         """The job spec a call would run with now (the environment layer included)."""
         return spec_mod.build(self.layer)
 
+    #: what the function is, and what ``.distributed(...)`` does with it, for the error of a plain call
+    _kind = "distributed function"
+
+    def _runs(self) -> str:
+        return f"run it on {self.spec.gpus} rank(s)"
+
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         name = getattr(self.func, "__name__", "function")
-        raise TypeError(
-            f"{name} is a distributed function: call {name}.distributed(...) to run it on "
-            f"{self.spec.gpus} rank(s), or {name}.func(...) to call the plain function here"
-        )
+        raise TypeError(f"{name} is a {self._kind}: call {name}.distributed(...) to {self._runs()}, "
+                        f"or {name}.func(...) to call the plain function here")
 
     def __repr__(self) -> str:
-        return f"<DistributedFunction {getattr(self.func, '__qualname__', self.func)} {self.layer.given()!r}>"
+        return f"<{type(self).__name__} {getattr(self.func, '__qualname__', self.func)} {self.layer.given()!r}>"
 
     def _changed(self, changes: dict[str, Any]) -> tuple[SpecLayer, Any, Any]:
         compute = changes.pop("compute", self.compute)

@@ -83,15 +83,10 @@ class RayLaunchFunction(DistributedFunction[P, R]):
         super().__init__(fn, layer, compute=compute, store=store)
         self.ray_metrics_to_mlflow = bool(ray_metrics_to_mlflow)
 
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        name = getattr(self.func, "__name__", "function")
-        raise TypeError(
-            f"{name} is a @ray_launch function: call {name}.distributed(...) to run it as the driver of a "
-            f"Ray cluster over {self.spec.gpus} GPU(s), or {name}.func(...) to call it here"
-        )
+    _kind = "@ray_launch function"
 
-    def __repr__(self) -> str:
-        return f"<RayLaunchFunction {getattr(self.func, '__qualname__', self.func)} {self.layer.given()!r}>"
+    def _runs(self) -> str:
+        return f"run it as the driver of a Ray cluster over {self.spec.gpus} GPU(s)"
 
     def with_options(self, **changes: Any) -> "RayLaunchFunction[P, R]":
         metrics = changes.pop("ray_metrics_to_mlflow", self.ray_metrics_to_mlflow)

@@ -5,36 +5,11 @@
 - ``ray``: an existing Ray cluster, each job one Ray Train run.
 """
 
-from prefect_sgpu.compute.base import (
-    SECRET_ENV,
-    AllocatedNode,
-    Allocation,
-    Compute,
-    Event,
-    JobLaunch,
-    NodeCommand,
-    NodeExited,
-    NodeLost,
-    NodeNotice,
-    NodeUp,
-    Released,
-    Request,
-    node_base_environment,
-)
+from prefect_sgpu.compute.base import (SECRET_ENV, AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand,
+                                       NodeExited, NodeLost, NodeNotice, NodeUp, Released, Request,
+                                       node_base_environment)
 
 __all__ = [
-    "SECRET_ENV",
-    "AllocatedNode",
-    "Allocation",
-    "Compute",
-    "Event",
-    "JobLaunch",
-    "NodeCommand",
-    "NodeExited",
-    "NodeLost",
-    "NodeNotice",
-    "NodeUp",
-    "Released",
-    "Request",
-    "node_base_environment",
+    "SECRET_ENV", "AllocatedNode", "Allocation", "Compute", "Event", "JobLaunch", "NodeCommand", "NodeExited",
+    "NodeLost", "NodeNotice", "NodeUp", "Released", "Request", "node_base_environment",
 ]

@@ -29,20 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from prefect_sgpu.compute.base import (
-    AllocatedNode,
-    Allocation,
-    Compute,
-    Event,
-    JobLaunch,
-    NodeCommand,
-    NodeExited,
-    NodeLost,
-    NodeUp,
-    Released,
-    Request,
-    node_base_environment,
-)
+from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand, NodeExited,
+                                       NodeLost, NodeUp, Released, Request, node_base_environment)
 from prefect_sgpu.compute import leases
 from prefect_sgpu.launch.warm_pool import AGENT_MODULE, POOL, WarmSet, check_keep_warm, start_set, warm_node_argv
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError

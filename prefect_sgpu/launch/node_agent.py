@@ -141,12 +141,18 @@ def _watch_progress(job_dir: Path, timeout: float, hung: dict[str, dict[str, Any
             return
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="prefect-sgpu-node-agent")
+def node_parser(prog: str) -> argparse.ArgumentParser:
+    """The arguments every node program of a job takes: its job, its folder, its place in the gang."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--run-id", required=True)
     p.add_argument("--job-dir", required=True)
     p.add_argument("--node-index", type=int, required=True)
     p.add_argument("--nnodes", type=int, required=True)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = node_parser("prefect-sgpu-node-agent")
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--rdzv-endpoint", required=True)
     p.add_argument("--max-restarts", type=int, default=0)

@@ -36,11 +36,9 @@ POLL_S = 0.2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="prefect-sgpu-ray-node")
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--job-dir", required=True)
-    p.add_argument("--node-index", type=int, required=True)
-    p.add_argument("--nnodes", type=int, required=True)
+    from prefect_sgpu.launch.node_agent import node_parser
+
+    p = node_parser("prefect-sgpu-ray-node")
     p.add_argument("--gcs-endpoint", required=True, help="host:port of node 0's Ray GCS")
     p.add_argument("--node-ip", required=True)
     p.add_argument("--num-cpus", type=int, default=None)

@@ -138,12 +138,9 @@ class EC2InstanceCompute(RemoteNodeCompute):
         super().__init__(provisioner, store, agent_timeout_s=agent_timeout_s, rendezvous_port=rendezvous_port,
                          poll_interval_s=poll_interval_s, node_silence_s=node_silence_s, keep_warm=keep_warm,
                          kms_key_id=kms_key_id)
-        self.region = region
-        self.session = session
-        self.endpoint_url = endpoint_url
+        self.region, self.session, self.endpoint_url = region, session, endpoint_url  # where AWS is
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.python = python
-        self.setup_commands = setup_commands
+        self.python, self.setup_commands = python, setup_commands  # what the nodes boot with
         self._account: str | None = None
 
     def __repr__(self) -> str:

@@ -47,11 +47,11 @@ MIN_SECRET_LEN = 12  # AWS key ids are 20 characters, secrets 40: shorter string
 
 
 def placement_group_name(run_id: str) -> str:
+    """The name of a run's placement group, and of its security group."""
     return f"sgpu-{run_id}"
 
 
-def security_group_name(run_id: str) -> str:
-    return f"sgpu-{run_id}"
+security_group_name = placement_group_name
 
 
 def created_group_placeholder(run_id: str) -> str:

@@ -25,20 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
-from prefect_sgpu.compute.base import (
-    MASKED_ENV,
-    AllocatedNode,
-    Allocation,
-    Compute,
-    Event,
-    JobLaunch,
-    NodeExited,
-    NodeLost,
-    NodeNotice,
-    NodeUp,
-    Released,
-    Request,
-)
+from prefect_sgpu.compute.base import (MASKED_ENV, AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeExited,
+                                       NodeLost, NodeNotice, NodeUp, Released, Request)
 from prefect_sgpu.compute.remote.lease import WarmLease
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError
 from prefect_sgpu.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
@@ -169,12 +157,9 @@ class RemoteNodeCompute(Compute):
         """``keep_warm``: seconds a job's machines wait for the next job of the same shape (a warm
         lease, :mod:`~prefect_sgpu.compute.remote.lease`); 0 ends them after every job.
         ``node_silence_s``: a node that announces nothing for that long is lost."""
-        self.provisioner = provisioner
-        self.store = store
-        self.agent_timeout_s = agent_timeout_s
-        self.rendezvous_port = rendezvous_port
-        self.poll_interval_s = poll_interval_s
-        self.node_silence_s = node_silence_s
+        self.provisioner, self.store = provisioner, store
+        self.agent_timeout_s, self.node_silence_s = agent_timeout_s, node_silence_s
+        self.rendezvous_port, self.poll_interval_s = rendezvous_port, poll_interval_s
         self.keep_warm = check_keep_warm("keep_warm", keep_warm, "every job ends its machines")
         self.kms_key_id = kms_key_id
         self._lock = threading.RLock()

@@ -121,14 +121,9 @@ class Sweeper:
     def __init__(self, store: "Store", *, ttl_s: float, ec2: "EC2Provisioner | None" = None,
                  ssm: Any | None = None, tracking_uri: str | None = None, grace_s: float | None = None,
                  exclude: Iterable[str] = (), iam: Any | None = None) -> None:
-        self.store = store
-        self.iam = iam
-        self.ttl_s = ttl_s
-        self.ec2 = ec2
-        self.ssm = ssm
-        self.tracking_uri = tracking_uri
-        self.grace_s = grace_s
-        self.exclude = set(exclude)
+        self.store, self.tracking_uri = store, tracking_uri
+        self.ec2, self.ssm, self.iam = ec2, ssm, iam  # the cloud's side; None for a local store
+        self.ttl_s, self.grace_s, self.exclude = ttl_s, grace_s, set(exclude)
 
     # -- the pass -------------------------------------------------------------------
 
