@@ -40,6 +40,7 @@ from pydantic import (
 )
 
 from prefect_sgpu import catalog
+from prefect_sgpu import environment as environment_mod
 from prefect_sgpu.errors import SGPUConfigError
 
 DEFAULT_TIMEOUT_S = 3 * 60 * 60.0
@@ -93,6 +94,9 @@ HangTimeout = Annotated[float | None, BeforeValidator(_seconds),
                         Field(gt=0, description="Seconds without progress from a rank before the job fails; "
                                                 "None turns the watchdog off.")]
 Strategy = Literal["ddp", "fsdp", "deepspeed"] | None
+EnvironmentField = Annotated[Any, BeforeValidator(environment_mod.parse_option),
+                             Field(description="What the nodes need (prefect_sgpu.environment): 'driver', 'image', "
+                                               "options, or a captured Environment; unset: the driver's own.")]
 
 class JobArgs(TypedDict, total=False):
     """The keyword arguments of ``@distributed``, ``run_script`` and ``@ray_launch``: a key left
@@ -109,6 +113,7 @@ class JobArgs(TypedDict, total=False):
     mlflow: bool
     max_recoveries: int
     hang_timeout: float | _dt.timedelta | None
+    environment: Any
 
 
 class TaskArgs(JobArgs, total=False):
@@ -120,7 +125,7 @@ class TaskArgs(JobArgs, total=False):
 
 #: every field of a job spec, in the order users meet them
 FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "secrets", "mlflow",
-          "max_recoveries", "hang_timeout", "strategy", "return_all")
+          "max_recoveries", "hang_timeout", "environment", "strategy", "return_all")
 
 
 def _check_shape(gpus: int | None, nodes: int | None) -> None:
@@ -147,6 +152,7 @@ class SpecLayer(BaseModel):
     mlflow: bool | None = None
     max_recoveries: Recoveries | None = None
     hang_timeout: HangTimeout = None
+    environment: EnvironmentField = None
     strategy: Strategy = None
     return_all: bool | None = None
 
@@ -176,6 +182,7 @@ class JobSpec(BaseModel):
     mlflow: bool = Field(True, description="Open one MLflow run per call and hand it to every rank.")
     max_recoveries: Recoveries = DEFAULT_MAX_RECOVERIES
     hang_timeout: HangTimeout = DEFAULT_HANG_TIMEOUT_S
+    environment: EnvironmentField = None
     strategy: Strategy = Field(None, description="Training strategy handed to ranks as SGPU_STRATEGY.")
     return_all: bool = Field(False, description="A GPU task returns every rank's value, not rank 0's.")
 
@@ -190,7 +197,7 @@ class JobSpec(BaseModel):
 
     def replace(self, **changes: Any) -> "JobSpec":
         """A validated copy with ``changes`` applied."""
-        return merge(layer("call", **changes), layer("base", **self.model_dump()))
+        return merge(layer("call", **changes), layer("base", **{name: getattr(self, name) for name in FIELDS}))
 
 
 def _config_error(exc: ValidationError) -> SGPUConfigError:
@@ -224,7 +231,9 @@ def environment_layer(environ: Mapping[str, str] | None = None) -> SpecLayer:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None or raw == "":
             continue
-        if name in ("env", "secrets"):
+        if name == "environment":
+            given[name] = _environment_from(raw)
+        elif name in ("env", "secrets"):
             try:
                 given[name] = json.loads(raw)
             except ValueError:
@@ -241,6 +250,17 @@ def environment_layer(environ: Mapping[str, str] | None = None) -> SpecLayer:
         return layer("environment", **given)
     except SGPUConfigError as exc:
         raise SGPUConfigError(ENV_PREFIX + exc.field.upper(), exc.value, exc.allowed) from None
+
+
+def _environment_from(raw: str) -> Any:
+    """``PREFECT_SGPU_ENVIRONMENT``: ``driver``, ``image``, a JSON object of options, or a .json/.toml file."""
+    try:
+        return environment_mod.parse_option(raw, environment_mod.ENVIRONMENT_ENV)
+    except SGPUConfigError as exc:
+        if exc.field.startswith(environment_mod.ENVIRONMENT_ENV):
+            raise
+        raise SGPUConfigError(exc.field, exc.value, exc.allowed,
+                              f"(set by {environment_mod.ENVIRONMENT_ENV}) {exc.hint or ''}".strip()) from None
 
 
 def merge(*layers: SpecLayer | None) -> JobSpec:
@@ -260,6 +280,25 @@ def merge(*layers: SpecLayer | None) -> JobSpec:
 def build(*layers: SpecLayer | None, environ: Mapping[str, str] | None = None) -> JobSpec:
     """``merge`` with the environment layer below the given ones."""
     return merge(*layers, environment_layer(environ))
+
+
+def compute_layer(compute: Any) -> SpecLayer | None:
+    """What a compute block gave (``EC2Compute(environment=...)``), at the runner / work-pool level:
+    below the call, task and runner, above ``PREFECT_SGPU_ENVIRONMENT``."""
+    option = getattr(compute, "sgpu_environment", None)
+    return None if option is None else layer("compute block", environment=option)
+
+
+def for_compute(compute: Any, *layers: SpecLayer | None, environ: Mapping[str, str] | None = None) -> JobSpec:
+    """The spec of a job on ``compute``: ``layers`` (highest first) over the compute block's, the
+    environment variables and the built-in defaults; for remote nodes its environment captured now
+    (the driver's own unless one was given), so a folder over its size limit fails here, before
+    anything is spent. Local nodes run in the driver's own environment: nothing is captured."""
+    spec = build(*layers, compute_layer(compute), environ=environ)
+    captured = environment_mod.for_compute(spec.environment, bool(getattr(compute, "remote", False)))
+    if captured is None or captured is spec.environment:
+        return spec
+    return spec.replace(environment=captured)
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ hold configuration only: nothing is provisioned until a job runs.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from prefect.blocks.core import Block
-from pydantic import Field
+from pydantic import Field, field_validator
 
 try:  # AWS credentials reuse prefect-aws's block when the aws extra is installed
     from prefect_aws import AwsCredentials
@@ -19,6 +19,32 @@ except ImportError:  # pragma: no cover - exercised only without the aws extra
 
 _DOCS = "https://github.com/prefect-sgpu/prefect-sgpu#readme"
 _LOGO = "https://raw.githubusercontent.com/PrefectHQ/prefect/420d0d6a78bb6df1fc18bcf188fdad43c1d22ea9/assets/block-logos/process.png"
+
+
+ENVIRONMENT_DESCRIPTION = (
+    "What the nodes need, for every job on this compute that does not set its own (a call, task or task runner "
+    "wins; PREFECT_SGPU_ENVIRONMENT is below): 'driver' (the default: the driver's Python, pinned "
+    "distributions, local packages), 'image' (the image has every distribution), a JSON object or dict of "
+    "options (working_dir, py_modules, requirements, index_url, extra_index_urls, find_links, excludes, "
+    "max_bytes), or the path of a .json or .toml file of them. See docs/environment.md."
+)
+
+
+def _checked_environment(value: Any) -> Any:
+    """The block keeps what was given (it saves as JSON); what it means is checked now."""
+    from prefect_sgpu.environment import parse_option
+
+    parse_option(value, "environment")
+    return value
+
+
+def _with_environment(compute: Any, option: Any) -> Any:
+    """The compute, carrying the block's ``environment=`` for :func:`prefect_sgpu.spec.compute_layer`."""
+    if option is not None:
+        from prefect_sgpu.environment import parse_option
+
+        compute.sgpu_environment = parse_option(option, "environment")
+    return compute
 
 
 def _example(name: str, body: str) -> str:
@@ -185,6 +211,7 @@ class EC2Compute(Block):
                     "runner ends them when the flow ends; not with job_roles.",
     )
     endpoint_url: Optional[str] = Field(default=None, description="Custom AWS endpoint (tests, private links).")
+    environment: Optional[Union[str, dict[str, Any]]] = Field(default=None, description=ENVIRONMENT_DESCRIPTION)
     if AwsCredentials is not None:
         aws_credentials: Optional[AwsCredentials] = Field(  # type: ignore[valid-type]
             default=None, description="Credentials of the driver; nodes use the instance profile."
@@ -193,9 +220,15 @@ class EC2Compute(Block):
     def get_compute(self) -> Any:
         from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute as EC2
 
-        settings = self.model_dump(exclude={"aws_credentials", "block_type_slug"})
+        settings = self.model_dump(exclude={"aws_credentials", "block_type_slug", "environment"})
         creds = getattr(self, "aws_credentials", None)
-        return EC2.from_settings(settings, session=creds.get_boto3_session() if creds else None)
+        compute = EC2.from_settings(settings, session=creds.get_boto3_session() if creds else None)
+        return _with_environment(compute, self.environment)
+
+    @field_validator("environment")
+    @classmethod
+    def _check_environment(cls, value: Any) -> Any:
+        return _checked_environment(value)
 
 
 class RayCompute(Block):
@@ -222,12 +255,19 @@ class RayCompute(Block):
                     "waits for the next job of the same shape, which then pays only for its function; 0: each "
                     "job is a Ray Train run of its own (needed by functions that call Ray Train's API).",
     )
+    environment: Optional[Union[str, dict[str, Any]]] = Field(default=None, description=ENVIRONMENT_DESCRIPTION)
+
+    @field_validator("environment")
+    @classmethod
+    def _check_environment(cls, value: Any) -> Any:
+        return _checked_environment(value)
 
     def get_compute(self) -> Any:
         from prefect_sgpu.ray.compute import RayTrainCompute as Ray
 
-        return Ray(address=self.address, runtime_env=self.runtime_env, backend=self.backend,
-                   resources_per_worker=self.resources_per_worker, keep_warm=self.keep_warm)
+        return _with_environment(Ray(address=self.address, runtime_env=self.runtime_env, backend=self.backend,
+                                     resources_per_worker=self.resources_per_worker, keep_warm=self.keep_warm),
+                                 self.environment)
 
     def close(self) -> None:
         """Leave the cluster if a job of this process joined it (the Ray connection is per process)."""

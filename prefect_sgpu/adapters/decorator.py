@@ -86,6 +86,16 @@ def _start(job: Job) -> cf.Future[JobResult]:
     return future
 
 
+def describe_environment(spec: JobSpec) -> dict[str, Any]:
+    """The environment of a job's nodes for a dry run: captured for remote nodes (no secrets, no file
+    lists), or a line saying that local nodes run in the driver's own environment."""
+    from prefect_sgpu.environment import Environment
+
+    if isinstance(spec.environment, Environment):
+        return spec.environment.describe()
+    return {"mode": "local", "note": "local nodes run in this driver's own Python environment"}
+
+
 def _check_remote_fit(layer: SpecLayer, compute: Any | None) -> None:
     """``remote=True`` without a compute: whole catalog instances must fit, checked at decoration."""
     if layer.given().get("remote") and compute is None:
@@ -154,8 +164,8 @@ class DistributedFunction(Generic[P, R]):
 
         run_logs.attach()
         self._bind(args, kwargs)
-        spec = self.spec
-        compute, store = resolve(spec, self.compute, self.store)
+        compute, store = resolve(self.spec, self.compute, self.store)
+        spec = spec_mod.for_compute(compute, self.layer)  # the block's environment=, captured for remote nodes
         return Job(payload_mod.FunctionCall(self.func, args, kwargs), spec, compute, store, sink=sink,
                    cancel_event=cancel_event)
 
@@ -183,8 +193,10 @@ class DistributedFunction(Generic[P, R]):
         return DistributedFuture(_start(job), cancel)
 
     def dry_run(self, *args: P.args, **kwargs: P.kwargs) -> dict[str, Any]:
-        """What ``.distributed()`` would start: the request and each node's command. Spends nothing."""
-        return self.job(*args, **kwargs).dry_run()
+        """What ``.distributed()`` would start: the request, each node's command and the environment the
+        nodes need (digest, Python, counts, index URLs masked). Spends nothing."""
+        job = self.job(*args, **kwargs)
+        return {**job.dry_run(), "environment": describe_environment(job.spec)}
 
 
 @overload
@@ -231,7 +243,8 @@ def run_script(
     script = Path(path)
     if not script.is_file() or script.suffix != ".py":
         raise SGPUConfigError("path", str(path), "an existing Python file (*.py)")
-    spec = spec_mod.build(spec_mod.layer("call", **given))
-    resolved, resolved_store = resolve(spec, compute, store)
+    call_layer = spec_mod.layer("call", **given)
+    resolved, resolved_store = resolve(spec_mod.build(call_layer), compute, store)
+    spec = spec_mod.for_compute(resolved, call_layer)
     call = payload_mod.ScriptCall(str(script.resolve()), script.read_bytes(), [str(a) for a in args])
     return Job(call, spec, resolved, resolved_store).run()

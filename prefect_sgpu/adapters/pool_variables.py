@@ -24,7 +24,7 @@ from prefect_sgpu.spec import ENV_PREFIX
 COMPUTE_SLUGS = ("sgpu-local-compute", "sgpu-ec2-compute", "sgpu-ray-compute")
 STORE_SLUGS = ("sgpu-store",)
 #: job variables that become the flow run's GPU-task defaults (fields of ``JobSpec``)
-GPU_DEFAULTS = ("gpus", "gpu_type", "nodes", "strategy", "max_recoveries", "hang_timeout")
+GPU_DEFAULTS = ("gpus", "gpu_type", "nodes", "strategy", "max_recoveries", "hang_timeout", "environment")
 _PLACEHOLDER = re.compile(r"^\{\{\s*prefect\.blocks\.([^.\s]+)\.([^.\s]+)\s*\}\}$")
 
 
@@ -105,5 +105,9 @@ def gpu_defaults(variables: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def gpu_defaults_env(defaults: Mapping[str, Any]) -> dict[str, str]:
-    """``PREFECT_SGPU_<FIELD>`` for each validated default, as the environment layer parses it back."""
-    return {ENV_PREFIX + name.upper(): str(value) for name, value in defaults.items() if value is not None}
+    """``PREFECT_SGPU_<FIELD>`` for each validated default, as the environment layer parses it back
+    (``environment`` as :func:`prefect_sgpu.environment.option_text` writes it)."""
+    from prefect_sgpu.environment import option_text
+
+    return {ENV_PREFIX + name.upper(): option_text(value) if name == "environment" else str(value)
+            for name, value in defaults.items() if value is not None}

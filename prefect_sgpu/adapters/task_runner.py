@@ -85,7 +85,7 @@ def gpu_task(fn: Callable[..., R] | None = None, **options: Any) -> Any:
 
     GPU keywords are those of :class:`~prefect_sgpu.spec.TaskArgs` (``gpus``, ``gpu_type``,
     ``nodes``, ``remote``, ``strategy``, ``timeout``, ``max_restarts``, ``env``, ``mlflow``,
-    ``return_all``). Accepts every ``@task`` keyword (retries, cache_policy, persist_result, ...). The
+    ``environment``, ``return_all``). Accepts every ``@task`` keyword (retries, cache_policy, persist_result, ...). The
     task's value is rank 0's result, or every rank's with ``return_all=True``.
     ``strategy`` is handed to the ranks as ``SGPU_STRATEGY`` for the training helpers.
     What the task does not give comes from the task runner, then ``PREFECT_SGPU_<FIELD>``,
@@ -163,6 +163,7 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     runner = _current_runner()
     spec = task_spec(layer, runner)
     compute, store = runner.compute_and_store(spec) if runner else resolve(spec)
+    spec = spec_mod.for_compute(compute, layer, runner.layer if runner else None)
     checkpoint = _checkpoint_dir(store, spec.env, _digest(args, kwargs))
     if checkpoint:
         spec = spec.replace(env={**spec.env, **checkpoint})

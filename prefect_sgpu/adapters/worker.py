@@ -50,6 +50,7 @@ class SGPUJobConfiguration(ProcessJobConfiguration):
     strategy: Optional[Any] = Field(default=None, description=_gpu_description("Default strategy"))
     max_recoveries: Optional[Any] = Field(default=None, description=_gpu_description("Default recoveries"))
     hang_timeout: Optional[Any] = Field(default=None, description=_gpu_description("Default hang timeout"))
+    environment: Optional[Any] = Field(default=None, description=_gpu_description("Default environment"))
 
     @classmethod
     async def from_template_and_values(cls, base_job_template: dict[str, Any], values: dict[str, Any],
@@ -116,6 +117,13 @@ class SGPUVariables(ProcessVariables):
     hang_timeout: Optional[float] = Field(
         default=None, gt=0, title="Hang Timeout",
         description=_gpu_description("Default seconds without progress from a rank before a job fails"))
+    environment: Optional[Union[str, dict[str, Any]]] = Field(
+        default=None, title="Environment",
+        description=_gpu_description("What remote nodes need: 'driver' (default: the driver's Python, pinned "
+                                     "distributions and local packages), 'image' (the image has everything), "
+                                     "an object of options (working_dir, py_modules, requirements, index_url, "
+                                     "extra_index_urls, find_links, excludes, max_bytes) or the path of a "
+                                     ".json/.toml file of them"))
 
     @classmethod
     def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:

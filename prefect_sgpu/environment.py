@@ -1,0 +1,498 @@
+"""What a job's nodes need: the driver's environment, described exactly and content-addressed.
+
+A function pickled on the driver runs on a node only when the node's Python, packages and
+the user's own code match the driver's. This module *describes* that environment; the
+node half (building it with uv, caching it by digest, checking it before ranks start)
+consumes the description.
+
+Two models:
+
+- :class:`EnvironmentOptions`, what a user asks for with ``environment=`` (checked when
+  given: paths exist, URLs parse, requirements parse, nothing is read or hashed yet);
+- :class:`Environment`, what :func:`capture` finds (the Python, every installed
+  distribution pinned, the local and editable ones, the project's files) and its
+  :attr:`~Environment.digest`.
+
+Local packages are found by PEP 610: a distribution with a ``direct_url.json`` was not
+installed from an index by name. Editable ones travel as their source folder (with its
+``.gitignore`` and the default ignore rules), other local, VCS and URL installs as the
+files their RECORD lists. None of them is ever installed by name from an index.
+
+Index URLs may carry credentials. Whatever shows one (repr, str, ``describe()``,
+``model_dump``, dry runs, logs, pickles) shows it masked; the literal credentials stay in
+the driver's memory (:meth:`IndexURL.reveal`) and do not survive pickling. A
+``${VAR}`` in a URL is read from the driver's environment when revealed and is never a
+secret in itself, so such a URL survives pickling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Iterable, Literal, Mapping
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from prefect_sgpu.environment_files import DEFAULT_MAX_BYTES, Tree, installed_files, scan
+from prefect_sgpu.environment_index import IndexSettings, IndexURL, masked, masked_text
+from prefect_sgpu.errors import SGPUConfigError
+
+__all__ = ["ENVIRONMENT_ENV", "Distribution", "Environment", "EnvironmentOptions", "IndexURL", "PythonVersion",
+           "capture", "for_compute", "option_text", "parse_option"]
+
+ENVIRONMENT_ENV = "PREFECT_SGPU_ENVIRONMENT"
+#: bumped whenever what the digest covers changes, so an old cache key never matches a new meaning
+DIGEST_FORMAT = 1
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirements(value: Any) -> Any:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise SGPUConfigError("requirements", value, "a list of requirement strings (PEP 508)")
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    out = []
+    for i, item in enumerate(value):
+        try:
+            req = Requirement(str(item))
+        except InvalidRequirement as exc:
+            raise SGPUConfigError(f"requirements[{i}]", masked_text(str(item)), "a PEP 508 requirement, for example "
+                                  "'transformers==4.46.3'", str(exc)) from None
+        if req.url and urlsplit(req.url).netloc.count("@"):
+            raise SGPUConfigError(f"requirements[{i}]", masked(req.url), "a requirement without credentials "
+                                  "(give them in index_url as ${VAR})")
+        out.append(str(req))
+    return tuple(sorted(set(out)))
+
+
+Requirements = Annotated[tuple[str, ...], BeforeValidator(_requirements)]
+
+
+def _strings(field: str) -> Any:
+    def parse(value: Any) -> Any:
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise SGPUConfigError(field, value, "a list of strings")
+        return tuple(value)
+
+    return BeforeValidator(parse)
+
+
+# --- what the user asks for ----------------------------------------------------------------
+
+
+def _module_source(entry: str, field: str) -> Path:
+    """A py_modules entry: a path to a package folder or .py file, or a top-level module's name."""
+    path = Path(entry).expanduser()
+    if path.exists():
+        if path.is_dir() or path.suffix == ".py":
+            return path.resolve()
+        raise SGPUConfigError(field, entry, "a package folder, a .py file or a top-level module name")
+    if not _MODULE.match(entry):
+        raise SGPUConfigError(field, entry, "an existing package folder or .py file, or a top-level module "
+                              "name (no dots) importable here")
+    import importlib.util
+
+    found = importlib.util.find_spec(entry)
+    if found is None:
+        raise SGPUConfigError(field, entry, "an existing package folder or .py file, or a top-level module "
+                              "name importable here")
+    if found.submodule_search_locations:
+        return Path(list(found.submodule_search_locations)[0]).resolve()
+    if found.origin and found.origin.endswith(".py"):
+        return Path(found.origin).resolve()
+    raise SGPUConfigError(field, entry, "a module written in Python (a folder or .py file), not a built-in "
+                          "or compiled one; list its distribution in requirements instead")
+
+
+def _folder(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise SGPUConfigError("environment.working_dir", value, "the path of an existing folder")
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise SGPUConfigError("environment.working_dir", os.fspath(value), "an existing folder")
+    return str(path.resolve())
+
+
+def _check_modules(value: tuple[str, ...]) -> tuple[str, ...]:
+    for i, entry in enumerate(value):
+        _module_source(entry, f"environment.py_modules[{i}]")
+    return value
+
+
+class EnvironmentOptions(IndexSettings):
+    """``environment=``: what to capture. ``mode="driver"`` (the default) describes the driver's
+    own environment; ``mode="image"`` says the node's image has every distribution (only
+    ``working_dir``/``py_modules`` travel)."""
+
+    mode: Literal["driver", "image"] = "driver"
+    working_dir: Annotated[str | None, BeforeValidator(_folder)] = Field(
+        None, description="The project folder that travels (ignore rules apply).")
+    excludes: Annotated[tuple[str, ...], _strings("excludes")] = Field(
+        (), description="gitignore patterns left out of working_dir (after the defaults and its .gitignore).")
+    max_bytes: int = Field(DEFAULT_MAX_BYTES, gt=0, description="Largest working_dir (and each py_module) in bytes.")
+    py_modules: Annotated[tuple[str, ...], _strings("py_modules"), AfterValidator(_check_modules)] = Field(
+        (), description="Package folders, .py files or top-level module names that travel.")
+    requirements: Requirements = Field((), description="Extra PEP 508 requirements installed on the nodes.")
+
+    @model_validator(mode="after")
+    def _image_installs_nothing(self) -> "EnvironmentOptions":
+        if self.mode == "image":
+            extra = [name for name in ("requirements", "index_url", "extra_index_urls", "find_links")
+                     if getattr(self, name)]
+            if extra:
+                raise SGPUConfigError(f"environment.{extra[0]}", getattr(self, extra[0]),
+                                      "nothing with mode='image' (the image has every distribution); "
+                                      "use mode='driver' to install on the nodes")
+        return self
+
+    def capture(self) -> "Environment":
+        """Describe the driver's environment as these options ask (reads and hashes files)."""
+        py_modules = []
+        for i, entry in enumerate(self.py_modules):
+            source = _module_source(entry, f"environment.py_modules[{i}]")
+            name = source.stem if source.suffix == ".py" else source.name
+            py_modules.append(scan(name, source, f"environment.py_modules[{i}]", max_bytes=self.max_bytes))
+        working_dir = (scan("working_dir", Path(self.working_dir), "environment.working_dir", excludes=self.excludes,
+                            max_bytes=self.max_bytes) if self.working_dir else None)
+        distributions: tuple[Distribution, ...] = ()
+        local: tuple[Tree, ...] = ()
+        if self.mode == "driver":
+            distributions, local = _installed(self.max_bytes)
+        return Environment(
+            mode=self.mode, python=PythonVersion.here(), distributions=distributions, local_packages=local,
+            working_dir=working_dir, py_modules=tuple(sorted(py_modules, key=lambda t: t.name)),
+            requirements=self.requirements, index_url=self.index_url, extra_index_urls=self.extra_index_urls,
+            find_links=self.find_links)
+
+
+# --- what was captured ----------------------------------------------------------------------
+
+
+class PythonVersion(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    implementation: str = Field(description="sys.implementation.name: cpython, pypy, ...")
+    version: str = Field(description="major.minor.micro")
+
+    @property
+    def minor(self) -> str:
+        """``3.11``: code objects (pickled functions) load only on the same minor version."""
+        return ".".join(self.version.split(".")[:2])
+
+    @classmethod
+    def here(cls) -> "PythonVersion":
+        info = sys.version_info
+        return cls(implementation=sys.implementation.name, version=f"{info.major}.{info.minor}.{info.micro}")
+
+    def __str__(self) -> str:
+        return f"{self.implementation} {self.version}"
+
+
+class Distribution(BaseModel):
+    """One installed distribution, pinned. ``source`` other than ``index``: its files travel."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    version: str
+    source: Literal["index", "editable", "local"] = "index"
+
+
+def _direct_url(dist: Any) -> dict[str, Any] | None:
+    try:
+        text = dist.read_text("direct_url.json")
+    except OSError:
+        return None
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _site_dirs() -> set[Path]:
+    """The folders installers put distributions in (a distribution found elsewhere was not installed)."""
+    import site
+    import sysconfig
+
+    dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    dirs.update(getattr(site, "getsitepackages", lambda: [])())
+    user = getattr(site, "getusersitepackages", lambda: None)()
+    if user:
+        dirs.add(user)
+    dirs.update(p for p in sys.path if p.endswith(("site-packages", "dist-packages")))
+    return {Path(d).resolve() for d in dirs}
+
+
+def _installed(max_bytes: int) -> tuple[tuple[Distribution, ...], tuple[Tree, ...]]:
+    """Every distribution the driver's interpreter sees (the first of a name on sys.path, as import
+    finds it) and the files of those not installed from an index by name: PEP 610's
+    ``direct_url.json`` (editable: its source folder; file, VCS or URL installs: the files its
+    RECORD lists), or metadata outside every site-packages folder (its folder)."""
+    from importlib import metadata
+    from urllib.request import url2pathname
+
+    seen: dict[str, Distribution] = {}
+    trees: list[Tree] = []
+    site_dirs = _site_dirs()
+    for dist in metadata.distributions():
+        raw_name = dist.metadata["Name"] if dist.metadata else None
+        if not raw_name:
+            continue
+        name = _normalize(raw_name)
+        if name in seen:
+            continue
+        direct = _direct_url(dist)
+        source: Literal["index", "editable", "local"] = "index"
+        field = f"environment (the installed package {name})"
+        folder = Path(dist.locate_file("")).resolve()
+        if direct is None and folder not in site_dirs:
+            # metadata in a plain folder on sys.path (a checkout's *.egg-info, PYTHONPATH): its source travels
+            source = "editable"
+            trees.append(scan(name, folder, field, max_bytes=max_bytes))
+        elif direct is not None:
+            url = str(direct.get("url", ""))
+            if (direct.get("dir_info") or {}).get("editable") and url.startswith("file://"):
+                source = "editable"
+                trees.append(scan(name, Path(url2pathname(urlsplit(url).path)), field, max_bytes=max_bytes))
+            else:
+                source = "local"
+                base = Path(dist.locate_file(""))
+                rels = [str(f) for f in (dist.files or ()) if ".." not in Path(str(f)).parts]
+                trees.append(installed_files(name, base, rels, field))
+        seen[name] = Distribution(name=name, version=dist.version, source=source)
+    return tuple(sorted(seen.values(), key=lambda d: d.name)), tuple(sorted(trees, key=lambda t: t.name))
+
+
+class Environment(IndexSettings):
+    """What a job's nodes need, as captured on the driver. :attr:`digest` names it.
+
+    ``mode="image"``: the image brings every distribution (``distributions`` is empty); the
+    Python version is still the driver's, for the check before ranks start.
+    """
+
+    mode: Literal["driver", "image"] = "driver"
+    python: PythonVersion
+    distributions: tuple[Distribution, ...] = ()
+    local_packages: tuple[Tree, ...] = Field((), description="Files of the editable and local distributions.")
+    working_dir: Tree | None = None
+    py_modules: tuple[Tree, ...] = ()
+    requirements: Requirements = ()
+
+    @classmethod
+    def image(cls, working_dir: str | os.PathLike[str] | None = None, py_modules: Iterable[str] = (),
+              **options: Any) -> "Environment":
+        """The image has everything: install nothing; the project's own files may still travel."""
+        return capture(working_dir=working_dir, py_modules=py_modules, mode="image", **options)
+
+    def defining(self) -> dict[str, Any]:
+        """Everything that defines the built environment, and nothing else (no paths of this machine,
+        no credentials): what :attr:`digest` hashes."""
+        return {
+            "format": DIGEST_FORMAT,
+            "mode": self.mode,
+            "python": [self.python.implementation, self.python.version],
+            "distributions": [[d.name, d.version, d.source] for d in self.distributions],
+            "local_packages": [[t.name, t.digest] for t in self.local_packages],
+            "working_dir": self.working_dir.digest if self.working_dir else None,
+            "py_modules": [[t.name, t.digest] for t in self.py_modules],
+            "requirements": list(self.requirements),
+            **self.shown(),
+        }
+
+    @property
+    def digest(self) -> str:
+        """sha256 of :meth:`defining`: the same on every machine with the same environment."""
+        text = json.dumps(self.defining(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def describe(self) -> dict[str, Any]:
+        """A summary for dry runs and logs: counts, sizes, masked index URLs, no file lists."""
+
+        def tree(t: Tree) -> dict[str, Any]:
+            return {"name": t.name, "files": len(t.files), "bytes": t.total_bytes, "digest": t.digest[:16]}
+
+        return {
+            "mode": self.mode, "digest": self.digest, "python": str(self.python),
+            "distributions": len(self.distributions),
+            "local_packages": [{**tree(t), "source": self._source(t.name)} for t in self.local_packages],
+            "working_dir": tree(self.working_dir) if self.working_dir else None,
+            "py_modules": [tree(t) for t in self.py_modules],
+            "requirements": list(self.requirements), **self.shown(),
+        }
+
+    def _source(self, name: str) -> str:
+        return next((d.source for d in self.distributions if d.name == name), "local")
+
+    def __repr__(self) -> str:
+        return (f"Environment(mode={self.mode!r}, digest={self.digest[:16]!r}, python={str(self.python)!r}, "
+                f"distributions={len(self.distributions)}, local_packages={[t.name for t in self.local_packages]!r}, "
+                f"working_dir={'yes' if self.working_dir else None}, py_modules={[t.name for t in self.py_modules]!r}, "
+                f"requirements={list(self.requirements)!r}, index={self.shown()!r})")
+
+    __str__ = __repr__
+
+
+def _options(given: Mapping[str, Any], field: str) -> EnvironmentOptions:
+    try:
+        return EnvironmentOptions(**given)
+    except SGPUConfigError as exc:
+        if exc.field.startswith("environment"):
+            raise
+        raise SGPUConfigError(f"{field}.{exc.field}", exc.value, exc.allowed, exc.hint) from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, SGPUConfigError):
+            name = cause.field if cause.field.startswith("environment") else f"{field}.{cause.field}"
+            raise SGPUConfigError(name, cause.value, cause.allowed, cause.hint) from None
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        allowed = err.get("msg", "invalid value")
+        if err.get("type") == "extra_forbidden":
+            allowed = "one of " + ", ".join(n for n in EnvironmentOptions.model_fields)
+        shown = err.get("input")
+        shown = masked_text(shown) if isinstance(shown, str) else shown
+        raise SGPUConfigError(f"{field}.{loc}" if loc else field, shown, allowed) from None
+
+
+def capture(working_dir: str | os.PathLike[str] | None = None, py_modules: Iterable[str] = (),
+            requirements: Iterable[str] = (), *, mode: Literal["driver", "image"] = "driver",
+            **options: Any) -> Environment:
+    """Describe the driver's own environment: Python, pinned distributions, local and editable
+    packages, ``working_dir`` and ``py_modules`` (each file hashed), ``requirements`` and the
+    index settings (``index_url``, ``extra_index_urls``, ``find_links``, ``excludes``, ``max_bytes``)."""
+    given = {"mode": mode, "working_dir": None if working_dir is None else os.fspath(working_dir),
+             "py_modules": list(py_modules), "requirements": list(requirements), **options}
+    return _options(given, "environment").capture()
+
+
+# --- environment= on every layer -----------------------------------------------------------
+
+Option = EnvironmentOptions | Environment
+
+
+def _load_file(path: Path, field: str) -> dict[str, Any]:
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        else:
+            data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SGPUConfigError(field, str(path), "a readable JSON or TOML file of environment options",
+                              str(exc)) from None
+    if not isinstance(data, dict):
+        raise SGPUConfigError(field, str(path), "a JSON object or TOML table of environment options")
+    # relative paths in the file are the file's own, wherever the driver runs from
+    for key in ("working_dir",):
+        if isinstance(data.get(key), str) and not Path(data[key]).expanduser().is_absolute():
+            data[key] = str(path.parent / data[key])
+    for key in ("py_modules", "find_links"):
+        values = data.get(key)
+        if isinstance(values, list):
+            data[key] = [str(path.parent / v) if isinstance(v, str) and (path.parent / v).exists()
+                         and not Path(v).is_absolute() else v for v in values]
+    return data
+
+
+def parse_option(value: Any, field: str = "environment") -> Option | None:
+    """``environment=`` as any layer gives it, checked: None, an :class:`Environment` (already
+    captured), :class:`EnvironmentOptions`, a mapping of options, ``"driver"``, ``"image"``, a JSON
+    object, or the path of a ``.json``/``.toml`` file of options. Raises SGPUConfigError."""
+    allowed = ("'driver', 'image', a JSON object of options, the path of a .json or .toml file of options, "
+               "a dict of options, EnvironmentOptions or a captured Environment")
+    if value is None or isinstance(value, (Environment, EnvironmentOptions)):
+        return value
+    if isinstance(value, Mapping):
+        if "python" in value:  # a captured Environment, dumped
+            try:
+                return Environment.model_validate(dict(value))
+            except ValidationError as exc:
+                raise SGPUConfigError(field, "a captured environment", allowed, str(exc.errors()[0]["msg"])) from None
+        return _options(value, field)
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise SGPUConfigError(field, value, allowed)
+    text = value.strip()
+    if text.lower() in ("driver", "image"):
+        return EnvironmentOptions(mode=text.lower())  # type: ignore[arg-type]
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise SGPUConfigError(field, masked_text(text), allowed, f"not JSON: {exc}") from None
+        return parse_option(data, field)
+    path = Path(text).expanduser()
+    if path.suffix in (".json", ".toml"):
+        if not path.is_file():
+            raise SGPUConfigError(field, text, "an existing .json or .toml file of environment options")
+        return parse_option(_load_file(path.resolve(), field), field)
+    raise SGPUConfigError(field, text, allowed)
+
+
+def option_text(option: Option) -> str:
+    """``option`` as ``PREFECT_SGPU_ENVIRONMENT`` holds it (what :func:`parse_option` reads back).
+
+    Literal index credentials are written as given: this is the hand-over to the flow run's
+    own environment (the work pool had them), never something to show.
+    """
+    if isinstance(option, Environment):
+        raise SGPUConfigError("environment", repr(option), "options, not a captured environment, in "
+                              f"{ENVIRONMENT_ENV}")
+    data: dict[str, Any] = {"mode": option.mode}
+    for name in ("working_dir", "excludes", "py_modules", "requirements"):
+        value = getattr(option, name)
+        if value:
+            data[name] = list(value) if isinstance(value, tuple) else value
+    if option.max_bytes != DEFAULT_MAX_BYTES:
+        data["max_bytes"] = option.max_bytes
+    if option.index_url is not None:
+        data["index_url"] = option.index_url._url or option.index_url.shown
+    for name in ("extra_index_urls", "find_links"):
+        urls = getattr(option, name)
+        if urls:
+            data[name] = [u._url or u.shown for u in urls]
+    return json.dumps(data, separators=(",", ":")) if len(data) > 1 else option.mode
+
+
+def for_compute(option: Option | None, remote: bool) -> Environment | None:
+    """The environment a job's nodes need: none on this machine (local nodes run in the driver's
+    own environment); on remote nodes the one given, else the driver's, captured now."""
+    if not remote:
+        return None
+    if option is None:
+        return capture()
+    if isinstance(option, Environment):
+        return option
+    return option.capture()
