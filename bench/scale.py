@@ -99,6 +99,8 @@ def node_host() -> int:
     """``--node-host``: JSON lines on stdin (``boot``, ``off``), answers on stdout (``up``, ``off``, ``error``)."""
     from prefect_sgpu import aws
     from prefect_sgpu.launch import bootstrap as bs
+    from prefect_sgpu.launch import ec2_host as eh
+    from prefect_sgpu.launch.node_host import NodeIdentity
     from prefect_sgpu.store_s3 import S3Store
 
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # "connection pool is full" with 128 threads
@@ -126,16 +128,17 @@ def node_host() -> int:
             argv = [a for a in shlex.split(line[len("exec "):]) if not a.startswith("--backstop-marker")]
             assert argv[1:3] == ["-m", "prefect_sgpu.launch.bootstrap"], argv
             args = bs.parse_args(argv[3:])
-            token = bs._imds_token(imds, 2.0)
-            identity = bs.NodeIdentity(instance_id=bs._imds_get(imds, token, "instance-id", 2.0),
-                                       launch_index=int(bs._imds_get(imds, token, "ami-launch-index", 2.0)),
-                                       private_ip=bs._imds_get(imds, token, "local-ipv4", 2.0))
+            token = eh._imds_token(imds, 2.0)
+            identity = NodeIdentity(instance_id=eh._imds_get(imds, token, "instance-id", 2.0),
+                                    launch_index=int(eh._imds_get(imds, token, "ami-launch-index", 2.0)),
+                                    private_ip=eh._imds_get(imds, token, "local-ipv4", 2.0))
             store = S3Store(args.store, region=args.region, endpoint_url=args.endpoint_url,
                             client=client("s3", args.region, args.endpoint_url),
                             kms_key_id=args.store_kms_key, bucket_owner=args.bucket_owner)
+            host = eh.EC2NodeHost(args.region, args.endpoint_url)
+            host._clients["ssm"] = client("ssm", args.region, args.endpoint_url)
             node = bs.NodeBootstrap(store, args.run_id, identity, Path(node_dir), args.heartbeat_ttl,
-                                    region=args.region, endpoint_url=args.endpoint_url, interval=args.interval)
-            node._clients["ssm"] = client("ssm", args.region, args.endpoint_url)
+                                    interval=args.interval, host=host)
             if stop.is_set():
                 return
             key = node.read_key()
@@ -447,6 +450,7 @@ def run_size(aws: Any, proxy: Any, nodes: int, stub: bool, waiter_delay: float, 
     from prefect_sgpu.compute.base import JobLaunch, NodeCommand
     from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
     from prefect_sgpu.driver import new_run_id
+    from prefect_sgpu.heartbeat import DriverHeartbeat
     from prefect_sgpu.jobfolder import JobFolder, new_key
     from prefect_sgpu.spec import JobSpec
 
@@ -469,7 +473,7 @@ def run_size(aws: Any, proxy: Any, nodes: int, stub: bool, waiter_delay: float, 
             result.plan_calls = (s1 - s0).total
             folder = JobFolder(compute.store, run_id, new_key())
             folder.put_payload(b"bench/scale.py: no payload is run")  # what Job._run writes before acquire
-            folder.beat()
+            heartbeat = DriverHeartbeat(folder).start()  # the driver's own, as Job._run keeps it
             s2 = counter.snapshot()
             result.prep_calls = (s2 - s1).total
 
@@ -519,6 +523,7 @@ def run_size(aws: Any, proxy: Any, nodes: int, stub: bool, waiter_delay: float, 
             t5 = time.monotonic()
             s6 = counter.snapshot()
             result.release_s, result.release, result.gone = t5 - t4, s6 - s5, len(released.gone)
+            heartbeat.stop()
             folder.delete_control_files()  # what Job._cleanup does last
             t6 = time.monotonic()
             result.cleanup_s, result.cleanup = t6 - t5, counter.snapshot() - s6

@@ -42,8 +42,8 @@ from prefect_sgpu.errors import (
     RankFailedError,
     SGPUConfigError,
     SGPUError,
-    StoreUnreachable,
 )
+from prefect_sgpu.heartbeat import DriverHeartbeat, Outage
 from prefect_sgpu.jobfolder import JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
 from prefect_sgpu.spec import JobSpec, Plan
@@ -52,7 +52,6 @@ from prefect_sgpu.tracking import TrackedRun, active_parent, mlflow_available, s
 
 logger = logging.getLogger("prefect_sgpu.driver")
 
-HEARTBEAT_INTERVAL_S = 2.0
 RELAY_INTERVAL_S = 5.0
 POLL_INTERVAL_S = 0.05
 
@@ -185,6 +184,7 @@ class Job:
         self.tracked: TrackedRun | None = None
         self.allocation: Allocation | None = None
         self.folder: JobFolder | None = None
+        self.heartbeat: DriverHeartbeat | None = None
         self.started_at = 0.0
         self._prepared: tuple[Request, bytes, str] | None = None
         self._secrets: dict[str, str] | None = None
@@ -290,7 +290,8 @@ class Job:
 
     def _run(self) -> JobResult:
         request, body, key = self.prepare()
-        self.compute.check_secrets(self.secret_values())  # unreadable or undeliverable: fails before spending
+        # unreadable or undeliverable: fails before spending; sized as they travel (the checkpoint key too)
+        self.compute.check_secrets({**self.secret_values(), **self._checkpoint_key()})
         plan = self.plan = request.plan
         self.started_at = time.monotonic()
         deadline = self.started_at + self.spec.timeout
@@ -301,7 +302,7 @@ class Job:
         released = None
         try:
             folder.put_payload(body)
-            folder.beat()
+            self.heartbeat = DriverHeartbeat(folder).start()  # the driver's alone, until the folder goes
             if self.spec.mlflow and mlflow_available():
                 self.tracked = start_run(
                     self.call.name,
@@ -412,21 +413,17 @@ class Job:
         """
         assert self.allocation is not None and self.folder is not None
         end = _GangEnd({}, {}, {}, {})
-        last_beat = time.monotonic()
         total = len(self.allocation.nodes)
         failed_at: float | None = None
         if self._reprovision_started is not None and self.recoveries:
             self.recoveries[-1].reprovision_s = time.monotonic() - self._reprovision_started
             self._reprovision_started = None
-        outage = _Outage(self.run_id, self._node_ttl())
+        outage = Outage(self.run_id, self._node_ttl())
         while True:
             now = time.monotonic()
             events: list[Any] = []
             try:
                 events = self.compute.poll(self.allocation)
-                if now - last_beat > HEARTBEAT_INTERVAL_S:
-                    self.folder.beat()
-                    last_beat = now
                 outage.over()
             except SGPUError:
                 raise
@@ -469,7 +466,7 @@ class Job:
 
     def _envelopes(self) -> dict[int, payload_mod.Envelope]:
         assert self.folder is not None
-        outage = _Outage(self.run_id, self._node_ttl())
+        outage = Outage(self.run_id, self._node_ttl())
         while True:
             try:
                 results = self.folder.results()
@@ -581,42 +578,14 @@ class Job:
                                            **{f"sgpu.recovery.{r.gang}": json.dumps(r.as_dict())[:5000]
                                               for r in self.recoveries}})
                 self.tracked.end(outcome)
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
             if self.folder is not None:
                 try:
                     self.folder.delete_control_files()
                 except Exception:  # noqa: BLE001 - the job's outcome matters more than tidiness
                     logger.warning("could not delete the control files of job %s", self.run_id, exc_info=True)
         return released
-
-
-class _Outage:
-    """The store (or cloud API) failing beyond botocore's own retries: ride it out for as long as the
-    nodes do (their heartbeat TTL), saying so once in a while; past that, fail like the nodes do."""
-
-    def __init__(self, run_id: str, ttl: float) -> None:
-        self.run_id = run_id
-        self.ttl = ttl
-        self.since: float | None = None
-        self.logged = 0.0
-
-    def failed(self, exc: Exception) -> None:
-        now = time.monotonic()
-        self.since = self.since if self.since is not None else now
-        if now - self.since > self.ttl:
-            raise StoreUnreachable(
-                f"job {self.run_id}: the job store has failed every call for {now - self.since:.0f}s, longer "
-                f"than the nodes' heartbeat TTL ({self.ttl:g}s), after which they stop themselves: {exc}"
-            ) from exc
-        if now - self.logged > 30.0:
-            self.logged = now
-            logger.warning("job %s: the job store is unreachable (%s: %s); the nodes keep running for up to "
-                           "%gs; retrying", self.run_id, type(exc).__name__, exc, self.ttl)
-
-    def over(self) -> None:
-        if self.since is not None:
-            logger.warning("job %s: the job store answers again after %.0fs", self.run_id,
-                           time.monotonic() - self.since)
-            self.since = None
 
 
 def _total_cost(costs: list[dict[str, Any] | None]) -> dict[str, Any] | None:

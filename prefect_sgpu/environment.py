@@ -36,15 +36,7 @@ from pathlib import Path
 from typing import Annotated, Any, Iterable, Literal, Mapping
 from urllib.parse import urlsplit
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    model_validator,
-)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator)
 
 from prefect_sgpu.environment_files import DEFAULT_MAX_BYTES, Tree, installed_files, scan
 from prefect_sgpu.environment_index import IndexSettings, IndexURL, masked, masked_text

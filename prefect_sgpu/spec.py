@@ -29,15 +29,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 from typing_extensions import TypedDict
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    model_validator,
-)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator)
 
 from prefect_sgpu import catalog
 from prefect_sgpu import environment as environment_mod

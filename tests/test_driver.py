@@ -98,6 +98,50 @@ def test_a_lost_node_is_recovered_on_new_capacity(tmp_path: Path) -> None:
     assert result.released == ["2 fake node(s)", "2 fake node(s)"], "both gangs' capacity is listed"
 
 
+class _SlowCompute(FakeCompute):
+    """Every acquire, stop and release takes a while; the heartbeat's sequence is read before and after."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.beats: dict[str, list[int]] = {}
+
+    def _slowly(self, what: str, folder) -> None:
+        before = folder.heartbeat().seq
+        time.sleep(0.6)
+        self.beats.setdefault(what, []).append(folder.heartbeat().seq - before)
+
+    def acquire(self, request, folder, deadline, cancel):
+        self._slowly("acquire", folder)
+        return super().acquire(request, folder, deadline, cancel)
+
+    def stop(self, allocation, grace: float = 10.0) -> None:
+        self._slowly("stop", allocation.folder)
+        super().stop(allocation, grace)
+
+    def release(self, allocation):
+        self._slowly("release", allocation.folder)
+        return super().release(allocation)
+
+
+def test_the_driver_beats_through_acquire_stop_release_and_relaunch_and_stops_when_its_folder_goes(
+        tmp_path: Path, monkeypatch) -> None:
+    """The heartbeat is the driver's alone: no compute writes it, and it never pauses while a lost gang
+    is stopped, released and acquired again (nodes and sweepers would take the run for dead)."""
+    from prefect_sgpu import heartbeat
+
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_INTERVAL_S", 0.05)
+    compute = _SlowCompute(nodes=2, lose_node=1, lose_times=1)
+    job = _job(_identity, compute, tmp_path, 5, gpus=2)
+    assert job.run().values == [5, 5]
+    assert len(compute.beats["acquire"]) == 2 and len(compute.beats["release"]) == 2
+    for what, advanced in compute.beats.items():
+        assert all(n >= 3 for n in advanced), (what, advanced)
+    store = LocalStore(tmp_path)
+    assert store.get(job.run_id, jobfolder.HEARTBEAT) is None, "the heartbeat went with the control files"
+    time.sleep(0.3)
+    assert store.get(job.run_id, jobfolder.HEARTBEAT) is None, "and nothing beats after the job"
+
+
 def _fails_after_peer_loss() -> None:
     raise RuntimeError("Connection closed by peer")  # what a lost node's peers see in a collective
 

@@ -287,8 +287,9 @@ class Compute(ABC):
         ``deadline`` is a ``time.monotonic()`` value (the job's own timeout): past it,
         acquire gives back what it got and raises ``LaunchTimeout`` (phase says where).
         Once ``cancel`` is set it gives back what it got and raises ``JobCancelled``.
-        On any exception nothing acquired is left behind. While it waits, it keeps the
-        driver's heartbeat in ``folder`` fresh.
+        On any exception nothing acquired is left behind. The driver's heartbeat in ``folder``
+        is the driver's own (:mod:`prefect_sgpu.heartbeat`): fresh from before acquire until the
+        folder goes; no compute writes it.
         """
 
     @abstractmethod

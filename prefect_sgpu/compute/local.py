@@ -50,8 +50,6 @@ KEEP_WARM_ENV = "PREFECT_SGPU_KEEP_WARM"
 DEFAULT_KEEP_WARM_S = 120.0
 #: seconds between two tries for GPUs while acquire waits for other jobs to release them
 LEASE_POLL_S = 0.5
-#: seconds between two driver heartbeats while acquire waits
-BEAT_INTERVAL_S = 2.0
 
 
 def heartbeat_ttl() -> float:
@@ -268,18 +266,12 @@ class LocalProcessCompute(Compute):
             lease = self._lease_gpus(request, folder, deadline, cancel) if request.plan.device == "cuda" else None
             ppn = request.plan.procs_per_node
 
-            def beat() -> None:
-                try:
-                    folder.beat()
-                except Exception:  # noqa: BLE001 - the next beat may succeed
-                    logger.debug("heartbeat failed", exc_info=True)
-
             argvs = [self.command_line(request, NodeCommand(i, warm_node_argv(i))) for i in range(request.plan.nodes)]
             env = {**node_base_environment(dict(os.environ)), "PYTHONPATH": _import_path({})}
             try:
                 warm = start_set(key, argvs, env, warm_logs_dir(), lease,
                                  lambda i: list(lease.fds[i * ppn:(i + 1) * ppn]) if lease else [],
-                                 deadline, cancel, beat, request.run_id, request.spec.timeout)
+                                 deadline, cancel, request.run_id, request.spec.timeout)
             except BaseException:
                 if lease is not None:
                     lease.close()
@@ -302,7 +294,6 @@ class LocalProcessCompute(Compute):
         if needed > len(gpus):  # plan() refuses this; a request planned elsewhere must not wait forever
             raise SGPUConfigError("gpus", needed, f"at most {len(gpus)} on this machine")
         waiting = False
-        last_beat = time.monotonic()
         while True:
             try:
                 lease, busy = leases.try_lease(gpus, needed, request.run_id)
@@ -325,12 +316,6 @@ class LocalProcessCompute(Compute):
                 raise JobCancelled(f"job {request.run_id} was cancelled while waiting for GPUs")
             if time.monotonic() > deadline:
                 raise LaunchTimeout(request.run_id, request.spec.timeout, phase="waiting for GPUs")
-            if time.monotonic() - last_beat > BEAT_INTERVAL_S:
-                last_beat = time.monotonic()
-                try:
-                    folder.beat()
-                except Exception:  # noqa: BLE001 - the next beat may succeed
-                    logger.debug("heartbeat failed", exc_info=True)
 
     def start(self, allocation: Allocation, launch: JobLaunch) -> None:
         assert isinstance(allocation, LocalAllocation)

@@ -7,11 +7,11 @@ instance's user-data is a few lines of shell that start this program; it holds
 no credentials (the instance profile grants S3, SSM and ``ec2:TerminateInstances``
 on itself) and no key. The program:
 
-1. learns who it is from IMDSv2 (instance id, AMI launch index = node index, private IP;
-   ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` points it elsewhere, as botocore honours it);
-2. reads the job key from the SSM SecureString whose name it derives from its own
-   ``--run-id`` (:func:`prefect_sgpu.jobfolder.ssm_key_parameter`; never from a
-   document), waiting for it at most ``--heartbeat-ttl`` seconds;
+1. learns who it is from its node host (on EC2, IMDSv2: instance id, AMI launch index =
+   node index, private IP);
+2. reads the job key from the secret whose name it derives from its own ``--run-id``
+   (:func:`prefect_sgpu.jobfolder.ssm_key_parameter`; never from a document), waiting for it
+   at most ``--heartbeat-ttl`` seconds;
 3. announces itself (a sealed ``nodes/node-<i>.alive``, refreshed while it lives) and
    waits for its launch document, written by the driver once every node is up. Only a
    document sealed with the job key *and bound to this node index and this instance
@@ -21,38 +21,22 @@ on itself) and no key. The program:
 4. copies the payload into a local job folder (the ranks verify it) and runs the
    node agent against that folder, with the job key in its environment;
 5. in a loop, ships what rank logs, metric files and its agent's output gained since the
-   last tick as appended pieces (``Store.append``: S3 objects cannot be appended to, and
-   re-uploading a growing log whole ships its size on every tick), writes each whole once
-   at the end, uploads sealed result envelopes, copies the driver's sealed heartbeat
+   last tick as appended pieces (``Store.append``: re-uploading a growing log whole ships its
+   size on every tick), writes each whole once at the end, uploads sealed result envelopes, copies the driver's sealed heartbeat
    down verbatim (the agent verifies it too), and finally re-seals the agent's status
    bound to this instance;
-6. watches the host (IMDS on EC2) for a spot interruption notice (``spot/instance-action``) and a rebalance
-   recommendation (``events/recommendations/rebalance``): on either it tells the ranks
-   (the ``preempt`` file ``runtime.preemption_requested()`` reads; a ``Checkpointer``
-   saves at once) and the driver (a sealed ``nodes/node-<i>.notice``), which relaunches
-   the job on new capacity once this node is gone;
+6. watches the host for a reclaim notice (on EC2 a spot interruption or a rebalance
+   recommendation): it tells the ranks (the ``preempt`` file ``runtime.preemption_requested()``
+   reads; a ``Checkpointer`` saves at once) and the driver (a sealed ``nodes/node-<i>.notice``),
+   which relaunches the job on new capacity once this node is gone;
 7. obeys a sealed ``stop`` from the driver, and when no *new* heartbeat (a higher
    sequence number under a valid seal) has arrived for ``--heartbeat-ttl`` seconds
    (the driver died) stops the agent and terminates its own instance, so a dead driver
-   cannot leak paid VMs.
+   cannot leak paid VMs. Staleness is measured on this node's monotonic clock: clock skew
+   does not matter, and a forged or replayed heartbeat keeps nothing alive.
 
-With ``--lease`` the instance belongs to a warm lease (``--run-id`` is the lease's id) and
-serves one job after another. Between jobs it waits in the lease's folder, announcing itself
-there and watching the lease's heartbeat and stop, for its *assignment*: a document sealed
-with the lease key, bound to this node and instance, naming the next job's run id with a
-sequence number higher than the last one it took. It then reads that job's key from SSM (the
-name derives from the run id, never from a document) and runs steps 3-7 in the job's folder.
-A lease's node also keeps a warm node process (:mod:`prefect_sgpu.launch.warm_node`, torch
-imported, never running user code): each job's node agent is forked from it, and its ranks in
-turn, so a job on a warm lease imports nothing (the lease's first job waits for the preload,
-at most 30 s, and otherwise starts its agent as a cold node does). When the job ends (finished or stopped) every process it left
-is killed (the warm node and this program are child subreapers, so orphans come back to them),
-the job's local folder is deleted and the node goes back to waiting. A stale heartbeat of the job or of
-the lease still terminates the instance, and a ``stop`` in the lease's folder (the lease is
-closed) leaves it to the driver's termination, watched by the same heartbeat rule.
-
-Staleness is measured on this node's monotonic clock, so clock skew between the driver
-and the node does not matter, and a forged or replayed heartbeat keeps nothing alive.
+With ``--lease`` the machine serves a warm lease's jobs one after another
+(:mod:`prefect_sgpu.launch.lease_node`).
 """
 
 from __future__ import annotations
@@ -68,41 +52,23 @@ from pathlib import Path
 from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
-from prefect_sgpu.jobfolder import (
-    HEARTBEAT,
-    Assign,
-    LOGS,
-    PAYLOAD,
-    RESULTS,
-    Alive,
-    JobFolder,
-    LaunchDocument,
-    NodeStatus,
-    Notice,
-    agent_output_key,
-    ssm_key_parameter,
-    ssm_secrets_parameter,
-    unseal,
-)
+from prefect_sgpu.jobfolder import (HEARTBEAT, LOGS, PAYLOAD, RESULTS, Alive, JobFolder, LaunchDocument, NodeStatus,
+                                    Notice, agent_output_key, ssm_key_parameter, ssm_secrets_parameter, unseal)
 from prefect_sgpu.launch.node_host import NodeHost, NodeIdentity
+from prefect_sgpu.launch.lease_node import ForkedAgent, LeaseServing
 from prefect_sgpu.launch.processes import kill_and_reap
+from prefect_sgpu.launch.processes import node_log as _log
 from prefect_sgpu.mlflow_relay import METRICS
 from prefect_sgpu.runtime import PROGRESS_DIR
 
 NODE_DIR_ENV = "PREFECT_SGPU_NODE_DIR"
 KEY_ENV = "SGPU_PAYLOAD_KEY"
-#: seconds a job waits for the lease's warm node to finish preloading before its agent starts cold
-WARM_PRELOAD_WAIT_S = 30.0
 
 
 # --- the node ------------------------------------------------------------------------
 
 
-def _log(message: str) -> None:
-    print(f"[sgpu-bootstrap] {message}", flush=True)
-
-
-class NodeBootstrap:
+class NodeBootstrap(LeaseServing):
     """One node's life: read the key, announce, wait for a verified launch, run the agent, sync, clean up."""
 
     def __init__(
@@ -568,128 +534,6 @@ class NodeBootstrap:
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
             time.sleep(self.interval)
 
-    # -- a warm lease -------------------------------------------------------------
-
-    def serve_lease(self) -> int:
-        """Jobs one after another, each as the lease assigns it; between them, wait in the lease's folder."""
-        import psutil
-
-        from prefect_sgpu.launch.processes import become_subreaper
-
-        assert self.lease_id is not None and self.key is not None
-        become_subreaper()
-        self._resident = {p.pid for p in psutil.Process().children(recursive=True)}
-        self.start_warm_node()
-        lease_id, lease_key = self.lease_id, self.key
-        while True:
-            self.phase = "idle"
-            self.publish_alive(force=True)
-            self.publish_notice()  # a reclaim notice seen during a job: the lease must know too
-            assigned = self.wait_for_assignment()
-            if assigned is None:
-                if self.stop_requested():
-                    _log(f"lease {lease_id} was closed")
-                    return self.watch_until_gone()
-                return self.terminate_self(f"no new lease heartbeat for {self.heartbeat_ttl:g}s")
-            _log(f"assigned job {assigned.run_id} (assignment {assigned.seq})")
-            key = self.read_key(assigned.run_id, wait=self.key_wait)
-            if key is None:  # the driver gave the job up before it wrote the key: back to waiting
-                continue
-            self.enter(assigned.run_id, key)
-            try:
-                code = self.serve_job()
-            finally:
-                self.clear_job()
-                self.enter(lease_id, lease_key)
-            if code is not None:
-                return code
-
-    def wait_for_assignment(self) -> Assign | None:
-        """The lease's next verified assignment for this node (a sequence number above the last
-        one taken), or None when the lease was closed or its driver went away."""
-        assert self.folder is not None
-        while True:
-            doc = None
-            try:
-                self.publish_alive()
-                self.watch_notices()
-                doc = self.folder.assignment(self.index, instance_id=self.identity.instance_id)
-            except DocumentRefused as exc:
-                self._refused(exc)
-            except Exception as exc:  # noqa: BLE001
-                self._store_error("reading the lease's assignment", exc)
-            if doc is not None and doc.seq > self._assigned:
-                self._assigned = doc.seq
-                return doc
-            if doc is not None and doc.seq < self._assigned:
-                self._refused(DocumentRefused(f"assignment {doc.seq} of lease {self.run_id} is older than "
-                                              f"assignment {self._assigned}, already served (replayed): refused"))
-            if self.stop_requested():
-                return None
-            if self.heartbeat_stale():
-                return None
-            time.sleep(self.interval)
-
-    def start_warm_node(self) -> None:
-        """The lease's warm node: it preloads while the node waits for its first assignment."""
-        from prefect_sgpu.launch.warm_pool import WarmNodeProcess, warm_node_argv
-
-        try:
-            self.warm = WarmNodeProcess(self.index, warm_node_argv(self.index), dict(os.environ),
-                                        self.node_dir / "warm-node.log", [])
-        except OSError as exc:  # every job then starts its agent cold
-            _log(f"no warm node: {exc}")
-            self.warm = None
-
-    def fork_agent(self, argv: list[str], env: dict[str, str]) -> "ForkedAgent | None":
-        """The job's node agent forked from the warm node, when there is one, it has preloaded and
-        the argv is the node agent's; else None (the caller starts the agent cold)."""
-        from prefect_sgpu.launch.warm_pool import AGENT_MODULE
-
-        warm = self.warm
-        if warm is None or argv[1:3] != ["-m", AGENT_MODULE]:
-            return None
-        # still preloading (the lease's first job): worth the wait, a cold agent imports the same and more
-        if not warm.preloaded(wait=WARM_PRELOAD_WAIT_S):
-            if not warm.alive():
-                _log(f"the warm node is gone ({warm.broken or 'exited'}): jobs start cold from now on")
-                self.warm = None
-            return None
-        out = self.job_dir / agent_output_key(self.index)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            warm.launch(argv[3:], env, os.getcwd(), out)
-        except Exception as exc:  # noqa: BLE001 - the job still runs, cold
-            _log(f"the warm node could not start the job's agent ({exc}): starting it cold")
-            warm.close()
-            self.warm = None
-            return None
-        return ForkedAgent(warm)
-
-    def clear_job(self) -> None:
-        """Nothing of a finished job stays for the next: every process left in its agent's session
-        (a rank's daemon child) is killed, and its local folder is deleted."""
-        import shutil
-
-        import psutil
-
-        if self._agent is not None and self._agent.poll() is None:
-            self.stop_agent(self._agent)
-        # orphans come back here (a subreaper); what ran before the first job (the user-data's backstop) and
-        # the warm node (which kills what a job forked from it left before it reports the job ended) stay
-        keep = set(self._resident)
-        if self.warm is not None and self.warm.alive():
-            keep.add(self.warm.pid)
-            try:
-                keep |= {p.pid for p in psutil.Process(self.warm.pid).children(recursive=True)}
-            except psutil.Error:
-                pass
-        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in keep]
-        if left:
-            _log(f"killing {len(left)} process(es) job {self.run_id} left behind")
-            kill_and_reap(left)
-        shutil.rmtree(self.job_dir, ignore_errors=True)
-
     def watch_until_gone(self) -> int:
         """The work is done; the driver terminates this instance. If it never does, do it.
 
@@ -700,29 +544,6 @@ class NodeBootstrap:
             if self.heartbeat_stale():
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
             time.sleep(self.interval)
-
-
-class ForkedAgent:
-    """A job's node agent forked by the lease's warm node, seen as the bootstrap's loop sees a
-    ``Popen``: ``pid``, ``poll()`` (its exit code once the warm node killed what it left)."""
-
-    def __init__(self, warm: Any) -> None:
-        self.warm = warm
-        self.pid = int(warm.agent_pid)
-
-    def poll(self) -> int | None:
-        code = self.warm.poll()
-        if code is None and not self.warm.alive():
-            return -9  # the warm node died, and the agent with it
-        return code
-
-    def stop(self, grace: float) -> None:
-        """SIGTERM to the agent's process group, everything of the job SIGKILLed after ``grace``;
-        a warm node that does not report the job ended is closed (later jobs start cold)."""
-        self.warm.stop(grace)
-        if not self.warm.wait_job(grace + 10.0):
-            _log(f"the warm node did not end agent {self.pid}: closing it")
-            self.warm.close()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

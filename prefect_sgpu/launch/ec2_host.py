@@ -20,6 +20,7 @@ from typing import Any
 
 from prefect_sgpu import aws
 from prefect_sgpu.launch.node_host import NodeIdentity
+from prefect_sgpu.launch.processes import node_log as _log
 
 DEFAULT_IMDS = "http://169.254.169.254/"
 IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
@@ -27,10 +28,6 @@ IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself h
 #: what IMDS says when the cloud will take the instance away, and how to say it to people
 NOTICE_PATHS = (("spot/instance-action", "spot interruption"),
                 ("events/recommendations/rebalance", "rebalance recommendation"))
-
-
-def _log(message: str) -> None:
-    print(f"[sgpu-bootstrap] {message}", flush=True)
 
 
 def _imds_base() -> str:

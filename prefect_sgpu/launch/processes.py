@@ -1,8 +1,13 @@
-"""Stopping what a job started: the last step every process-owning part shares."""
+"""What every node program shares: its log line, and stopping what a job started."""
 
 from __future__ import annotations
 
 from typing import Any
+
+
+def node_log(message: str) -> None:
+    """One line of a remote node's own log (its console; on EC2 the instance's console output)."""
+    print(f"[sgpu-bootstrap] {message}", flush=True)
 
 
 def kill_and_reap(processes: list[Any], timeout: float = 5.0) -> None:

@@ -97,8 +97,7 @@ class WarmNodeProcess:
     def alive(self) -> bool:
         return self.broken is None and self.proc.poll() is None
 
-    def wait_ready(self, until: float, cancel: threading.Event, beat: Callable[[], None], run_id: str,
-                   timeout: float) -> None:
+    def wait_ready(self, until: float, cancel: threading.Event, run_id: str, timeout: float) -> None:
         """Until the node has imported what it preloads; raises if it died, ``cancel`` or ``until``."""
         while not self.ready:
             message = self._next(0.2)
@@ -111,7 +110,6 @@ class WarmNodeProcess:
                 raise JobCancelled(f"job {run_id} was cancelled while its warm nodes started")
             elif time.monotonic() > until:
                 raise LaunchTimeout(run_id, timeout, phase="starting warm nodes")
-            beat()
 
     def preloaded(self, wait: float = 0.0) -> bool:
         """Has the node imported what it preloads (and is it alive)? Waits at most ``wait`` seconds."""
@@ -237,7 +235,7 @@ class WarmSet(Pooled):
 
 def start_set(key: tuple[Any, ...], argvs: list[list[str]], env: dict[str, str], logs: Path,
               lease: Any, fds_of: Callable[[int], list[int]], until: float,
-              cancel: threading.Event, beat: Callable[[], None], run_id: str, timeout: float) -> WarmSet:
+              cancel: threading.Event, run_id: str, timeout: float) -> WarmSet:
     """Start one warm node per argv and wait until all have preloaded; on any failure none is left."""
     nodes: list[WarmNodeProcess] = []
     warm = WarmSet(key=key, nodes=nodes, lease=lease)
@@ -245,7 +243,7 @@ def start_set(key: tuple[Any, ...], argvs: list[list[str]], env: dict[str, str],
         for index, argv in enumerate(argvs):
             nodes.append(WarmNodeProcess(index, argv, env, logs / f"warm-{warm.id}-node-{index}.log", fds_of(index)))
         for node in nodes:
-            node.wait_ready(until, cancel, beat, run_id, timeout)
+            node.wait_ready(until, cancel, run_id, timeout)
     except BaseException:
         warm.close()
         raise

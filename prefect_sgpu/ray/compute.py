@@ -40,8 +40,6 @@ logger = logging.getLogger("prefect_sgpu.ray.compute")
 DRAIN_INTERVAL_S = 0.2
 #: seconds between two looks at the cluster while acquire waits for resources
 ACQUIRE_INTERVAL_S = 1.0
-#: seconds acquire keeps the driver's heartbeat fresh at while it waits
-BEAT_INTERVAL_S = 2.0
 #: the least time a graceful cancel gets before the run is killed (see RayTrainCompute._cancel)
 CANCEL_GRACE_S = 30.0
 #: how often a running job's collector is asked which ranks are silent (the hang watchdog)
@@ -295,7 +293,6 @@ class RayTrainCompute(Compute):
             logger.warning("the Ray cluster at %s has no GPUs: running %d CPU worker(s)",
                            self.address, plan.world_size)
         asked = False
-        last_beat = time.monotonic()
         try:
             while not fits(scaling, _alive_node_resources()):
                 if not asked:
@@ -307,9 +304,6 @@ class RayTrainCompute(Compute):
                     raise JobCancelled(f"job {request.run_id} was cancelled while waiting for Ray resources")
                 if time.monotonic() > deadline:
                     raise LaunchTimeout(request.run_id, spec.timeout, phase="acquire")
-                if time.monotonic() - last_beat > BEAT_INTERVAL_S:
-                    folder.beat()
-                    last_beat = time.monotonic()
         finally:
             if asked:
                 _ask_autoscaler(None)

@@ -21,9 +21,8 @@ import json
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prefect_sgpu.compute.base import (MASKED_ENV, AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeExited,
                                        NodeLost, NodeNotice, NodeUp, Released, Request)
@@ -38,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("prefect_sgpu.compute.remote.nodes")
 
-HEARTBEAT_INTERVAL_S = 2.0
 #: seconds the nodes of a warm lease get to take up a job before the lease is given up for new machines
 WARM_TAKEUP_S = 120.0
 
@@ -205,13 +203,12 @@ class RemoteNodeCompute(Compute):
         if request.keep_warm > 0:
             return self._acquire_warm(allocation, deadline, cancel)
         try:
-            with self._driver_heartbeat(folder):  # nodes must not think the driver died while we wait
-                self._sweep(request)
-                self._put_key(allocation)  # before any machine exists: nodes verify from their first read
-                self._prepare(allocation)
-                allocation.instances = self._provision(allocation, request.run_id, deadline, cancel)
-                allocation.progress("running", ", ".join(self._describe(m) for m in allocation.instances))
-                self._wait_for_agents(allocation, deadline, cancel)
+            self._sweep(request)
+            self._put_key(allocation)  # before any machine exists: nodes verify from their first read
+            self._prepare(allocation)
+            allocation.instances = self._provision(allocation, request.run_id, deadline, cancel)
+            allocation.progress("running", ", ".join(self._describe(m) for m in allocation.instances))
+            self._wait_for_agents(allocation, deadline, cancel)
         except BaseException:
             self._give_back(allocation)
             raise
@@ -234,26 +231,25 @@ class RemoteNodeCompute(Compute):
         assert isinstance(request, RemoteRequest)
         progress = allocation.progress
         try:
-            with self._driver_heartbeat(allocation.folder):
-                self._put_key(allocation)  # before the assignment: the nodes read it once assigned
-                lease = POOL.take(self._lease_key(request), owner=id(self))
-                if lease is not None:
-                    allocation.lease = lease
-                    progress("warm", f"lease {lease.lease_id}: {len(lease.instances)} machine(s) kept from "
-                                     f"an earlier job ({lease.jobs} so far)")
-                    try:
-                        self._assign(allocation, deadline, cancel, timeout=min(self.agent_timeout_s, WARM_TAKEUP_S))
-                        return allocation
-                    except (LaunchTimeout, ProvisioningError) as exc:
-                        if cancel.is_set() or time.monotonic() >= deadline:
-                            raise
-                        logger.warning("job %s: warm lease %s did not take the job up (%s); launching new "
-                                       "machines", allocation.run_id, lease.lease_id, exc)
-                        allocation.lease = None
-                        POOL.discard(lease)
-                self._sweep(request)
-                self._new_lease(allocation, deadline, cancel)
-                self._assign(allocation, deadline, cancel)
+            self._put_key(allocation)  # before the assignment: the nodes read it once assigned
+            lease = POOL.take(self._lease_key(request), owner=id(self))
+            if lease is not None:
+                allocation.lease = lease
+                progress("warm", f"lease {lease.lease_id}: {len(lease.instances)} machine(s) kept from "
+                         f"an earlier job ({lease.jobs} so far)")
+                try:
+                    self._assign(allocation, deadline, cancel, timeout=min(self.agent_timeout_s, WARM_TAKEUP_S))
+                    return allocation
+                except (LaunchTimeout, ProvisioningError) as exc:
+                    if cancel.is_set() or time.monotonic() >= deadline:
+                        raise
+                    logger.warning("job %s: warm lease %s did not take the job up (%s); launching new "
+                                   "machines", allocation.run_id, lease.lease_id, exc)
+                    allocation.lease = None
+                    POOL.discard(lease)
+            self._sweep(request)
+            self._new_lease(allocation, deadline, cancel)
+            self._assign(allocation, deadline, cancel)
         except BaseException:
             self._give_back(allocation)
             raise
@@ -490,26 +486,6 @@ class RemoteNodeCompute(Compute):
                     gone.append(f"SSM parameter {name}")
             gone += self._cleanup(allocation)  # after the machines: their nodes use it until they end
         return Released(gone=gone)
-
-    @contextmanager
-    def _driver_heartbeat(self, folder: "JobFolder") -> Iterator[None]:
-        """Keep the driver's sealed heartbeat fresh while acquire blocks (the driver beats afterwards)."""
-        done = threading.Event()
-
-        def beat() -> None:
-            while not done.wait(HEARTBEAT_INTERVAL_S):
-                try:
-                    folder.beat()
-                except Exception:  # noqa: BLE001 - the next beat may succeed
-                    logger.debug("heartbeat failed", exc_info=True)
-
-        thread = threading.Thread(target=beat, name=f"sgpu-remote-beat-{folder.run_id}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            done.set()
-            thread.join(timeout=5)
 
 
 def cost_text(cost: dict[str, Any] | None) -> str:
