@@ -11,6 +11,7 @@ from typing import Any
 
 from prefect_sgpu import runtime
 from prefect_sgpu.errors import (
+    EnvironmentMismatch,
     JobCancelled,
     LaunchTimeout,
     PayloadError,
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DistributedFunction",
+    "EnvironmentMismatch",
     "JobCancelled",
     "LaunchTimeout",
     "PayloadError",

@@ -21,28 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefect_sgpu import payload as payload_mod
-from prefect_sgpu.compute.base import (
-    Allocation,
-    Compute,
-    JobLaunch,
-    NodeCommand,
-    NodeExited,
-    NodeLost,
-    NodeNotice,
-    NodeUp,
-    Released,
-    Request,
-    rank_prefect_environment,
-)
-from prefect_sgpu.errors import (
-    InfrastructureLost,
-    JobCancelled,
-    JobHung,
-    LaunchTimeout,
-    RankFailedError,
-    SGPUConfigError,
-    SGPUError,
-)
+from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
+                                       NodeUp, Released, Request, rank_prefect_environment)
+from prefect_sgpu.errors import (EnvironmentMismatch, InfrastructureLost, JobCancelled, JobHung, LaunchTimeout,
+                                 RankFailedError, SGPUConfigError, SGPUError)
 from prefect_sgpu.heartbeat import DriverHeartbeat, Outage
 from prefect_sgpu.jobfolder import JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
@@ -327,7 +309,7 @@ class Job:
             tailer.poll()
             result = self._collect(self.plan, end)
             outcome = "FINISHED"
-        except (RankFailedError, LaunchTimeout, JobHung):
+        except (RankFailedError, LaunchTimeout, JobHung, EnvironmentMismatch):
             outcome = "FAILED"
             raise
         except BaseException as exc:

@@ -44,6 +44,18 @@ class ProvisioningError(SGPUError):
     """Compute could not be acquired (capacity, quota, permissions)."""
 
 
+class EnvironmentMismatch(SGPUError):
+    """A node runs what cannot run the driver's calls (another Python minor version, another
+    prefect-sgpu, ...): found once the nodes are up, before any rank starts (:mod:`prefect_sgpu.versions`)."""
+
+    def __init__(self, run_id: str, node: int, host: str, differences: list[str]) -> None:
+        self.run_id, self.node, self.host, self.differences = run_id, node, host, list(differences)
+        super().__init__(
+            f"job {run_id}: node {node} ({host}) cannot run the driver's calls: " + "; ".join(differences)
+            + ". Boot the nodes from an image that matches the driver (docs/environment.md); nothing was run."
+        )
+
+
 class LaunchTimeout(SGPUError, TimeoutError):
     """The job did not finish within its ``timeout``; every rank was stopped."""
 

@@ -196,6 +196,8 @@ class Alive(_Doc):
     seq: int
     time: float
     host: str = ""
+    #: what this node runs calls with (:func:`prefect_sgpu.versions.runtime_versions`)
+    versions: dict[str, str] = Field(default_factory=dict)
 
 
 class Notice(_Doc):

@@ -56,10 +56,10 @@ from prefect_sgpu.jobfolder import (HEARTBEAT, LOGS, PAYLOAD, RESULTS, Alive, Jo
                                     Notice, agent_output_key, ssm_key_parameter, ssm_secrets_parameter, unseal)
 from prefect_sgpu.launch.node_host import NodeHost, NodeIdentity
 from prefect_sgpu.launch.lease_node import ForkedAgent, LeaseServing
-from prefect_sgpu.launch.processes import kill_and_reap
-from prefect_sgpu.launch.processes import node_log as _log
+from prefect_sgpu.launch.processes import kill_and_reap, node_log as _log
 from prefect_sgpu.mlflow_relay import METRICS
 from prefect_sgpu.runtime import PROGRESS_DIR
+from prefect_sgpu.versions import runtime_versions
 
 NODE_DIR_ENV = "PREFECT_SGPU_NODE_DIR"
 KEY_ENV = "SGPU_PAYLOAD_KEY"
@@ -193,7 +193,8 @@ class NodeBootstrap(LeaseServing):
             return
         self._alive_at = now
         self._alive_seq += 1
-        doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname())
+        doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname(),
+                    versions=runtime_versions())
         self.folder.put_alive(self.index, doc, instance_id=self.identity.instance_id)
 
     def _store_error(self, what: str, exc: Exception) -> None:

@@ -69,7 +69,21 @@ class FakeNodeHost:
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+def _image_versions() -> None:
+    """An image with other versions than the driver's (``SGPU_FAKE_IMAGE_VERSIONS``, JSON): what this
+    machine reports is what such an image's interpreter would."""
+    import json
+
+    from prefect_sgpu import versions
+
+    other = json.loads(os.environ.get("SGPU_FAKE_IMAGE_VERSIONS") or "{}")
+    if other:
+        real = versions.runtime_versions()
+        versions.runtime_versions = lambda: {**real, **other}  # type: ignore[assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
+    _image_versions()
     from prefect_sgpu.launch.bootstrap import NodeBootstrap
     from prefect_sgpu.store import LocalStore
 

@@ -11,6 +11,7 @@ in :mod:`support.conformance_fake`, this is what adding a cloud takes.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -64,6 +65,8 @@ class FakeProvider:
     heartbeat_ttl_s: float
     #: False: machines start but never boot the node half (a stalled acquire)
     boot: bool = True
+    #: what the machines' image has in place of the driver's versions (``prefect_sgpu.versions``)
+    image_versions: dict[str, str] = field(default_factory=dict)
     machines: dict[str, FakeMachine] = field(default_factory=dict)
     #: what each provision was asked for: (launch id, nodes)
     sent: list[tuple[str, int]] = field(default_factory=list)
@@ -108,6 +111,8 @@ class FakeProvider:
         }
         if os.environ.get("TORCH_EXTENSIONS_DIR"):
             env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+        if self.image_versions:
+            env["SGPU_FAKE_IMAGE_VERSIONS"] = json.dumps(self.image_versions)
         if self.namespaces:
             env["SGPU_FAKE_NAMESPACE"] = "1"
             argv = [shutil.which("unshare") or "unshare", "--pid", "--fork", "--kill-child=SIGKILL",

@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prefect_sgpu.compute.base import (MASKED_ENV, AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeExited,
                                        NodeLost, NodeNotice, NodeUp, Released, Request)
 from prefect_sgpu.compute.remote.lease import WarmLease
-from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError
+from prefect_sgpu.errors import EnvironmentMismatch, JobCancelled, LaunchTimeout, ProvisioningError
 from prefect_sgpu.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
                                     ssm_secrets_parameter, status_key)
 from prefect_sgpu.launch.warm_pool import POOL, check_keep_warm
+from prefect_sgpu.versions import differences, runtime_versions
 
 if TYPE_CHECKING:
     from prefect_sgpu.store import Store
@@ -295,7 +296,8 @@ class RemoteNodeCompute(Compute):
 
         Ends at the job's deadline or after ``agent_timeout_s``, whichever is first
         (``LaunchTimeout``, phase "agent start"). An alive document that is not sealed
-        by this job for this node and machine is refused (logged) and waited past.
+        by this job for this node and machine is refused (logged) and waited past. A node whose
+        versions cannot run the driver's calls ends the wait at once (``EnvironmentMismatch``).
         """
         run_id, instances = allocation.run_id, allocation.instances
         if len(instances) != allocation.plan.nodes:
@@ -309,10 +311,16 @@ class RemoteNodeCompute(Compute):
         while True:
             listed = allocation.folder.node_documents()  # one listing a pass; a read only for what appeared
             for index, inst in enumerate(instances):
-                if index not in up and alive_key(index) in listed and \
-                        allocation.folder.alive(index, instance_id=inst.id) is not None:
-                    up.add(index)
-                    allocation.progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})")
+                if index in up or alive_key(index) not in listed:
+                    continue
+                alive = allocation.folder.alive(index, instance_id=inst.id)
+                if alive is None:
+                    continue
+                differ = differences(runtime_versions(), alive.versions)
+                if differ:  # before any rank starts: the job fails now, with both sides named
+                    raise EnvironmentMismatch(run_id, index, inst.id, differ)
+                up.add(index)
+                allocation.progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})")
             if len(up) == len(instances):
                 break
             if cancel.is_set():
