@@ -124,8 +124,8 @@ def node_host() -> int:
     def boot(iid: str, imds: str, user_data: str, node_dir: str) -> None:
         stop = stops[iid]
         try:
-            line = next(x for x in user_data.splitlines() if x.startswith("exec "))
-            argv = [a for a in shlex.split(line[len("exec "):]) if not a.startswith("--backstop-marker")]
+            line = next(x for x in user_data.splitlines() if " -m prefect_sgpu.launch.bootstrap " in x)
+            argv = [a for a in shlex.split(line) if not a.startswith("--backstop-marker")]
             assert argv[1:3] == ["-m", "prefect_sgpu.launch.bootstrap"], argv
             args = bs.parse_args(argv[3:])
             token = eh._imds_token(imds, 2.0)

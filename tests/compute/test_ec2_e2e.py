@@ -134,6 +134,30 @@ def test_node_that_never_boots_is_a_launch_timeout(ec2: EC2Env) -> None:
     assert len(instances) == 2 and all(i["State"]["Name"] == "terminated" for i in instances)
 
 
+def test_an_image_that_cannot_start_the_bootstrap_fails_the_job_in_seconds_not_at_the_timeout(
+        ec2: EC2Env, tmp_path: Path) -> None:
+    """The image's Python lacks prefect-sgpu: the user-data powers the instance off at once, and the
+    driver, seeing it go, fails the job with what it printed instead of waiting for the agent timeout."""
+    from prefect_sgpu.errors import ProvisioningError
+
+    python = tmp_path / "python-without-prefect-sgpu"
+    python.write_text("#!/bin/sh\necho \"$0: No module named prefect_sgpu\" >&2\nexit 1\n")
+    python.chmod(0o755)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, mlflow=False, timeout=900,
+                     compute=ec2.compute(python=str(python), agent_timeout_s=600.0))(_hello)
+    job = fn.job(1)
+    started = time.monotonic()
+    with pytest.raises(ProvisioningError, match="went away while booting") as info:
+        job.run()
+    waited = time.monotonic() - started
+    assert waited < 120, f"the job failed after {waited:.0f}s: the agent timeout is 600s"
+    assert "console output" in str(info.value)
+    for inst in ec2.instances(job.run_id):
+        assert "No module named prefect_sgpu" in ec2.simulator.console(inst["InstanceId"])
+        assert ec2.simulator.shutdowns(inst["InstanceId"]), "the user-data powered the instance off"
+    assert ec2.leftovers(job.run_id) == []
+
+
 def test_cancel_while_nodes_boot_terminates_them_and_ends_the_run_killed(ec2: EC2Env) -> None:
 
     from prefect_sgpu.errors import JobCancelled
@@ -1073,3 +1097,19 @@ def test_with_job_roles_a_rank_cannot_read_forge_or_stop_another_job(ec2: EC2Env
         with pytest.raises(iam.exceptions.NoSuchEntityException):
             iam.get_instance_profile(InstanceProfileName=roles.role_name(run_id))
         assert ec2.leftovers(run_id) == []
+
+
+def test_the_console_output_of_an_instance_reads_as_text(aws_env: MotoAWS, aws_network: Network) -> None:
+    """What a booting node printed reaches the error of a node that went away (GetConsoleOutput)."""
+    bucket = f"sgpu-console-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    compute = EC2InstanceCompute.from_settings(
+        {"store_uri": f"s3://{bucket}/jobs", "endpoint_url": aws_env.endpoint_url,
+         "subnet_ids": aws_network.subnet_ids}, session=aws_env.session())
+    iid = _moto_instance(aws_env, "console-run")
+    try:
+        text = compute._console_output(iid)
+        assert isinstance(text, str) and text.strip(), "moto's console output, decoded"
+        assert compute._console_tail(iid).startswith(f"; the end of {iid}'s console output:\n")
+    finally:
+        aws_env.client("ec2").terminate_instances(InstanceIds=[iid])

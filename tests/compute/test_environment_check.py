@@ -9,7 +9,7 @@ import pytest
 from support.aws_fixtures import free_port
 from support.conformance_fake import FakeCase
 
-from prefect_sgpu import EnvironmentMismatch, distributed
+from prefect_sgpu import EnvironmentMismatch, ProvisioningError, distributed
 from prefect_sgpu.versions import differences, runtime_versions
 
 pytestmark = pytest.mark.e2e
@@ -47,6 +47,24 @@ def test_a_node_image_with_another_python_fails_the_job_in_seconds_naming_both(t
         assert "python 3.10.12 on the node" in message and f"{runtime_versions()['python']} on the driver" in message
         assert info.value.node in (0, 1) and info.value.host.startswith("fake-")
         assert job.run_id not in case.compute.sent_launches, "no launch document was written: no rank started"
+        assert waited < case.compute.agent_timeout_s, f"failed after {waited:.0f}s, not at a timeout"
+        assert case.leftovers(job.run_id) == []
+    finally:
+        case.close()
+
+
+def test_a_node_whose_image_cannot_start_the_node_half_fails_the_job_in_seconds_with_its_output(
+        tmp_path: Path) -> None:
+    case = FakeCase(tmp_path, free_port())
+    case.provider.broken_image = "ModuleNotFoundError: No module named 'prefect_sgpu'"
+    try:
+        job = distributed(**case.options(timeout=600))(_never_runs).job()
+        started = time.monotonic()
+        with pytest.raises(ProvisioningError) as info:
+            job.run()
+        waited = time.monotonic() - started
+        assert "went away while booting" in str(info.value)
+        assert "console output:\nModuleNotFoundError: No module named 'prefect_sgpu'" in str(info.value)
         assert waited < case.compute.agent_timeout_s, f"failed after {waited:.0f}s, not at a timeout"
         assert case.leftovers(job.run_id) == []
     finally:

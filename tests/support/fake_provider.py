@@ -65,6 +65,8 @@ class FakeProvider:
     heartbeat_ttl_s: float
     #: False: machines start but never boot the node half (a stalled acquire)
     boot: bool = True
+    #: an image whose node half cannot start: the machine prints this and powers off
+    broken_image: str = ""
     #: what the machines' image has in place of the driver's versions (``prefect_sgpu.versions``)
     image_versions: dict[str, str] = field(default_factory=dict)
     machines: dict[str, FakeMachine] = field(default_factory=dict)
@@ -101,6 +103,8 @@ class FakeProvider:
                 f"--heartbeat-ttl={self.heartbeat_ttl_s:g}", *(["--lease"] if lease else [])]
         if not self.boot:
             argv = [sys.executable, "-c", "import time; time.sleep(3600)"]  # up, but never announces itself
+        elif self.broken_image:
+            argv = [sys.executable, "-c", f"import sys; print({self.broken_image!r}); sys.exit(1)"]
         env = {
             "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
             "PYTHONPATH": f"{REPO_ROOT}:{TESTS}",
@@ -211,6 +215,11 @@ class FakeCompute(RemoteNodeCompute):
         if time.monotonic() >= deadline:
             raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning")
         return self.provisioner.provision(launch_id, request.plan.nodes, bool(request.lease_id), cancel)
+
+    def _console_output(self, machine_id: str) -> str:
+        machine = self.provisioner.machines.get(machine_id)
+        log = machine.home / "console.log" if machine is not None else None
+        return log.read_text(errors="replace") if log is not None and log.exists() else ""
 
     def _lease_key(self, request: Any) -> tuple[Any, ...]:
         return ("fake", str(self.store.root_uri), request.plan.nodes, request.plan.procs_per_node)

@@ -283,6 +283,18 @@ class EC2InstanceCompute(RemoteNodeCompute):
             logger.warning("could not delete the IAM role of run %s: %s", allocation.run_id, exc)
             return []
 
+    def _console_output(self, machine_id: str) -> str:
+        """EC2's copy of the instance's serial console (GetConsoleOutput, base64 by the API's word; some
+        endpoints send the text itself). Minutes behind the instance on real EC2."""
+        import base64
+        import binascii
+
+        found = self._client("ec2").get_console_output(InstanceId=machine_id, Latest=True).get("Output") or ""
+        try:
+            return base64.b64decode(found, validate=True).decode("utf-8", "replace")
+        except (binascii.Error, ValueError):
+            return found
+
     def _launch_env(self, allocation: RemoteAllocation) -> dict[str, str]:
         env = {STORE_REGION_ENV: self.region}  # ranks reach the checkpoint location on S3 themselves
         env.update(self.store.env())  # and write it as the driver does (SSE-KMS key, bucket owner)

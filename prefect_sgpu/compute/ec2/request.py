@@ -280,11 +280,13 @@ def render_user_data(
     ``setup`` (shell lines, e.g. installing prefect-sgpu into the AMI's Python) runs first.
     The bootstrap derives the SSM parameter of the job key from ``run_id`` itself.
 
-    A backstop powers the instance off (instance-initiated shutdown terminates it) when
-    ``setup`` fails, and when the bootstrap has not taken over within ``backstop_s``
-    seconds (default: the heartbeat TTL): setup hung, or Python itself is broken. Once the
-    bootstrap runs it marks that it took over, and its own watch (and its own
-    termination on any fatal error) applies.
+    A backstop powers the instance off (instance-initiated shutdown terminates it) at once
+    when ``setup`` fails or the bootstrap ends without having taken over (the image's Python
+    cannot import prefect-sgpu, say): the driver sees the instance go within seconds and
+    reports its console output. When the bootstrap has not taken over within ``backstop_s``
+    seconds (default: the heartbeat TTL) either (setup hung), it powers off too. Once the
+    bootstrap runs it marks that it took over, and its own watch (and its own termination on
+    any fatal error) applies.
     """
     argv = [python, "-m", "prefect_sgpu.launch.bootstrap", f"--store={store_uri}", f"--run-id={run_id}",
             f"--region={region}", f"--heartbeat-ttl={heartbeat_ttl:g}"]
@@ -305,11 +307,11 @@ def render_user_data(
         f'marker="{marker}"',
         "# backstop: power off (which terminates this instance) unless the bootstrap takes over in time",
         f'( sleep {backstop:.0f}; [ -e "$marker" ] || shutdown -h now ) </dev/null >/dev/null 2>&1 &',
-        "trap 'shutdown -h now' EXIT  # setup failed",
+        "# setup failed, or the bootstrap ended before it took over: power off now",
+        """trap '[ -e "$marker" ] || shutdown -h now' EXIT""",
         "set -euo pipefail",
         *([setup.strip()] if setup.strip() else []),
-        "trap - EXIT",
-        "exec " + shlex.join(argv) + ' --backstop-marker="$marker"',
+        shlex.join(argv) + ' --backstop-marker="$marker"',
     ]
     return "\n".join(lines) + "\n"
 

@@ -194,6 +194,21 @@ class RemoteNodeCompute(Compute):
     def _describe(self, machine: Any) -> str:
         return f"{machine.id} ({machine.private_ip})"
 
+    def _console_output(self, machine_id: str) -> str:
+        """What the machine printed while it booted (its setup, the node half's first lines), as far
+        as the cloud keeps it; "" when there is nothing. Never raises."""
+        return ""
+
+    def _console_tail(self, machine_id: str, lines: int = 15, limit: int = 4000) -> str:
+        try:
+            text = self._console_output(machine_id)[-limit:].strip()
+        except Exception:  # noqa: BLE001 - the error is raised without it
+            logger.debug("no console output of %s", machine_id, exc_info=True)
+            return ""
+        if not text:
+            return ""
+        return f"; the end of {machine_id}'s console output:\n" + "\n".join(text.splitlines()[-lines:])
+
     # -- spending -------------------------------------------------------------------
 
     def acquire(self, request: Request, folder: "JobFolder", deadline: float,
@@ -336,7 +351,8 @@ class RemoteNodeCompute(Compute):
                 dead = {k: v for k, v in self.provisioner.instance_states([i.id for i in instances]).items()
                         if v in self.provisioner.dead_states}
                 if dead:
-                    raise ProvisioningError(f"job {run_id}: machine(s) {dead} went away while booting")
+                    raise ProvisioningError(f"job {run_id}: machine(s) {dead} went away while booting"
+                                            + self._console_tail(sorted(dead)[0]))
             cancel.wait(0.5)
         # addresses from the cloud's API (the provisioner), never from what a node wrote
         allocation.nodes = [AllocatedNode(index=i, address=inst.private_ip, host=inst.id, instance_id=inst.id)
