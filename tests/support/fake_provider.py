@@ -1,6 +1,6 @@
 """A fake cloud for the remote-node wing: its machines are local processes, and no AWS is involved.
 
-:class:`FakeProvider` implements :class:`prefect_sgpu.compute.remote.nodes.Provider` (machine
+:class:`FakeProvider` implements :class:`prefect_sgpu.compute.remote.provider.Provider` (machine
 states, terminate, secrets, cost); :class:`FakeCompute` is the whole of a cloud's compute on
 top of :class:`~prefect_sgpu.compute.remote.nodes.RemoteNodeCompute`: it plans a request and
 boots machines. Each machine runs :mod:`support.fake_node_host` (the real node bootstrap over

@@ -98,7 +98,7 @@ class Attempt:
 
 class EC2Provisioner:
     """Launches, waits for and terminates one run's instances (see the module docstring); the
-    remote-node wing's provider (:class:`prefect_sgpu.compute.remote.nodes.Provider`) on EC2."""
+    remote-node wing's provider (:class:`prefect_sgpu.compute.remote.provider.Provider`) on EC2."""
 
     #: instance states of a machine that will not run a job again
     dead_states = DEAD_STATES

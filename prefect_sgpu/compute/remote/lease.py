@@ -43,7 +43,7 @@ from prefect_sgpu.launch.warm_pool import Pooled
 from prefect_sgpu.jobfolder import Assign, alive_key, notice_key
 
 if TYPE_CHECKING:
-    from prefect_sgpu.compute.remote.nodes import Machine, Provider
+    from prefect_sgpu.compute.remote.provider import Machine, Provider
     from prefect_sgpu.jobfolder import JobFolder
 
 logger = logging.getLogger("prefect_sgpu.compute.remote.lease")

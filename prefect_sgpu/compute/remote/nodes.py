@@ -22,11 +22,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from prefect_sgpu.compute.base import (MASKED_ENV, AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeExited,
                                        NodeLost, NodeNotice, NodeUp, Released, Request)
 from prefect_sgpu.compute.remote.lease import WarmLease
+from prefect_sgpu.compute.remote.provider import Machine, Provider
 from prefect_sgpu.errors import EnvironmentMismatch, JobCancelled, LaunchTimeout, ProvisioningError
 from prefect_sgpu.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
                                     ssm_secrets_parameter, status_key)
@@ -40,44 +41,6 @@ logger = logging.getLogger("prefect_sgpu.compute.remote.nodes")
 
 #: seconds the nodes of a warm lease get to take up a job before the lease is given up for new machines
 WARM_TAKEUP_S = 120.0
-
-
-class Machine(Protocol):
-    """One provisioned machine, as the wing needs it."""
-
-    #: the cloud's id of the machine: documents are bound to it, states are read by it
-    id: str
-    #: the address peers reach it at (node 0's is the rendezvous host); from the cloud's API, never a node
-    private_ip: str
-
-
-class Provider(Protocol):
-    """What a cloud gives the remote-node wing besides launching machines (the compute's ``_provision``).
-
-    EC2's is :class:`prefect_sgpu.compute.ec2.instances.EC2Provisioner`.
-    """
-
-    #: the states of a machine that will not run a job again (lost, reclaimed, stopped)
-    dead_states: tuple[str, ...]
-
-    def instance_states(self, ids: list[str]) -> dict[str, str]:
-        """Each machine's state by id. An id the cloud no longer knows reads as a dead state; a
-        failed call is logged and returns what it has (possibly nothing): the caller asks again.
-        Never raises, spends nothing, safe from any thread."""
-
-    def terminate(self, launch_id: str) -> list[str]:
-        """End every machine (and group) launched for ``launch_id`` (a run id or a lease id),
-        whether or not this process launched it. Idempotent; returns what it removed."""
-
-    def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:
-        """Store ``value`` encrypted under ``name`` where the run's nodes (and only they, through
-        the run's identity) read it; overwritten if it exists. Raises on failure."""
-
-    def delete_secret(self, name: str) -> bool:
-        """Delete the secret ``name``; False when it was not there. Never raises (logged)."""
-
-    def cost(self, instances: list[Any], started: float, ended: float) -> dict[str, Any]:
-        """Machine-hours and their price between two wall-clock times (may raise: prices are optional)."""
 
 
 @dataclass(frozen=True)
