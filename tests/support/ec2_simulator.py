@@ -108,7 +108,8 @@ class SimulatedNode:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def _pid_namespaces() -> bool:
+def pid_namespaces() -> bool:
+    """Can a simulated machine get a PID namespace of its own (root, util-linux unshare)?"""
     unshare = shutil.which("unshare")
     if not unshare or os.geteuid() != 0:
         return False
@@ -137,7 +138,7 @@ class EC2Simulator:
         self.interval = interval
         self.nodes: dict[str, SimulatedNode] = {}
         self.skipped: set[str] = set()
-        self.namespaces = _pid_namespaces()
+        self.namespaces = pid_namespaces()
         base = network_octet()  # this worker's own addresses (see aws_fixtures.network_octet)
         self._addresses = (f"127.{base}.{n // 250}.{n % 250 + 1}" for n in itertools.count())
         self._stop = threading.Event()

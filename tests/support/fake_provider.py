@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from support.ec2_simulator import pid_namespaces
 from support.fake_node_host import secret_path
 
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
@@ -43,17 +44,6 @@ class FakeMachine:
     index: int
     proc: subprocess.Popen[bytes]
     home: Path
-
-
-def _pid_namespaces() -> bool:
-    unshare = shutil.which("unshare")
-    if not unshare or os.geteuid() != 0:
-        return False
-    probe = [unshare, "--pid", "--fork", "--kill-child=SIGKILL", "--mount-proc", "--", "true"]
-    try:
-        return subprocess.run(probe, capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
 
 
 @dataclass
@@ -82,7 +72,7 @@ class FakeProvider:
         self.addresses = (f"127.{octet}.{n // 250}.{n % 250 + 2}" for n in itertools.count())
         self.secrets = self.workdir / "secrets"
         self.secrets.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.namespaces = _pid_namespaces()
+        self.namespaces = pid_namespaces()  # a machine ends as a whole, as a terminated VM does
 
     def provision(self, launch_id: str, nodes: int, lease: bool, cancel: threading.Event) -> list[FakeMachine]:
         self.sent.append((launch_id, nodes))
