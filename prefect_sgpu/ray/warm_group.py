@@ -105,9 +105,15 @@ class WarmRank:
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return int(s.getsockname()[1])
+        """A port for the job's c10d store on this actor's node: outside the ephemeral range and reserved
+        machine-wide (:mod:`prefect_sgpu.compute.ports`). A port from binding port 0 can be taken by any
+        outgoing connection (a rank's gloo socket) before the store binds it, and two groups could be
+        handed the same one."""
+        import ray
+
+        from prefect_sgpu.compute.ports import free_port
+
+        return free_port(ray.util.get_node_ip_address())
 
     def run(self, config: dict[str, Any], identity: dict[str, Any], collector: Any) -> int:
         """Run one job's rank to its end; its output goes to ``collector`` as it comes, its envelope last."""
