@@ -29,14 +29,13 @@ class DriverHeartbeat:
     """Beats ``folder``'s heartbeat every ``interval`` seconds until :meth:`stop` (idempotent).
 
     The first beat is written by :meth:`start` itself, so a store that cannot be written fails
-    the job before anything is spent. A later failed beat is retried at the next interval;
-    :attr:`failing_since` says since when (``time.monotonic()``), None while beats succeed.
+    the job before anything is spent. A later failed beat is retried at the next interval (the
+    driver's poll loop judges a store outage, :class:`Outage`).
     """
 
     def __init__(self, folder: "JobFolder", interval: float | None = None) -> None:
         self.folder = folder
         self.interval = HEARTBEAT_INTERVAL_S if interval is None else interval
-        self.failing_since: float | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"sgpu-beat-{folder.run_id}", daemon=True)
 
@@ -49,10 +48,7 @@ class DriverHeartbeat:
         while not self._done.wait(self.interval):
             try:
                 self.folder.beat()
-                self.failing_since = None
             except Exception:  # noqa: BLE001 - the next beat may succeed; the nodes' TTL is the limit
-                if self.failing_since is None:
-                    self.failing_since = time.monotonic()
                 logger.debug("job %s: heartbeat failed", self.folder.run_id, exc_info=True)
 
     def stop(self) -> None:

@@ -48,7 +48,6 @@ from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store_s3 import S3Store
 
 if TYPE_CHECKING:
-    from prefect_sgpu.jobfolder import JobFolder
     from prefect_sgpu.store import Store
     from prefect_sgpu.compute.remote.sweep import Sweeper
 
@@ -108,6 +107,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
     """Whole EC2 GPU instances per job; the S3 store is the only channel to them."""
 
     name = "ec2"
+    allocation_type = EC2Allocation
     provisioner: EC2Provisioner
     store: S3Store
 
@@ -258,10 +258,6 @@ class EC2InstanceCompute(RemoteNodeCompute):
         return replace(request, run_instances=attempts)
 
     # -- what the remote-node wing asks of EC2 ---------------------------------------------
-
-    def _new_allocation(self, request: RemoteRequest, folder: "JobFolder") -> EC2Allocation:
-        base = super()._new_allocation(request, folder)
-        return EC2Allocation(request=request, folder=folder, nodes=[], started=base.started, progress=base.progress)
 
     def _requested_text(self, request: RemoteRequest) -> str:
         assert isinstance(request, EC2Request)

@@ -193,9 +193,12 @@ class RemoteNodeCompute(Compute):
             raise
         return allocation
 
+    #: what acquire tracks a job's machines in (a cloud may add fields)
+    allocation_type: type[RemoteAllocation] = RemoteAllocation
+
     def _new_allocation(self, request: RemoteRequest, folder: "JobFolder") -> RemoteAllocation:
-        return RemoteAllocation(request=request, folder=folder, nodes=[], started=time.time(),
-                                progress=Progress(self.name, request.run_id))
+        return self.allocation_type(request=request, folder=folder, nodes=[], started=time.time(),
+                                    progress=Progress(self.name, request.run_id))
 
     def _requested_text(self, request: RemoteRequest) -> str:
         return f"{request.plan.nodes} node(s)"
