@@ -108,7 +108,6 @@ class FakeProvider:
         if self.image_versions:
             env["SGPU_FAKE_IMAGE_VERSIONS"] = json.dumps(self.image_versions)
         if self.namespaces:
-            env["SGPU_FAKE_NAMESPACE"] = "1"
             argv = [shutil.which("unshare") or "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
                     "--mount-proc", "--", *argv]
         with open(home / "console.log", "ab") as out:
