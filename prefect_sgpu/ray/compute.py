@@ -457,7 +457,9 @@ class RayTrainCompute(Compute):
                 except Exception as exc:  # noqa: BLE001 - the actor died: reported as the run's error
                     failed.append(f"rank {rank}'s warm worker: {type(exc).__name__}: {exc}")
                     continue
-                if code:
+                if code and code < 0:
+                    failed.append(f"rank {rank} was killed by signal {-code}")
+                elif code:
                     failed.append(f"rank {rank} exited with code {code}")
         if failed:
             allocation.group.stop(0.0)

@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,10 @@ def _rank_child(config: dict[str, Any], identity: dict[str, Any], log_path: str,
                                 **({"device_id": runtime.device()} if backend == "nccl" else {}))
         envelope, code = run_payload(config["payload"], config["key"], config["run_id"], base)
         result.send_bytes(payload.dump_envelope(envelope))
+    except BaseException:  # noqa: BLE001 - joining the process group failed: said in the rank's log
+        traceback.print_exc()
+        print(f"rank {identity['rank']}: the process group over {identity['env']['MASTER_ADDR']}:"
+              f"{identity['env']['MASTER_PORT']} could not be joined", file=sys.stderr)
     finally:
         try:
             if dist.is_initialized():
