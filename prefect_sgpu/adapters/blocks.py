@@ -7,10 +7,12 @@ hold configuration only: nothing is provisioned until a job runs.
 
 from __future__ import annotations
 
+from abc import ABC
 from typing import Any, Literal, Optional, Union
 
 from prefect.blocks.core import Block
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field
+from typing_extensions import Annotated
 
 try:  # AWS credentials reuse prefect-aws's block when the aws extra is installed
     from prefect_aws import AwsCredentials
@@ -38,6 +40,10 @@ def _checked_environment(value: Any) -> Any:
     return value
 
 
+#: a block's ``environment=``, checked where the block is made
+EnvironmentOption = Annotated[Optional[Union[str, dict[str, Any]]], AfterValidator(_checked_environment)]
+
+
 def _with_environment(compute: Any, option: Any) -> Any:
     """The compute, carrying the block's ``environment=`` for :func:`prefect_sgpu.spec.compute_layer`."""
     if option is not None:
@@ -47,11 +53,18 @@ def _with_environment(compute: Any, option: Any) -> Any:
     return compute
 
 
-def _example(name: str, body: str) -> str:
-    return f'```python\nfrom prefect_sgpu.blocks import {name}\n\ncompute = {name}.load("BLOCK_NAME")\n{body}\n```'
+def _example(name: str, body: str, variable: str = "compute") -> str:
+    return f'```python\nfrom prefect_sgpu.blocks import {name}\n\n{variable} = {name}.load("BLOCK_NAME")\n{body}\n```'
 
 
-class LocalCompute(Block):
+class SGPUBlock(Block, ABC):
+    """What every prefect-sgpu block shares (an interface: Prefect registers only its subclasses)."""
+
+    _documentation_url = _DOCS
+    _logo_url = _LOGO  # type: ignore[assignment]
+
+
+class LocalCompute(SGPUBlock):
     """Run every node of a job as local processes on the machine that runs the flow."""
 
     _block_type_name = "SGPU Local Compute"
@@ -60,8 +73,6 @@ class LocalCompute(Block):
         "Runs GPU jobs as local processes (one torch elastic agent per simulated node); "
         "CPU ranks with gloo when the machine has no GPU."
     )
-    _documentation_url = _DOCS
-    _logo_url = _LOGO  # type: ignore[assignment]
     _code_example = _example(
         "LocalCompute", "\n@flow(task_runner=GPUTaskRunner(compute=compute))\ndef pipeline(): ..."
     )
@@ -84,18 +95,14 @@ class LocalCompute(Block):
         return Local(isolation=self.isolation, shm_size=self.shm_size, keep_warm=self.keep_warm)
 
 
-class SGPUStore(Block):
+class SGPUStore(SGPUBlock):
     """Where job payloads, per-rank logs, results and checkpoints go: a folder or S3."""
 
     _block_type_name = "SGPU Store"
     _block_type_slug = "sgpu-store"
     _description = "The mailbox between a GPU job's driver and its nodes: a local folder or an s3:// prefix."
-    _documentation_url = _DOCS
-    _logo_url = _LOGO  # type: ignore[assignment]
-    _code_example = (
-        '```python\nfrom prefect_sgpu.blocks import SGPUStore\n\nstore = SGPUStore.load("BLOCK_NAME")\n'
-        "@flow(task_runner=GPUTaskRunner(store=store))\ndef pipeline(): ...\n```"
-    )
+    _code_example = _example("SGPUStore", "@flow(task_runner=GPUTaskRunner(store=store))\ndef pipeline(): ...",
+                             variable="store")
 
     uri: str = Field(
         default="", description="A local folder or s3://bucket/prefix; empty means $PREFECT_SGPU_HOME/jobs."
@@ -116,7 +123,7 @@ class SGPUStore(Block):
         return LocalStore(self.uri or None)
 
 
-class EC2Compute(Block):
+class EC2Compute(SGPUBlock):
     """GPU VMs on AWS EC2, provisioned per job with boto3 and always terminated."""
 
     _block_type_name = "SGPU EC2 Compute"
@@ -125,8 +132,6 @@ class EC2Compute(Block):
         "Provisions GPU instances on EC2 for each job (spot, on-demand or a capacity reservation, "
         "with AZ failover) and terminates them on every outcome."
     )
-    _documentation_url = _DOCS
-    _logo_url = _LOGO  # type: ignore[assignment]
     _code_example = _example(
         "EC2Compute",
         '\n@distributed(gpus=16, gpu_type="H100", remote=True, compute=compute)\ndef train(): ...',
@@ -211,7 +216,7 @@ class EC2Compute(Block):
                     "runner ends them when the flow ends; not with job_roles.",
     )
     endpoint_url: Optional[str] = Field(default=None, description="Custom AWS endpoint (tests, private links).")
-    environment: Optional[Union[str, dict[str, Any]]] = Field(default=None, description=ENVIRONMENT_DESCRIPTION)
+    environment: EnvironmentOption = Field(default=None, description=ENVIRONMENT_DESCRIPTION)
     if AwsCredentials is not None:
         aws_credentials: Optional[AwsCredentials] = Field(  # type: ignore[valid-type]
             default=None, description="Credentials of the driver; nodes use the instance profile."
@@ -225,20 +230,13 @@ class EC2Compute(Block):
         compute = EC2.from_settings(settings, session=creds.get_boto3_session() if creds else None)
         return _with_environment(compute, self.environment)
 
-    @field_validator("environment")
-    @classmethod
-    def _check_environment(cls, value: Any) -> Any:
-        return _checked_environment(value)
 
-
-class RayCompute(Block):
+class RayCompute(SGPUBlock):
     """An existing Ray cluster: jobs run as Ray Train TorchTrainer runs."""
 
     _block_type_name = "SGPU Ray Compute"
     _block_type_slug = "sgpu-ray-compute"
     _description = "Runs GPU jobs on an existing Ray cluster as Ray Train TorchTrainer jobs."
-    _documentation_url = _DOCS
-    _logo_url = _LOGO  # type: ignore[assignment]
     _code_example = _example(
         "RayCompute", "\n@flow(task_runner=GPUTaskRunner(compute=compute))\ndef pipeline(): ..."
     )
@@ -255,12 +253,7 @@ class RayCompute(Block):
                     "waits for the next job of the same shape, which then pays only for its function; 0: each "
                     "job is a Ray Train run of its own (needed by functions that call Ray Train's API).",
     )
-    environment: Optional[Union[str, dict[str, Any]]] = Field(default=None, description=ENVIRONMENT_DESCRIPTION)
-
-    @field_validator("environment")
-    @classmethod
-    def _check_environment(cls, value: Any) -> Any:
-        return _checked_environment(value)
+    environment: EnvironmentOption = Field(default=None, description=ENVIRONMENT_DESCRIPTION)
 
     def get_compute(self) -> Any:
         from prefect_sgpu.ray.compute import RayTrainCompute as Ray
