@@ -304,7 +304,8 @@ class Job:
                 from prefect_sgpu.mlflow_relay import MetricRelay
 
                 assert self.tracked is not None
-                self.relay = MetricRelay(self.store, self.run_id, self.tracked.tracking_uri, self.tracked.run_id)
+                self.relay = MetricRelay(self.store, self.run_id, self.tracked.tracking_uri, self.tracked.run_id,
+                                         key)
             end = self._run_gangs(request, folder, deadline, tailer)
             tailer.poll()
             result = self._collect(self.plan, end)

@@ -14,7 +14,8 @@ acts on is sealed: HMAC-SHA256 with the job's key over a header that binds it to
 Anything unsigned, foreign or rebound is refused with :class:`DocumentRefused`; a
 reader that cannot tell (the driver polling for a node's status) logs the refusal
 and treats the document as absent. Rank logs are the only unsigned files: they are
-shown, never acted on.
+shown, never acted on. Relayed MLflow records are sealed one a line, with a key derived from
+the job key (:mod:`prefect_sgpu.mlflow_relay`).
 
 The key itself never enters the store: locally it is in the node agent's
 environment, on EC2 in an SSM SecureString whose name derives from the run id.
@@ -32,7 +33,9 @@ Layout of one job (``<store root>/<run_id>/...``)::
     nodes/node-<i>.status       sealed NodeStatus (exit code, failures,   node i -> driver
                                 hung ranks, reclaim notice)
     results/rank-<r>.bin        sealed result envelope                    rank r -> driver
-    metrics/rank-<r>.jsonl      relayed MLflow records (remote ranks)     rank r -> driver
+    metrics/rank-<r>.jsonl      relayed MLflow records (remote ranks),    rank r -> driver
+                                one sealed record a line
+                                (:mod:`prefect_sgpu.mlflow_relay`)
     logs/rank-<r>.log           rank r's stdout+stderr (kept after the job)
     logs/gang-<n>/rank-<r>.log  the logs of a gang relaunched after infrastructure loss
     agent/node-<i>.out          node i's agent output
@@ -79,7 +82,7 @@ BUNDLE_MAGIC = b"SGPU2-LAUNCH\n"
 _DIGEST = 32
 
 Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result", "assign",
-               "checkpoint"]
+               "checkpoint", "metrics"]
 
 # --- keys ------------------------------------------------------------------------------
 

@@ -288,9 +288,10 @@ def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> t
 
 
 def main() -> int:
-    from prefect_sgpu import jobfolder, payload
+    from prefect_sgpu import jobfolder, mlflow_relay, payload
 
     key = os.environ.pop("SGPU_PAYLOAD_KEY")
+    mlflow_relay.arm(key)  # relayed MLflow records are sealed (with a key derived from this one)
     folder = jobfolder.JobFolder.local(os.environ["SGPU_JOB_DIR"], key)
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
