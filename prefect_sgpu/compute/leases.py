@@ -15,6 +15,13 @@ description is closed, so:
 Leases are taken all at once or not at all (:func:`try_lease`): nothing is held while a
 job waits, so two jobs cannot deadlock each holding part of what the other needs.
 The holder (pid, run id, time) is written into each lock file, for messages only.
+
+The folder is shared by every user of the machine, so nothing in it is trusted as a path:
+the folder itself must be a real directory (not a symlink), owned by this user or root and
+sticky when others may write it; a lock file is opened without following a symlink and
+used only when it is a regular file with one link, so a name planted by another user (a
+symlink or hard link to one of this user's files, a FIFO) is refused, never written
+through. Waiting for the folder's own lock (:func:`flock_within`) is bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -44,12 +52,43 @@ def lease_dir() -> Path:
         try:
             path.mkdir(mode=0o1777)
         except FileExistsError:
-            if not path.is_dir():
-                raise
+            pass
         else:
             os.chmod(path, 0o1777)  # mkdir's mode is cut by the umask: every user must create files here
+        check_folder(path)
         _ensured.add(path)
     return path
+
+
+def check_folder(path: Path) -> None:
+    """OSError unless ``path`` is a folder that only this user, root or the sticky bit guard.
+
+    A symlink (another user may have put it where the folder is expected), a folder of another
+    user (its owner can remove or replace any file in it) or one others may write without the
+    sticky bit (anyone can) would let another user break every lease in it."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise OSError(f"the lease folder {path} is not a folder (a symlink or a file): refused")
+    if info.st_uid not in (os.geteuid(), 0):
+        raise OSError(f"the lease folder {path} belongs to another user (uid {info.st_uid}), who could remove "
+                      "or replace its lease files: refused (an administrator can create it owned by root, "
+                      "mode 1777, as /tmp is)")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise OSError(f"the lease folder {path} is writable by others without the sticky bit: refused")
+
+
+def flock_within(fd: int, timeout_s: float) -> bool:
+    """An exclusive flock on ``fd`` within ``timeout_s`` seconds; False when another process held it
+    longer (another user can hold a shared folder's lock for ever: the caller goes on without it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
 
 def open_shared(path: Path) -> int:
@@ -58,15 +97,20 @@ def open_shared(path: Path) -> int:
     Opens read-write, or read-only where another user's file does not allow writing
     (flock needs neither). Never ``O_CREAT`` on an existing file: in a sticky folder
     Linux (``fs.protected_regular``) refuses that for files of other users."""
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # a FIFO must not block the open
     while True:
         try:
-            return os.open(path, os.O_RDWR)
+            return _regular(os.open(path, os.O_RDWR | flags), path)
         except FileNotFoundError:
             pass
         except PermissionError:
-            return os.open(path, os.O_RDONLY)
+            return _regular(os.open(path, os.O_RDONLY | flags), path)
+        except OSError as exc:
+            if os.path.islink(path):  # O_NOFOLLOW: ELOOP
+                raise OSError(f"{path} is a symlink (planted by another user?): refused") from exc
+            raise
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o666)
         except FileExistsError:
             continue  # another process created it just now: open theirs
         try:
@@ -74,6 +118,17 @@ def open_shared(path: Path) -> int:
         except OSError:
             pass
         return fd
+
+
+def _regular(fd: int, path: Path) -> int:
+    """``fd`` when it is a regular file with one link; closed and OSError otherwise (a hard link
+    to another file, a FIFO or a device planted under a lease file's name is never written)."""
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        return fd
+    os.close(fd)
+    raise OSError(f"{path} is not a plain lease file (a link, FIFO or device, planted by another user?): "
+                  "refused")
 
 
 def lock_path(folder: Path, gpu: str) -> Path:

@@ -14,7 +14,6 @@ the folder's ``ports.lock``; a reservation older than ``REUSE_AFTER_S`` is stale
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import random
@@ -23,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from prefect_sgpu.compute.leases import lease_dir, open_shared
+from prefect_sgpu.compute.leases import flock_within, lease_dir, open_shared
 
 logger = logging.getLogger("prefect_sgpu.compute.ports")
 
@@ -33,6 +32,8 @@ LOW_PORT = 10000
 REUSE_AFTER_S = 600.0
 #: seconds between two sweeps of stale reservation files by this process
 SWEEP_EVERY_S = 60.0
+#: the longest wait for the folder's ports lock (held for a few file operations by its holder)
+LOCK_WAIT_S = 10.0
 
 _lock = threading.Lock()
 _handed: dict[int, float] = {}
@@ -80,7 +81,7 @@ def _reserve(folder: Path | None, port: int) -> bool:
         if age < REUSE_AFTER_S:
             return False
         try:
-            os.utime(path)  # stale: renewed, under the flock, so no other process takes it too
+            os.utime(path, follow_symlinks=False)  # stale: renewed under the flock (never a link's target)
         except PermissionError:
             return False  # another user's reservation that this user cannot renew
         return True
@@ -125,7 +126,8 @@ def _folder_lock() -> tuple[Path | None, int | None]:
         _folder_unusable(exc)
         return None, None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not flock_within(fd, LOCK_WAIT_S):  # held for ever by another user's process: do without it
+            raise TimeoutError(f"{folder / 'ports.lock'} was held by another process for {LOCK_WAIT_S:.0f} s")
     except OSError as exc:
         os.close(fd)
         _folder_unusable(exc)
