@@ -174,6 +174,10 @@ class SGPUWorker(ProcessWorker):
 
         ``infrastructure_pid`` is ``'<hostname>:<pid>'`` or a bare pid; a host other than
         this one is refused with ``InfrastructureNotAvailable`` and nothing is signalled.
+        The pid comes from the Prefect API, which whoever can edit a flow run writes: it is
+        signalled only when it is the process a worker started for the flow run being
+        cancelled (its environment names that flow run, as the worker set it), else
+        ``InfrastructureNotAvailable`` and nothing is signalled.
         """
         import psutil
         from prefect.exceptions import InfrastructureNotAvailable, InfrastructureNotFound
@@ -192,6 +196,7 @@ class SGPUWorker(ProcessWorker):
             root = psutil.Process(pid)
         except psutil.NoSuchProcess:
             raise InfrastructureNotFound(f"flow run process {pid} is not running") from None
+        _check_flow_run_process(root, configuration)
         tree = [root, *root.children(recursive=True)]
         root.send_signal(signal.SIGTERM)
         _, alive = await asyncio.to_thread(psutil.wait_procs, tree, grace_seconds)
@@ -201,3 +206,30 @@ class SGPUWorker(ProcessWorker):
             except psutil.NoSuchProcess:
                 pass
         await asyncio.to_thread(psutil.wait_procs, alive, 5)
+
+
+FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"
+
+
+def _check_flow_run_process(proc: Any, configuration: Any) -> None:
+    """InfrastructureNotAvailable unless ``proc`` was started for the flow run of ``configuration``.
+
+    The worker starts a flow run's process with ``PREFECT__FLOW_RUN_ID`` in its environment (Prefect's
+    own job configuration sets it), and the configuration Prefect hands to ``kill_infrastructure``
+    is prepared for the flow run being cancelled: a pid of any other process (the worker, another
+    flow run's, another user's) does not match and is never signalled."""
+    import psutil
+    from prefect.exceptions import InfrastructureNotAvailable
+
+    env = getattr(configuration, "env", None) or {}
+    expected = env.get(FLOW_RUN_ENV) if isinstance(env, dict) else None
+    if not expected:
+        raise InfrastructureNotAvailable(f"Unable to kill process {proc.pid}: the configuration names no flow "
+                                         "run, so nothing shows that this worker started it")
+    try:
+        found = proc.environ().get(FLOW_RUN_ENV)
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        found = None
+    if found != expected:
+        raise InfrastructureNotAvailable(f"Unable to kill process {proc.pid}: it is not the process of flow run "
+                                         f"{expected} (a worker starts that with {FLOW_RUN_ENV}={expected})")

@@ -139,20 +139,69 @@ def test_kill_infrastructure_refuses_a_process_of_another_host() -> None:
 
     from prefect_sgpu.adapters.worker import SGPUWorker
 
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    configuration = _configuration_for_a_flow_run()
+    victim = _flow_run_process(configuration)
     try:
         worker = SGPUWorker(work_pool_name="any")
         with pytest.raises(InfrastructureNotAvailable, match="otherhost"):
-            asyncio.run(worker.kill_infrastructure(f"otherhost:{victim.pid}", configuration=None,
+            asyncio.run(worker.kill_infrastructure(f"otherhost:{victim.pid}", configuration=configuration,
                                                    grace_seconds=1))
         assert victim.poll() is None, "a process was killed on the word of another host"
-        asyncio.run(worker.kill_infrastructure(f"{socket.gethostname()}:{victim.pid}", configuration=None,
+        asyncio.run(worker.kill_infrastructure(f"{socket.gethostname()}:{victim.pid}", configuration=configuration,
                                                grace_seconds=5))
         assert victim.wait(timeout=30) is not None
     finally:
         if victim.poll() is None:
             victim.kill()
             victim.wait()
+
+
+def _configuration_for_a_flow_run() -> Any:
+    """The job configuration Prefect prepares for a flow run (and hands to ``kill_infrastructure``)."""
+    from uuid import uuid4
+
+    from prefect.client.schemas.objects import FlowRun
+
+    from prefect_sgpu.adapters.worker import SGPUJobConfiguration
+
+    configuration = SGPUJobConfiguration()
+    configuration.prepare_for_flow_run(FlowRun(id=uuid4(), flow_id=uuid4(), name="cancelled"))
+    return configuration
+
+
+def _flow_run_process(configuration: Any | None) -> subprocess.Popen[bytes]:
+    """A process started as the worker starts a flow run's (its configuration's environment), or, for
+    None, any other process of this user."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT__FLOW_RUN_ID"}
+    if configuration is not None:
+        env.update({k: v for k, v in configuration.env.items() if v is not None})
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+
+
+def test_kill_infrastructure_signals_only_the_process_of_the_flow_run_it_cancels() -> None:
+    """Whoever can edit a flow run sets its ``infrastructure_pid``: naming another process of the
+    worker's user (the worker's own, another flow run's) gets nothing signalled."""
+    from prefect.exceptions import InfrastructureNotAvailable
+
+    from prefect_sgpu.adapters.worker import SGPUWorker
+
+    cancelled, other = _configuration_for_a_flow_run(), _configuration_for_a_flow_run()
+    bystander, other_run, target = _flow_run_process(None), _flow_run_process(other), _flow_run_process(cancelled)
+    worker = SGPUWorker(work_pool_name="any")
+    try:
+        for proc, configuration in ((bystander, cancelled), (other_run, cancelled), (target, None)):
+            with pytest.raises(InfrastructureNotAvailable, match="Unable to kill process"):
+                asyncio.run(worker.kill_infrastructure(f"{socket.gethostname()}:{proc.pid}",
+                                                       configuration=configuration, grace_seconds=1))
+        assert [p.poll() for p in (bystander, other_run, target)] == [None] * 3, "a process was signalled"
+        asyncio.run(worker.kill_infrastructure(str(target.pid), configuration=cancelled, grace_seconds=5))
+        assert target.wait(timeout=30) is not None
+        assert bystander.poll() is None and other_run.poll() is None
+    finally:
+        for proc in (bystander, other_run, target):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_the_pool_offers_block_pickers_for_its_block_variables() -> None:

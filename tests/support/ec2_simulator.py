@@ -21,6 +21,14 @@ process, with what a VM would give it:
 When moto says an instance is shutting down or terminated, the simulator kills that
 node's processes. ``boot`` decides per instance whether it boots at all (a node that
 never comes up).
+
+Two images. By default (``bare=False``) a node runs with the driver's venv on ``PATH`` and this
+checkout on ``PYTHONPATH`` (an image with everything baked in: ``environment="image"``). With
+``bare=True`` a node gets a *bare image*: a venv of the system Python holding only pip and uv
+(:func:`bare_image`), no checkout on any path; the environment stage in the user-data builds the
+driver's environment from the store, installing packages offline from uv's cache (``./dev`` fills
+it), under ``env_root`` (one folder for the simulator's nodes: a second node, or a second boot,
+with the same environment reuses the venv the first one built).
 """
 
 from __future__ import annotations
@@ -108,6 +116,30 @@ class SimulatedNode:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def bare_image() -> Path:
+    """A venv of the system Python with only pip and uv in it: what a bare machine image brings.
+    Made once per machine (by whichever test process comes first, under a lock) in the temporary folder."""
+    import fcntl
+    import tempfile
+
+    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    tag = f"{sys.version_info.major}{sys.version_info.minor}-{os.getuid()}"
+    image = Path(tempfile.gettempdir()) / f"sgpu-bare-image-{tag}"
+    ready = image / ".ready"
+    if ready.exists():
+        return image
+    with open(Path(tempfile.gettempdir()) / f".sgpu-bare-image-{tag}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ready.exists():
+            shutil.rmtree(image, ignore_errors=True)
+            subprocess.run([str(base), "-m", "venv", str(image)], check=True, capture_output=True)
+            uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+            assert uv, "uv is not installed beside the test Python (./dev installs it)"
+            shutil.copy2(uv, image / "bin" / "uv")
+            ready.touch()
+    return image
+
+
 def pid_namespaces() -> bool:
     """Can a simulated machine get a PID namespace of its own (root, util-linux unshare)?"""
     unshare = shutil.which("unshare")
@@ -130,12 +162,16 @@ class EC2Simulator:
         workdir: Path,
         boot: Callable[[dict[str, Any]], bool] | None = None,
         interval: float = 0.3,
+        bare: bool = False,
+        env_root: Path | None = None,
     ) -> None:
         self.ec2 = ec2_client
         self.aws_env = aws_env
         self.workdir = Path(workdir)
         self.boot = boot or (lambda _inst: True)
         self.interval = interval
+        self.bare = bare
+        self.env_root = Path(env_root) if env_root else self.workdir / "envs"
         self.nodes: dict[str, SimulatedNode] = {}
         self.skipped: set[str] = set()
         self.namespaces = pid_namespaces()
@@ -223,6 +259,7 @@ class EC2Simulator:
         env = {
             "PATH": f"{home / 'bin'}:{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
             "PYTHONPATH": str(REPO_ROOT),  # the AMI's installed prefect-sgpu
+            **(self._bare_env(home) if self.bare else {}),
             "HOME": str(home / "home"),
             "LANG": "C.UTF-8",
             "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds.url,
@@ -233,6 +270,8 @@ class EC2Simulator:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             **self.aws_env,
         }
+        if self.bare:
+            env.pop("PYTHONPATH")
         if role_credentials:  # the instance profile's role, from IMDS, as on EC2: no keys in the environment
             for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
                 env.pop(name, None)
@@ -248,6 +287,19 @@ class EC2Simulator:
                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
         return SimulatedNode(iid, int(inst.get("AmiLaunchIndex", 0)), inst.get("PrivateIpAddress", ""),
                              address, imds, proc, log, user_data)
+
+    def _bare_env(self, home: Path) -> dict[str, str]:
+        """A bare image's node: its Python (pip and uv only) first on PATH (no PYTHONPATH), and
+        uv told to install offline from the cache ``./dev`` filled (the same path as on AWS, the index
+        swapped for the cache)."""
+        image = bare_image()
+        self.env_root.mkdir(parents=True, exist_ok=True)
+        return {
+            "PATH": f"{home / 'bin'}:{image / 'bin'}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+            "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR") or str(Path.home() / ".cache" / "uv"),
+            "UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1",
+            "PREFECT_SGPU_ENV_ROOT": str(self.env_root),
+        }
 
     def _role_credentials(self, inst: dict[str, Any]) -> dict[str, str]:
         """IMDS entries of the instance profile's role (temporary keys from STS), as EC2 serves them;

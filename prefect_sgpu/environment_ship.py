@@ -1,0 +1,245 @@
+"""The driver half of building a captured :class:`~prefect_sgpu.environment.Environment` on bare nodes.
+
+:func:`manifest` turns an environment into what a node's first stage
+(:mod:`prefect_sgpu.launch.node_env`) needs: the Python minor version, the pinned index
+distributions, the extra requirements, the index settings, and every file that travels
+(local and editable packages, this project itself, ``working_dir``, ``py_modules``) by path
+and sha256. :func:`ship` puts the files in the store content-addressed, in a folder of the
+environment's own digest (``<store>/.environments/<digest>/files/<sha256>``, skipped when
+there; one folder per environment, so a job's role may read its own environment and no other)
+and the manifest last (``.environments/<digest>/manifest-<sha256 of the manifest>.json``); the
+user-data names that sha256, so the node checks the manifest against what the launcher wrote
+and every file against the manifest. :func:`stage_lines` renders the user-data lines that run the stage.
+
+Nothing here is installed by an unpinned name, and prefect-sgpu itself always travels as files
+(its editable source, or its installed files), never as a name from an index.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shlex
+import zlib
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from prefect_sgpu.errors import SGPUConfigError
+
+if TYPE_CHECKING:
+    from prefect_sgpu.environment import Environment
+    from prefect_sgpu.environment_files import Tree
+    from prefect_sgpu.store import Store
+
+#: the store "run" the shared environment objects live under (a leading dot: never a job, never swept)
+STORE_FOLDER = ".environments"
+#: installer tools the image brings itself (they are not packages a function imports)
+IMAGE_TOOLS = frozenset({"pip", "uv"})
+THIS_PROJECT = "prefect-sgpu"
+#: EC2 refuses user-data over 16 KiB
+USER_DATA_LIMIT = 16 * 1024
+
+
+def builds_on_node(environment: "Environment | None") -> bool:
+    """True when nodes build this environment themselves (``mode="driver"``); ``"image"`` and no
+    environment keep the image's Python and packages."""
+    return environment is not None and environment.mode == "driver"
+
+
+def environment_key(environment: "Environment | None") -> str:
+    """What tells two jobs' node environments apart (a warm lease serves only its own): the digest of
+    an environment built on the node, else its mode."""
+    if environment is None:
+        return ""
+    return environment.digest if builds_on_node(environment) else environment.mode
+
+
+def _index(environment: "Environment") -> dict[str, Any]:
+    """The index settings as the node uses them: only URLs it can reach and that hold no secret."""
+    def url(value: Any, field: str) -> str:
+        shown = value.shown
+        if value.has_secret or "${" in shown:
+            raise SGPUConfigError(f"environment.{field}", shown, "an index URL without credentials on bare EC2 "
+                                  "nodes (a credential-free mirror), or environment='image'",
+                                  "credentialed indexes are not delivered to nodes yet")
+        if not shown.startswith(("http://", "https://")):
+            raise SGPUConfigError(f"environment.{field}", shown, "an http(s):// URL the nodes can reach "
+                                  "(a local path or file:// URL names this machine)")
+        return shown
+
+    return {
+        "index_url": url(environment.index_url, "index_url") if environment.index_url else None,
+        "extra_index_urls": [url(u, "extra_index_urls") for u in environment.extra_index_urls],
+        "find_links": [url(u, "find_links") for u in environment.find_links],
+    }
+
+
+def _import_root(tree: "Tree", name: str) -> str:
+    """Where an editable distribution's code is imported from, relative to its source folder: the
+    path its own ``.pth`` names (flat layout: ""), else ``src`` when the folder has one."""
+    from importlib import metadata
+
+    source = Path(tree.source).resolve()
+    try:
+        dist = metadata.distribution(name)
+        pths = [f for f in (dist.files or ()) if str(f).endswith(".pth")]
+    except metadata.PackageNotFoundError:
+        pths = []
+    for pth in pths:
+        try:
+            lines = Path(dist.locate_file(pth)).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            line = line.strip()
+            if not line or line.startswith(("#", "import")):
+                continue
+            path = Path(line).resolve()
+            if path == source or source in path.parents:
+                return path.relative_to(source).as_posix().strip(".")
+    return "src" if any(f.path.startswith("src/") for f in tree.files) else ""
+
+
+def _files(tree: "Tree", prefix: str = "") -> list[list[Any]]:
+    return [[prefix + f.path, f.size, f.sha256] for f in tree.files]
+
+
+def _own_files() -> "Tree":
+    """prefect-sgpu's installed files (it was installed by name: it still travels as files)."""
+    from importlib import metadata
+
+    from prefect_sgpu.environment_files import installed_files
+
+    dist = metadata.distribution(THIS_PROJECT)
+    rels = [str(f) for f in (dist.files or ()) if ".." not in Path(str(f)).parts]
+    return installed_files(THIS_PROJECT, Path(dist.locate_file("")), rels, f"environment ({THIS_PROJECT})")
+
+
+def _trees(environment: "Environment") -> tuple[list[dict[str, Any]], dict[str, Path]]:
+    """The manifest's trees and, for shipping, where each sha256's bytes are on this machine."""
+    sources: dict[str, Path] = {}
+    trees: list[dict[str, Any]] = []
+    versions = {d.name: d for d in environment.distributions}
+
+    def add(tree: "Tree", entry: dict[str, Any], prefix: str = "") -> None:
+        source = Path(tree.source)
+        for f in tree.files:
+            sources[f.sha256] = source if source.is_file() else source / f.path
+        trees.append({**entry, "files": _files(tree, prefix)})
+
+    for tree in environment.local_packages:
+        dist = versions.get(tree.name)
+        if dist is not None and dist.source == "editable":
+            add(tree, {"name": tree.name, "kind": "path", "root": _import_root(tree, tree.name),
+                       "dist": [dist.name, dist.version]})
+        else:
+            add(tree, {"name": tree.name, "kind": "site", "root": ""})
+    own = versions.get(THIS_PROJECT)
+    if own is not None and own.source == "index":
+        add(_own_files(), {"name": THIS_PROJECT, "kind": "site", "root": ""})
+    if environment.working_dir is not None:
+        add(environment.working_dir, {"name": "working_dir", "kind": "path", "root": ""})
+    for tree in environment.py_modules:
+        single = Path(tree.source).is_file()
+        add(tree, {"name": f"py-{tree.name}", "kind": "path", "root": ""}, "" if single else f"{tree.name}/")
+    return trees, sources
+
+
+def manifest(environment: "Environment") -> dict[str, Any]:
+    """What a node builds, with nothing of this machine's paths in it (see the module doc)."""
+    return _manifest(environment)[0]
+
+
+def _manifest(environment: "Environment") -> tuple[dict[str, Any], dict[str, Path]]:
+    if not builds_on_node(environment):
+        raise SGPUConfigError("environment.mode", environment.mode, "'driver' to build the environment on nodes")
+    shipped = {t.name for t in environment.local_packages} | {THIS_PROJECT}
+    pins = [f"{d.name}=={d.version}" for d in environment.distributions
+            if d.source == "index" and d.name not in IMAGE_TOOLS and d.name not in shipped]
+    trees, sources = _trees(environment)
+    data = {"format": 1, "digest": environment.digest, "python": environment.python.minor,
+            "implementation": environment.python.implementation, "pins": pins,
+            "requirements": list(environment.requirements), "index": _index(environment), "trees": trees}
+    return data, sources
+
+
+def manifest_bytes(environment: "Environment") -> bytes:
+    return _manifest_cached(environment)[0]
+
+
+_RENDERED: dict[str, tuple[bytes, str]] = {}
+
+
+def _manifest_cached(environment: "Environment") -> tuple[bytes, str]:
+    """The manifest's bytes and sha256, once per digest (plan and acquire both ask)."""
+    key = environment.digest
+    if key not in _RENDERED:
+        data, _ = _manifest(environment)
+        raw = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        if len(_RENDERED) > 16:
+            _RENDERED.clear()
+        _RENDERED[key] = (raw, hashlib.sha256(raw).hexdigest())
+    return _RENDERED[key]
+
+
+def manifest_sha256(environment: "Environment") -> str:
+    """What the user-data names: a node builds only the manifest with this sha256."""
+    return _manifest_cached(environment)[1]
+
+
+def ship(store: "Store", environment: "Environment") -> dict[str, int]:
+    """Put the environment's files and manifest in ``store`` (files first, manifest last: a manifest
+    in the store means every file it names is there). What was uploaded and skipped."""
+    raw = manifest_bytes(environment)
+    sha = manifest_sha256(environment)
+    folder = environment.digest
+    manifest_key = f"{folder}/manifest-{sha}.json"
+    data, sources = _manifest(environment)
+    if store.get(STORE_FOLDER, manifest_key) is not None:
+        return {"uploaded": 0, "skipped": len(sources), "bytes": 0}
+    there = {name.rsplit("/", 1)[-1] for name in store.list(STORE_FOLDER, f"{folder}/files")}
+    missing = sorted((sha, path) for sha, path in sources.items() if sha not in there)
+
+    def upload(item: tuple[str, Path]) -> int:
+        file_sha, path = item
+        blob = path.read_bytes()
+        if hashlib.sha256(blob).hexdigest() != file_sha:
+            raise SGPUConfigError("environment", str(path), "files unchanged between capture and launch",
+                                  "the file changed after the environment was captured; run the job again")
+        store.put(STORE_FOLDER, f"{folder}/files/{file_sha}", blob)
+        return len(blob)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=8) as pool:  # many small files: the round trips dominate
+        size = sum(pool.map(upload, missing))
+    store.put(STORE_FOLDER, manifest_key, raw)
+    return {"uploaded": len(missing), "skipped": len(sources) - len(missing), "bytes": size}
+
+
+@lru_cache(maxsize=1)
+def _stage_source() -> str:
+    """The node stage (:mod:`prefect_sgpu.launch.node_env`), compressed for the user-data."""
+    text = (Path(__file__).parent / "launch" / "node_env.py").read_bytes()
+    return base64.b64encode(zlib.compress(text, 9)).decode()
+
+
+def stage_lines(python: str, digest: str, manifest_sha: str, store_uri: str, run_id: str, region: str,
+                endpoint_url: str | None, bucket_owner: str | None) -> tuple[list[str], str]:
+    """User-data lines that write the stage out, and the shell words that run it (the bootstrap's
+    own arguments, without its Python, follow them)."""
+    unpack = "import base64,sys,zlib;open(sys.argv[1],'wb').write(zlib.decompress(base64.b64decode(sys.argv[2])))"
+    lines = [
+        "# the environment stage: build or reuse the driver's environment (a venv by digest), then the bootstrap",
+        'stage="$(mktemp -d)/prefect_sgpu_node_env.py"',
+        f'{shlex.quote(python)} -c {shlex.quote(unpack)} "$stage" {_stage_source()}',
+    ]
+    args = [f"--store={store_uri}", f"--run-id={run_id}", f"--region={region}", f"--environment={digest}",
+            f"--manifest={manifest_sha}"]
+    if endpoint_url:
+        args.append(f"--endpoint-url={endpoint_url}")
+    if bucket_owner:
+        args.append(f"--bucket-owner={bucket_owner}")
+    return lines, f'{shlex.quote(python)} "$stage" {shlex.join(args)} --'

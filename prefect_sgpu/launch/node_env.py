@@ -1,0 +1,359 @@
+"""The node's first stage: build (or reuse) the driver's environment, then start the bootstrap in it.
+
+This file runs on a bare image *before* anything but the image's own Python exists: it imports
+the standard library only, and the EC2 user-data carries it (compressed) rather than expecting
+it installed. It is the node half of :mod:`prefect_sgpu.environment_ship`:
+
+1. read the environment's manifest from the store (``<store>/.environments/<digest>/manifest-<sha256>.json``)
+   and check it against the sha256 the user-data names (the user-data is the launcher's own:
+   a store writer cannot change which environment a node builds);
+2. if ``<root>/<digest>-<platform>/.complete`` exists, reuse that venv: nothing is installed;
+3. otherwise, under a lock: ``uv venv`` with the driver's Python minor version, ``uv pip install
+   --no-deps`` of the driver's pinned distributions (then the extra requirements, constrained by
+   those pins) from the manifest's index settings (the image's uv settings, ``UV_OFFLINE`` and
+   ``UV_CACHE_DIR`` included, apply); every shipped file (local packages, this project, the
+   user's ``working_dir`` and ``py_modules``) fetched by sha256, checked, and laid out; then the
+   marker;
+4. ``exec`` the bootstrap with the venv's Python.
+
+S3 is read with Signature V4 from the standard library (credentials from the environment or the
+instance profile through IMDSv2). A failing step prints its output (the console) and writes it to
+``<store>/<run id>/setup/<instance id>.log``, where the driver shows it, then exits non-zero: the
+user-data's trap powers the instance off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+FORMAT = 1
+ENV_ROOT_ENV = "PREFECT_SGPU_ENV_ROOT"
+DEFAULT_ROOTS = ("/var/lib/prefect-sgpu/envs", "~/.cache/prefect-sgpu/envs")
+COMPLETE = ".complete"
+SHA = re.compile(r"^[0-9a-f]{64}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_UNRESERVED = "-_.~"
+
+
+class SetupError(Exception):
+    """A step of the environment build failed: ``step`` and the output that says why."""
+
+    def __init__(self, step: str, output: str = "") -> None:
+        super().__init__(f"environment setup failed at {step}" + (f":\n{output.strip()}" if output.strip() else ""))
+        self.step = step
+
+
+def log(message: str) -> None:
+    print(f"[prefect-sgpu env] {message}", flush=True)
+
+
+# --- S3 with Signature V4, standard library only ------------------------------------------------
+
+
+def _imds(path: str, token: str | None = None, method: str = "GET") -> str:
+    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://169.254.169.254/").rstrip("/")
+    headers = {"X-aws-ec2-metadata-token": token} if token else {"X-aws-ec2-metadata-token-ttl-seconds": "300"}
+    req = urllib.request.Request(base + path, method=method, headers=headers)
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def credentials() -> tuple[str, str, str | None]:
+    """The environment's keys, else the instance profile's from IMDSv2 (as botocore finds them)."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return (os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"],
+                os.environ.get("AWS_SESSION_TOKEN") or None)
+    token = _imds("/latest/api/token", method="PUT")
+    role = _imds("/latest/meta-data/iam/security-credentials/", token).strip().splitlines()[0]
+    doc = json.loads(_imds(f"/latest/meta-data/iam/security-credentials/{role}", token))
+    return doc["AccessKeyId"], doc["SecretAccessKey"], doc.get("Token")
+
+
+def instance_id() -> str:
+    try:
+        return _imds("/latest/meta-data/instance-id", _imds("/latest/api/token", method="PUT")).strip()
+    except (OSError, urllib.error.URLError):
+        return "unknown-instance"
+
+
+class S3:
+    """GET and PUT of one bucket's objects, signed (SigV4) with the node's credentials."""
+
+    def __init__(self, bucket: str, region: str, endpoint_url: str | None, bucket_owner: str | None) -> None:
+        self.bucket, self.region, self.owner = bucket, region, bucket_owner
+        if endpoint_url:  # path style, as botocore uses against a custom endpoint
+            self.base, self.path_prefix = endpoint_url.rstrip("/"), f"/{bucket}"
+        else:
+            self.base, self.path_prefix = f"https://{bucket}.s3.{region}.amazonaws.com", ""
+        self.creds = credentials()
+
+    def _request(self, method: str, key: str, body: bytes = b"") -> urllib.request.Request:
+        path = self.path_prefix + "/" + urllib.parse.quote(key, safe="/" + _UNRESERVED)
+        url = urllib.parse.urlsplit(self.base + path)
+        now = _dt.datetime.now(_dt.timezone.utc)
+        stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+        payload = hashlib.sha256(body).hexdigest()
+        headers = {"host": url.netloc, "x-amz-content-sha256": payload, "x-amz-date": stamp}
+        if method == "PUT":  # else urllib says form data, which a server may parse away
+            headers["content-type"] = "text/plain; charset=utf-8"
+        access, secret, token = self.creds
+        if token:
+            headers["x-amz-security-token"] = token
+        if self.owner:
+            headers["x-amz-expected-bucket-owner"] = self.owner
+        names = sorted(headers)
+        canonical = "\n".join([method, url.path, "", *(f"{n}:{headers[n].strip()}" for n in names), "",
+                               ";".join(names), payload])
+        scope = f"{day}/{self.region}/s3/aws4_request"
+        to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+        key_bytes = ("AWS4" + secret).encode()
+        for part in (day, self.region, "s3", "aws4_request"):
+            key_bytes = hmac.new(key_bytes, part.encode(), hashlib.sha256).digest()
+        signature = hmac.new(key_bytes, to_sign.encode(), hashlib.sha256).hexdigest()
+        headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access}/{scope}, "
+                                    f"SignedHeaders={';'.join(names)}, Signature={signature}")
+        del headers["host"]
+        return urllib.request.Request(url.geturl(), data=body if method == "PUT" else None, method=method,
+                                      headers=headers)
+
+    def get(self, key: str) -> bytes:
+        try:
+            with urllib.request.urlopen(self._request("GET", key), timeout=60) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as exc:
+            raise SetupError(f"reading s3://{self.bucket}/{key}", f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
+
+    def put(self, key: str, body: bytes) -> None:
+        with urllib.request.urlopen(self._request("PUT", key, body), timeout=60):
+            pass
+
+
+# --- the manifest -------------------------------------------------------------------------------
+
+
+def safe_relative(path: str) -> str:
+    """A path from the manifest, refused unless relative and plain (no empty, ``.`` or ``..`` part)."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
+        raise SetupError("checking the manifest", f"file path {path!r} is not allowed: a relative path "
+                         "without empty, '.' or '..' parts")
+    return path
+
+
+def check_manifest(data: bytes, sha256: str) -> dict:
+    found = hashlib.sha256(data).hexdigest()
+    if found != sha256:
+        raise SetupError("checking the manifest", f"its sha256 is {found}, the user-data names {sha256}")
+    manifest = json.loads(data)
+    if manifest.get("format") != FORMAT or not SHA.match(str(manifest.get("digest", ""))):
+        raise SetupError("checking the manifest", f"format {manifest.get('format')!r}: this stage reads {FORMAT}")
+    for tree in manifest["trees"]:
+        if not NAME.match(tree["name"]) or tree["kind"] not in ("site", "path"):
+            raise SetupError("checking the manifest", f"tree {tree['name']!r} of kind {tree['kind']!r}")
+        safe_relative(tree["root"]) if tree.get("root") else None
+        for path, _size, sha in tree["files"]:
+            safe_relative(path)
+            if not SHA.match(sha):
+                raise SetupError("checking the manifest", f"{path}: sha256 {sha!r}")
+    return manifest
+
+
+# --- building -----------------------------------------------------------------------------------
+
+
+def run(step: str, argv: list[str]) -> None:
+    log(f"{step}: {' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''}")
+    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.stdout.strip():
+        print(done.stdout.rstrip(), flush=True)
+    if done.returncode != 0:
+        raise SetupError(step, "\n".join(done.stdout.strip().splitlines()[-30:]))
+
+
+def env_root() -> Path:
+    given = os.environ.get(ENV_ROOT_ENV)
+    candidates = [given] if given else list(DEFAULT_ROOTS)
+    for candidate in candidates:
+        root = Path(os.path.expanduser(candidate))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(root, os.W_OK):
+            return root
+    raise SetupError("choosing the environment folder", f"none of {candidates} is writable (set {ENV_ROOT_ENV})")
+
+
+def fetch_file(s3: S3, files_key: str, cache: Path, sha: str) -> Path:
+    """One shipped file, from this node's cache by sha256 or from the store, checked either way."""
+    path = cache / sha
+    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == sha:
+        return path
+    data = s3.get(f"{files_key}/{sha}")
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise SetupError("fetching shipped files", f"{files_key}/{sha} does not match its sha256")
+    tmp = cache / f".{sha}.{os.getpid()}"
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+def lay_out(base: Path, files: list, blobs: dict[str, Path]) -> None:
+    base = base.resolve()
+    for path, _size, sha in files:
+        target = (base / safe_relative(path)).resolve()
+        if base not in target.parents:
+            raise SetupError("laying out shipped files", f"{path!r} leaves {base}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(blobs[sha], target)
+
+
+def site_packages(python: Path) -> Path:
+    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
+def uv() -> str:
+    found = shutil.which("uv")
+    if not found:
+        raise SetupError("finding uv", "the image has no `uv` on PATH: install it in the image (or in "
+                         "setup_commands), or say environment='image' if the image has every package")
+    return found
+
+
+def index_args(index: dict) -> list[str]:
+    args = []
+    if index.get("index_url"):
+        args += ["--index-url", index["index_url"]]
+    for url in index.get("extra_index_urls") or ():
+        args += ["--extra-index-url", url]
+    for url in index.get("find_links") or ():
+        args += ["--find-links", url]
+    return args
+
+
+def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path) -> None:
+    tool = uv()
+    if venv.exists():  # an earlier build that did not finish
+        shutil.rmtree(venv)
+    run("creating the venv", [tool, "venv", "-q", "--python", manifest["python"], str(venv)])
+    python = venv / "bin" / "python"
+    work = venv / "sgpu"
+    work.mkdir()
+    pins = work / "pins.txt"
+    pins.write_text("\n".join(manifest["pins"]) + "\n")
+    common = [tool, "pip", "install", "-q", "--python", str(python), *index_args(manifest["index"])]
+    if manifest["requirements"]:  # first: resolved against the pins, a bad one fails before the big install
+        extra = work / "requirements.txt"
+        extra.write_text("\n".join(manifest["requirements"]) + "\n")
+        run("installing the extra requirements", [*common, "-c", str(pins), "-r", str(extra)])
+    if manifest["pins"]:  # exactly the driver's set: nothing to resolve
+        run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(pins)])
+    shas = sorted({sha for tree in manifest["trees"] for _p, _s, sha in tree["files"]})
+    log(f"fetching {len(shas)} shipped file(s)")
+    with ThreadPoolExecutor(8) as pool:
+        blobs = dict(zip(shas, pool.map(lambda sha: fetch_file(s3, files_key, cache, sha), shas)))
+    site = site_packages(python)
+    roots = []
+    for tree in manifest["trees"]:
+        if tree["kind"] == "site":  # an installed distribution's own files: where its RECORD put them
+            lay_out(site, tree["files"], blobs)
+            continue
+        base = work / "paths" / tree["name"]
+        lay_out(base, tree["files"], blobs)
+        roots.append(base / tree["root"] if tree.get("root") else base)
+        if tree.get("dist"):
+            name, version = tree["dist"]
+            info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+            info.mkdir(exist_ok=True)
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+            (info / "INSTALLER").write_text("prefect-sgpu\n")
+    (site / "prefect_sgpu_environment.pth").write_text("".join(f"{r}\n" for r in roots))
+    (venv / COMPLETE).write_text(manifest["digest"] + "\n")
+
+
+def ensure(manifest: dict, s3: S3, files_key: str) -> tuple[Path, bool]:
+    """The venv of this manifest's digest on this node: (its folder, whether it was built now)."""
+    root = env_root()
+    key = f"{manifest['digest']}-{sys.platform}-{platform.machine()}"
+    venv = root / key
+    if (venv / COMPLETE).exists():
+        return venv, False
+    cache = root / "files"
+    cache.mkdir(exist_ok=True)
+    with open(root / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second boot beside this one waits, then reuses
+        if (venv / COMPLETE).exists():
+            return venv, False
+        build(venv, manifest, s3, files_key, cache)
+    return venv, True
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, rest = argv[:split], argv[split + 1:]
+    p = argparse.ArgumentParser(prog="prefect-sgpu-node-env")
+    p.add_argument("--store", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--region", required=True)
+    p.add_argument("--environment", required=True, help="the environment's digest")
+    p.add_argument("--manifest", required=True, help="sha256 of the environment's manifest")
+    p.add_argument("--endpoint-url", default=None)
+    p.add_argument("--bucket-owner", default=None)
+    return p.parse_args(own), rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, bootstrap = parse_args(list(sys.argv[1:] if argv is None else argv))
+    for name in ("environment", "manifest"):
+        if not SHA.match(getattr(args, name)):
+            raise SystemExit(f"--{name}={getattr(args, name)!r} is not allowed: a sha256 (64 hex digits)")
+    bucket, _, prefix = args.store[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    base = "/".join(p for p in (prefix, ".environments", args.environment) if p)
+    s3 = None
+    started = time.monotonic()
+    try:
+        s3 = S3(bucket, args.region, args.endpoint_url, args.bucket_owner)
+        manifest = check_manifest(s3.get(f"{base}/manifest-{args.manifest}.json"), args.manifest)
+        if manifest["digest"] != args.environment:
+            raise SetupError("checking the manifest", f"it describes {manifest['digest']}, the user-data names "
+                             f"{args.environment}")
+        venv, built = ensure(manifest, s3, f"{base}/files")
+    except Exception as exc:  # noqa: BLE001 - every failure ends this node, with its reason where the driver reads
+        text = str(exc) if isinstance(exc, SetupError) else f"environment setup failed: {type(exc).__name__}: {exc}"
+        log(text)
+        if s3 is not None:
+            key = "/".join(p for p in (prefix, args.run_id, "setup", f"{instance_id()}.log") if p)
+            try:
+                s3.put(key, text.encode()[-8000:])
+            except Exception as put_exc:  # noqa: BLE001 - the console still has it
+                log(f"could not write {key}: {put_exc}")
+        return 3
+    log(("built" if built else "reused") + f" environment {manifest['digest'][:16]} at {venv} "
+        f"in {time.monotonic() - started:.1f}s")
+    python = str(venv / "bin" / "python")
+    os.execv(python, [python, *bootstrap])
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

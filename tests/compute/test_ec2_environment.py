@@ -1,0 +1,165 @@
+"""The driver's environment built on bare EC2 nodes (moto server, the simulator running the real user-data).
+
+A bare node has a venv of the system Python with only pip and uv: no prefect-sgpu, no torch,
+no checkout on any path. The user-data's environment stage reads the manifest the driver shipped
+through the store, builds a venv keyed by the environment's digest (packages offline from uv's
+cache, which ``./dev`` filled; the user's index on AWS), lays out the shipped files (this project,
+the user's project) after checking each sha256, and starts the bootstrap in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefect_sgpu import environment_ship
+from prefect_sgpu.environment import capture
+from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.launch import node_env
+
+USER_MODULE = "sgpu_user_project_train"
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user's project: a training module that imports a sibling package of the project."""
+    root = tmp_path / "project"
+    (root / "features").mkdir(parents=True)
+    (root / "features" / "__init__.py").write_text("")
+    (root / "features" / "encode.py").write_text(textwrap.dedent("""
+        def tokenize(text):
+            return [ord(c) % 7 for c in text]
+    """))
+    (root / f"{USER_MODULE}.py").write_text(textwrap.dedent("""
+        def train(text):
+            import features.encode
+            import prefect_sgpu
+            from prefect_sgpu import runtime
+
+            return {"rank": runtime.rank(), "tokens": features.encode.tokenize(text),
+                    "features": features.encode.__file__, "prefect_sgpu": prefect_sgpu.__file__}
+    """))
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.delitem(sys.modules, USER_MODULE, raising=False)
+    monkeypatch.delitem(sys.modules, "features", raising=False)
+    monkeypatch.delitem(sys.modules, "features.encode", raising=False)
+    return root
+
+
+# --- what the driver ships and what the user-data says ------------------------------------------
+
+
+def test_the_manifest_pins_index_distributions_and_ships_local_code_by_sha256(project: Path) -> None:
+    env = capture(working_dir=project)
+    manifest = environment_ship.manifest(env)
+    assert manifest["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert manifest["digest"] == env.digest
+    pins = {p.split("==")[0]: p.split("==")[1] for p in manifest["pins"]}
+    index = {d.name: d.version for d in env.distributions if d.source == "index"}
+    assert pins["torch"] == index["torch"] and pins["cloudpickle"] == index["cloudpickle"]
+    assert "prefect-sgpu" not in pins and "pip" not in pins and "uv" not in pins
+    trees = {t["name"]: t for t in manifest["trees"]}
+    own = trees["prefect-sgpu"]  # this project travels as files, never as a name from an index
+    assert own["kind"] == "path" and own["dist"][0] == "prefect-sgpu"
+    assert any(path == "prefect_sgpu/launch/node_env.py" for path, _, _ in own["files"])
+    work = {path: sha for path, _, sha in trees["working_dir"]["files"]}
+    encode = project / "features" / "encode.py"
+    assert work["features/encode.py"] == hashlib.sha256(encode.read_bytes()).hexdigest()
+    # the manifest holds nothing of this machine's paths
+    assert str(project) not in json.dumps(manifest)
+
+
+def test_an_index_with_credentials_never_reaches_the_user_data(project: Path) -> None:
+    env = capture(working_dir=project, index_url="https://user:s3cret@pypi.example.com/simple")
+    with pytest.raises(SGPUConfigError) as info:
+        environment_ship.manifest(env)
+    assert info.value.field == "environment.index_url" and "s3cret" not in str(info.value)
+    local = capture(find_links=[str(project)])
+    with pytest.raises(SGPUConfigError, match="environment.find_links"):
+        environment_ship.manifest(local)
+
+
+@pytest.mark.parametrize("path", ["../escape.py", "/etc/passwd", "a//b", "./a", "a/../../b", ""])
+def test_the_stage_refuses_a_path_that_leaves_its_folder(path: str) -> None:
+    with pytest.raises(node_env.SetupError, match="is not allowed"):
+        node_env.safe_relative(path)
+
+
+def test_the_stage_refuses_a_manifest_the_user_data_does_not_name() -> None:
+    raw = json.dumps({"format": 1, "digest": "0" * 64, "trees": []}).encode()
+    with pytest.raises(node_env.SetupError, match="the user-data names"):
+        node_env.check_manifest(raw, hashlib.sha256(b"another").hexdigest())
+    assert node_env.check_manifest(raw, hashlib.sha256(raw).hexdigest())["digest"] == "0" * 64
+
+
+# --- the node stage against the store (moto's S3), with real uv installing offline ---------------
+
+
+def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_a_changed_file_is_refused(
+        aws_env: Any, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import uuid
+    from importlib import metadata
+
+    from prefect_sgpu.environment import Distribution, Environment, PythonVersion
+    from prefect_sgpu.environment_files import scan
+    from prefect_sgpu.store_s3 import S3Store
+    from support.ec2_simulator import bare_image
+
+    bucket = f"sgpu-env-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    store = S3Store(f"s3://{bucket}/jobs", session=aws_env.session(), endpoint_url=aws_env.endpoint_url)
+    env = Environment(python=PythonVersion.here(),
+                      distributions=(Distribution(name="six", version=metadata.version("six")),),
+                      working_dir=scan("working_dir", project, "environment.working_dir"))
+    assert environment_ship.ship(store, env)["uploaded"] == 3
+    assert environment_ship.ship(store, env)["uploaded"] == 0, "shipped content is not uploaded again"
+
+    # a bare node: the image's Python and uv, packages offline from uv's cache
+    monkeypatch.setenv("PATH", f"{bare_image() / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setenv("UV_OFFLINE", "1")
+    monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
+    monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
+    monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "envs"))
+    s3 = node_env.S3(bucket, aws_env.region, aws_env.endpoint_url, None)
+    s3.put("jobs/run-1/setup/i-1.log", b"what the stage said")  # signed by the stage, read by the driver
+    assert store.get("run-1", "setup/i-1.log") == b"what the stage said"
+
+    def boot(environment: Environment) -> tuple[Path, bool]:
+        sha = environment_ship.manifest_sha256(environment)
+        base = f"jobs/.environments/{environment.digest}"
+        manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
+        return node_env.ensure(manifest, s3, f"{base}/files")
+
+    def imports(venv: Path, code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin"})
+
+    venv, built = boot(env)
+    assert built and venv.name.startswith(env.digest)
+    done = imports(venv, "import six, features.encode; print(six.__version__, features.encode.tokenize('ab'))")
+    assert done.stdout.split() == [metadata.version("six"), "[6,", "0]"], done.stderr
+    assert "No module named 'torch'" in imports(venv, "import torch").stderr, "not the driver's venv"
+    marker = (venv / node_env.COMPLETE).stat()
+
+    again, built = boot(env)  # a second boot of the same environment: nothing installed
+    assert (again, built) == (venv, False) and (venv / node_env.COMPLETE).stat().st_mtime_ns == marker.st_mtime_ns
+
+    changed = env.model_copy(update={"requirements": (f"idna=={metadata.version('idna')}",)})
+    environment_ship.ship(store, changed)
+    other, built = boot(changed)
+    assert built and other != venv
+    assert imports(other, "import idna").returncode == 0 and imports(venv, "import idna").returncode != 0
+
+    # whoever writes the store cannot change a shipped file: a fresh node checks every sha256
+    encode = next(f for f in env.working_dir.files if f.path == "features/encode.py")
+    store.put(environment_ship.STORE_FOLDER, f"{env.digest}/files/{encode.sha256}", b"def tokenize(text): 'evil'")
+    monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "fresh-node"))
+    with pytest.raises(node_env.SetupError, match="does not match its sha256"):
+        boot(env)
