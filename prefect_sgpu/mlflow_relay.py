@@ -213,7 +213,7 @@ def _store_class() -> Any:
             kept = [t for t in tags or () if not reserved(t.key)]
             if len(kept) != len(tags or ()):
                 self._warn_once("tags", f"{SCHEME}: ranks may not set mlflow.* or sgpu.* tags; dropped "
-                                        f"{sorted(ascii(t.key) for t in tags if reserved(t.key))}")
+                                        f"{', '.join(sorted(ascii(t.key) for t in tags if reserved(t.key)))}")
             if metrics or params or kept:
                 self._append([(m.key, m.value, m.timestamp, m.step) for m in metrics or ()],
                              [(p.key, p.value) for p in params or ()], [(t.key, t.value) for t in kept])

@@ -14,6 +14,8 @@ from prefect.blocks.core import Block
 from pydantic import AfterValidator, Field
 from typing_extensions import Annotated
 
+from prefect_sgpu.compute.ec2.settings import EC2ComputeFields
+
 try:  # AWS credentials reuse prefect-aws's block when the aws extra is installed
     from prefect_aws import AwsCredentials
 except ImportError:  # pragma: no cover - exercised only without the aws extra
@@ -123,8 +125,12 @@ class SGPUStore(SGPUBlock):
         return LocalStore(self.uri or None)
 
 
-class EC2Compute(SGPUBlock):
-    """GPU VMs on AWS EC2, provisioned per job with boto3 and always terminated."""
+class EC2Compute(SGPUBlock, EC2ComputeFields):
+    """GPU VMs on AWS EC2, provisioned per job with boto3 and always terminated.
+
+    Its fields are :class:`~prefect_sgpu.compute.ec2.settings.EC2ComputeFields` (each default and
+    check written there once): a bad value is an ``SGPUConfigError`` where the block is made.
+    """
 
     _block_type_name = "SGPU EC2 Compute"
     _block_type_slug = "sgpu-ec2-compute"
@@ -137,85 +143,6 @@ class EC2Compute(SGPUBlock):
         '\n@distributed(gpus=16, gpu_type="H100", remote=True, compute=compute)\ndef train(): ...',
     )
 
-    region: str = Field(default="us-east-1", description="AWS region of the instances.")
-    subnet_ids: list[str] = Field(
-        default_factory=list, description="Subnets to try in order (one per availability zone) for failover."
-    )
-    security_group_id: Optional[str] = Field(
-        default=None, description="Security group; empty creates one that only admits itself."
-    )
-    instance_profile: Optional[str] = Field(
-        default=None, description="IAM instance profile name that grants the nodes access to the S3 store "
-        "(shared by every job; leave empty with job_roles)."
-    )
-    job_roles: bool = Field(
-        default=False, description="Give every job an IAM role and instance profile of its own, created and "
-        "deleted with the job: its nodes reach only that job's store folder, key and instances "
-        "(policies in prefect_sgpu/policies/).",
-    )
-    node_permissions_boundary: Optional[str] = Field(
-        default=None, description="ARN of the managed policy every job role is created under "
-        "(policies/node-boundary.json); the shipped driver policy requires it.",
-    )
-    ami_id: Optional[str] = Field(default=None, description="AMI to boot; overrides ami_ssm_parameter.")
-    ami_ssm_parameter: str = Field(
-        default="/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
-        description="SSM parameter naming a Deep Learning AMI.",
-    )
-    instance_types: dict[str, str] = Field(
-        default_factory=dict,
-        description="Overrides of the catalog, GPU type to instance type (for example A10 to g5.48xlarge).",
-    )
-    market: Literal["spot", "on-demand", "reserved"] = Field(
-        default="on-demand", description="How instances are bought."
-    )
-    capacity_reservation_id: Optional[str] = Field(
-        default=None, description="An EC2 capacity reservation used by default when set."
-    )
-    fallback_to_on_demand: bool = Field(
-        default=False, description="After spot capacity errors in every subnet, try on-demand."
-    )
-    volume_size_gb: int = Field(default=200, ge=8, description="Root volume size in GiB.")
-    store_uri: str = Field(default="", description="s3://bucket/prefix the driver and nodes exchange files through.")
-    ttl_minutes: int = Field(
-        default=15, ge=1, description="Nodes terminate themselves when the driver's heartbeat is older than this."
-    )
-    tags: dict[str, str] = Field(default_factory=dict, description="Extra tags on every resource.")
-    owner: Optional[str] = Field(
-        default=None, description="Value of the sgpu:owner tag on every resource; empty uses the local user name."
-    )
-    python: str = Field(default="python3", description="Python on the node that can import prefect-sgpu.")
-    setup_commands: str = Field(
-        default="",
-        description=(
-            "Shell lines the node runs before its bootstrap, for an AMI without prefect-sgpu "
-            "(for example: python3 -m pip install 'prefect-sgpu[aws,torch]')."
-        ),
-    )
-    agent_timeout_s: float = Field(
-        default=900.0, gt=0, description="Seconds from launch until every node's agent must be up."
-    )
-    node_silence_s: float = Field(
-        default=120.0, gt=0, description="Seconds a running node may go without reporting before the job fails."
-    )
-    rendezvous_port: int = Field(
-        default=29400, ge=1024, le=65535, description="Port of the c10d rendezvous on node 0."
-    )
-    kms_key_id: Optional[str] = Field(
-        default=None, description="KMS key of the job key's SSM parameter and of every object written to the "
-                                  "store (SSE-KMS; without one, SSE-S3)."
-    )
-    bucket_owner: Optional[str] = Field(
-        default=None, description="12-digit account id that must own the store's bucket (ExpectedBucketOwner "
-                                  "on every S3 call); empty skips the check."
-    )
-    keep_warm: float = Field(
-        default=0.0, ge=0,
-        description="Seconds a finished job's instances wait (billed) for the next job of the same shape, which "
-                    "then starts on them without a boot; 0: every job terminates its instances. A flow's task "
-                    "runner ends them when the flow ends; not with job_roles.",
-    )
-    endpoint_url: Optional[str] = Field(default=None, description="Custom AWS endpoint (tests, private links).")
     environment: EnvironmentOption = Field(default=None, description=ENVIRONMENT_DESCRIPTION)
     if AwsCredentials is not None:
         aws_credentials: Optional[AwsCredentials] = Field(  # type: ignore[valid-type]
@@ -224,10 +151,10 @@ class EC2Compute(SGPUBlock):
 
     def get_compute(self) -> Any:
         from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute as EC2
+        from prefect_sgpu.compute.ec2.settings import EC2Settings
 
-        settings = self.model_dump(exclude={"aws_credentials", "block_type_slug", "environment"})
         creds = getattr(self, "aws_credentials", None)
-        compute = EC2.from_settings(settings, session=creds.get_boto3_session() if creds else None)
+        compute = EC2(EC2Settings.of(self), session=creds.get_boto3_session() if creds else None)
         return _with_environment(compute, self.environment)
 
 

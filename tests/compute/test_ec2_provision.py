@@ -89,11 +89,20 @@ def run_instances_calls(faults: Any) -> list[dict[str, str]]:
         ({"tags": {"sgpu:run-id": "x"}}, "tags"),
         ({"volume_size_gb": 2}, "volume_size_gb"),
         ({"not_a_field": 1}, "not_a_field"),
+        ({"rendezvous_port": 80}, "rendezvous_port"),
+        ({"keep_warm": -1}, "keep_warm"),
+        ({"keep_warm": 60, "job_roles": True}, "keep_warm"),
+        ({"bucket_owner": "not-an-account"}, "bucket_owner"),
+        ({"agent_timeout_s": 0}, "agent_timeout_s"),
     ],
 )
-def test_bad_settings_are_config_errors(values: dict[str, Any], field: str) -> None:
+@pytest.mark.parametrize("make", ["EC2Settings", "EC2Compute block"])
+def test_bad_settings_are_config_errors(values: dict[str, Any], field: str, make: str) -> None:
+    """The settings and the block are one schema: the same bad value, the same error, before any call."""
+    from prefect_sgpu.blocks import EC2Compute
+
     with pytest.raises(SGPUConfigError) as info:
-        EC2Settings(**values)
+        (EC2Settings if make == "EC2Settings" else EC2Compute)(**values)
     assert info.value.field == field
     assert info.value.allowed
 

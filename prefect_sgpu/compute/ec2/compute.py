@@ -39,7 +39,6 @@ from prefect_sgpu.compute.remote.lease import lease_id
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
-from prefect_sgpu.launch.warm_pool import check_keep_warm
 from prefect_sgpu.errors import LaunchTimeout, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
@@ -52,12 +51,6 @@ if TYPE_CHECKING:
     from prefect_sgpu.compute.remote.sweep import Sweeper
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
-
-DEFAULT_RENDEZVOUS_PORT = 29400
-#: settings this class reads itself; everything else configures the provisioner
-OWN_SETTINGS = ("store_uri", "heartbeat_ttl_s", "agent_timeout_s", "rendezvous_port",
-                "poll_interval_s", "node_silence_s", "python", "setup_commands", "kms_key_id", "bucket_owner",
-                "keep_warm")
 
 
 @dataclass(frozen=True)
@@ -111,36 +104,22 @@ class EC2InstanceCompute(RemoteNodeCompute):
     provisioner: EC2Provisioner
     store: S3Store
 
-    def __init__(
-        self,
-        provisioner: EC2Provisioner,
-        store: S3Store,
-        region: str,
-        *,
-        session: Any | None = None,
-        endpoint_url: str | None = None,
-        heartbeat_ttl_s: float = 900.0,
-        agent_timeout_s: float = 900.0,
-        rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT,
-        poll_interval_s: float = 1.0,
-        node_silence_s: float = 120.0,
-        python: str = "python3",
-        setup_commands: str = "",
-        kms_key_id: str | None = None,
-        keep_warm: float = 0.0,
-    ) -> None:
-        """``keep_warm``: seconds a job's instances wait for the next job of the same shape (a
-        warm lease, :mod:`~prefect_sgpu.compute.remote.lease`); 0 terminates them after every job."""
-        keep_warm = check_keep_warm("keep_warm", keep_warm, "every job terminates its instances")
-        if keep_warm > 0 and provisioner.settings.job_roles:
-            raise SGPUConfigError("keep_warm", keep_warm, "0 while job_roles is on (a job role covers one job, and "
-                                  "a warm lease's instances serve several): turn one of them off")
-        super().__init__(provisioner, store, agent_timeout_s=agent_timeout_s, rendezvous_port=rendezvous_port,
-                         poll_interval_s=poll_interval_s, node_silence_s=node_silence_s, keep_warm=keep_warm,
-                         kms_key_id=kms_key_id)
-        self.region, self.session, self.endpoint_url = region, session, endpoint_url  # where AWS is
-        self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.python, self.setup_commands = python, setup_commands  # what the nodes boot with
+    def __init__(self, settings: EC2Settings, *, session: Any | None = None) -> None:
+        """Instances as ``settings`` say (validated where they were made; the store URI is checked here,
+        before anything is spent). ``keep_warm``: seconds a job's instances wait for the next job of the
+        same shape (a warm lease, :mod:`~prefect_sgpu.compute.remote.lease`); 0 terminates them after every job."""
+        store = S3Store(settings.require_store(), session=session, region=settings.region,
+                        endpoint_url=settings.endpoint_url, kms_key_id=settings.kms_key_id,
+                        bucket_owner=settings.bucket_owner)
+        provisioner = EC2Provisioner(settings, session=session,
+                                     run_tags=rq.run_tags(store.root_uri, settings.heartbeat_ttl))
+        super().__init__(provisioner, store, agent_timeout_s=settings.agent_timeout_s,
+                         rendezvous_port=settings.rendezvous_port, poll_interval_s=settings.poll_interval_s,
+                         node_silence_s=settings.node_silence_s, keep_warm=settings.keep_warm,
+                         kms_key_id=settings.kms_key_id)
+        self.region, self.session, self.endpoint_url = settings.region, session, settings.endpoint_url  # where AWS is
+        self.heartbeat_ttl_s = settings.heartbeat_ttl
+        self.python, self.setup_commands = settings.python, settings.setup_commands  # what the nodes boot with
         self._account: str | None = None
 
     def __repr__(self) -> str:
@@ -152,42 +131,10 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any], session: Any | None = None) -> "EC2InstanceCompute":
-        """Build from an ``EC2Compute`` block's fields (validated here, before anything is spent).
-
-        One TTL for everything that watches the driver: ``ttl_minutes * 60`` seconds is
-        both the bootstrap's and the node agent's heartbeat TTL (``heartbeat_ttl_s``
-        overrides it, for tests that kill a driver and wait for its nodes).
-        """
-        store_uri = settings.get("store_uri") or ""
-        if not str(store_uri).startswith("s3://"):
-            raise SGPUConfigError("store_uri", store_uri, "an s3://bucket/prefix both the driver and the "
-                                  "instances (through their instance profile) can read and write")
-        provisioner_settings = EC2Settings(**_provisioner_settings(EC2Settings, settings))
-        region = provisioner_settings.region
-        endpoint_url = provisioner_settings.endpoint_url
-        ttl = settings.get("heartbeat_ttl_s") or 60.0 * provisioner_settings.ttl_minutes
-        port = int(settings.get("rendezvous_port") or DEFAULT_RENDEZVOUS_PORT)
-        if not 1024 <= port <= 65535:
-            raise SGPUConfigError("rendezvous_port", port, "a port between 1024 and 65535")
-        store = S3Store(str(store_uri), session=session, region=region, endpoint_url=endpoint_url,
-                        kms_key_id=settings.get("kms_key_id") or None, bucket_owner=_bucket_owner(settings))
-        return cls(
-            EC2Provisioner(provisioner_settings, session=session,
-                           run_tags=rq.run_tags(store.root_uri, float(ttl))),
-            store,
-            region,
-            session=session,
-            endpoint_url=endpoint_url,
-            heartbeat_ttl_s=float(ttl),
-            agent_timeout_s=float(settings.get("agent_timeout_s") or 900.0),
-            rendezvous_port=port,
-            poll_interval_s=float(settings.get("poll_interval_s") or 1.0),
-            node_silence_s=float(settings.get("node_silence_s") or 120.0),
-            python=settings.get("python") or "python3",
-            setup_commands=settings.get("setup_commands") or "",
-            kms_key_id=settings.get("kms_key_id") or None,
-            keep_warm=settings.get("keep_warm") or 0.0,
-        )
+        """Built from settings given as keywords: the block's fields and :class:`EC2Settings`' own
+        (``heartbeat_ttl_s`` instead of ``ttl_minutes``, for tests that kill a driver and wait for its
+        nodes); a misspelt one is an ``SGPUConfigError``, as every bad value."""
+        return cls(EC2Settings(**settings), session=session)
 
     def _client(self, service: str) -> Any:
         return self.provisioner.client(service)
@@ -367,17 +314,3 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
         tracking_uri = default_tracking_uri() if request.spec.mlflow and mlflow_available() else None
         start_of_job_pass(self, request.run_id, tracking_uri)
-
-
-def _bucket_owner(settings: dict[str, Any]) -> str | None:
-    owner = str(settings.get("bucket_owner") or "").strip()
-    if owner and not (len(owner) == 12 and owner.isdigit()):
-        raise SGPUConfigError("bucket_owner", owner, "the 12-digit id of the AWS account that owns the store's "
-                              "bucket, or empty")
-    return owner or None
-
-
-def _provisioner_settings(settings_cls: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """Every setting but this class's own: a misspelt one still fails the provisioner's validation."""
-    fields = getattr(settings_cls, "model_fields", {})
-    return {k: v for k, v in settings.items() if k not in OWN_SETTINGS or k in fields}

@@ -1,4 +1,4 @@
-"""Validated EC2 provisioning settings: the ``EC2Compute`` block's fields, checked up front.
+"""Validated EC2 settings: the ``EC2Compute`` block's fields, each default and check written once.
 
 Everything that can be wrong with a configuration (an unknown GPU type in the
 overrides, no subnet to launch into, a reservation market without a reservation, a
@@ -12,12 +12,13 @@ from __future__ import annotations
 import getpass
 import os
 import re
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefect_sgpu import catalog
 from prefect_sgpu.errors import SGPUConfigError
+from typing_extensions import Self
 
 MARKETS = ("spot", "on-demand", "reserved")
 #: set to 1 to launch on the configured market even when a capacity reservation is set
@@ -57,44 +58,101 @@ def reservation_skipped() -> bool:
     return os.environ.get(SKIP_RESERVATION_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-class EC2Settings(BaseModel):
-    """How instances are bought, placed and tagged (the ``EC2Compute`` block's fields)."""
+_DLAMI = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    region: str = "us-east-1"
-    subnet_ids: list[str] = Field(default_factory=list)
-    security_group_id: str | None = None
-    instance_profile: str | None = None
-    #: a role and instance profile of its own for every job (prefect_sgpu.compute.ec2.roles)
-    job_roles: bool = False
-    #: the permissions boundary (policy ARN) every job role is created under
-    node_permissions_boundary: str | None = None
-    ami_id: str | None = None
-    ami_ssm_parameter: str = (
-        "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+class EC2ComputeFields(BaseModel):
+    """The ``EC2Compute`` block's own fields: each default, description and check written here once.
+
+    The block (:class:`prefect_sgpu.adapters.blocks.EC2Compute`) *is* these fields (it adds the AWS
+    credentials and the environment), so a bad value fails where the block is made, as an
+    :class:`SGPUConfigError`; :class:`EC2Settings` is these fields and the knobs only code turns.
+    Descriptions end with a period and stay as they are: they are the block's schema in the UI
+    and in the ``sgpu`` work pool's base job template.
+    """
+
+    region: str = Field(default="us-east-1", description="AWS region of the instances.")
+    subnet_ids: list[str] = Field(
+        default_factory=list, description="Subnets to try in order (one per availability zone) for failover."
     )
-    instance_types: dict[str, str] = Field(default_factory=dict)
-    market: Literal["spot", "on-demand", "reserved"] = "on-demand"
-    capacity_reservation_id: str | None = None
-    fallback_to_on_demand: bool = False
-    volume_size_gb: int = Field(200, ge=8, le=16384)
-    ttl_minutes: int = Field(15, ge=1)
-    tags: dict[str, str] = Field(default_factory=dict)
-    endpoint_url: str | None = None
-    owner: str | None = None
-    #: botocore retry mode and attempts for every AWS call (throttling, 5xx)
-    retry_mode: Literal["standard", "adaptive"] = "standard"
-    max_attempts: int = Field(5, ge=1, le=20)
-    #: how long to wait for launched instances to reach "running", and how often to look
-    running_timeout_s: float = Field(900.0, gt=0)
-    waiter_delay_s: float = Field(5.0, gt=0)
+    security_group_id: Optional[str] = Field(
+        default=None, description="Security group; empty creates one that only admits itself."
+    )
+    instance_profile: Optional[str] = Field(
+        default=None, description="IAM instance profile name that grants the nodes access to the S3 store "
+        "(shared by every job; leave empty with job_roles)."
+    )
+    job_roles: bool = Field(
+        default=False, description="Give every job an IAM role and instance profile of its own, created and "
+        "deleted with the job: its nodes reach only that job's store folder, key and instances "
+        "(policies in prefect_sgpu/policies/).",
+    )
+    node_permissions_boundary: Optional[str] = Field(
+        default=None, description="ARN of the managed policy every job role is created under "
+        "(policies/node-boundary.json); the shipped driver policy requires it.",
+    )
+    ami_id: Optional[str] = Field(default=None, description="AMI to boot; overrides ami_ssm_parameter.")
+    ami_ssm_parameter: str = Field(default=_DLAMI, description="SSM parameter naming a Deep Learning AMI.")
+    instance_types: dict[str, str] = Field(
+        default_factory=dict,
+        description="Overrides of the catalog, GPU type to instance type (for example A10 to g5.48xlarge).",
+    )
+    market: Literal["spot", "on-demand", "reserved"] = Field(
+        default="on-demand", description="How instances are bought."
+    )
+    capacity_reservation_id: Optional[str] = Field(
+        default=None, description="An EC2 capacity reservation used by default when set."
+    )
+    fallback_to_on_demand: bool = Field(
+        default=False, description="After spot capacity errors in every subnet, try on-demand."
+    )
+    volume_size_gb: int = Field(default=200, ge=8, le=16384, description="Root volume size in GiB.")
+    store_uri: str = Field(default="", description="s3://bucket/prefix the driver and nodes exchange files through.")
+    ttl_minutes: int = Field(
+        default=15, ge=1, description="Nodes terminate themselves when the driver's heartbeat is older than this."
+    )
+    tags: dict[str, str] = Field(default_factory=dict, description="Extra tags on every resource.")
+    owner: Optional[str] = Field(
+        default=None, description="Value of the sgpu:owner tag on every resource; empty uses the local user name."
+    )
+    python: str = Field(default="python3", description="Python on the node that can import prefect-sgpu.")
+    setup_commands: str = Field(
+        default="",
+        description=(
+            "Shell lines the node runs before its bootstrap, for an AMI without prefect-sgpu "
+            "(for example: python3 -m pip install 'prefect-sgpu[aws,torch]')."
+        ),
+    )
+    agent_timeout_s: float = Field(
+        default=900.0, gt=0, description="Seconds from launch until every node's agent must be up."
+    )
+    node_silence_s: float = Field(
+        default=120.0, gt=0, description="Seconds a running node may go without reporting before the job fails."
+    )
+    rendezvous_port: int = Field(
+        default=29400, ge=1024, le=65535, description="Port of the c10d rendezvous on node 0."
+    )
+    kms_key_id: Optional[str] = Field(
+        default=None, description="KMS key of the job key's SSM parameter and of every object written to the "
+                                  "store (SSE-KMS; without one, SSE-S3)."
+    )
+    bucket_owner: Optional[str] = Field(
+        default=None, description="12-digit account id that must own the store's bucket (ExpectedBucketOwner "
+                                  "on every S3 call); empty skips the check."
+    )
+    keep_warm: float = Field(
+        default=0.0, ge=0,
+        description="Seconds a finished job's instances wait (billed) for the next job of the same shape, which "
+                    "then starts on them without a boot; 0: every job terminates its instances. A flow's task "
+                    "runner ends them when the flow ends; not with job_roles.",
+    )
+    endpoint_url: Optional[str] = Field(default=None, description="Custom AWS endpoint (tests, private links).")
 
     def __init__(self, **values: Any) -> None:
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise _config_error(exc) from None
+            raise _config_error(exc, type(self)) from None
 
     @field_validator("region")
     @classmethod
@@ -180,18 +238,77 @@ class EC2Settings(BaseModel):
                                   "the ARN of an IAM managed policy, arn:aws:iam::<account>:policy/<name>")
         return value or None
 
+    @field_validator("bucket_owner")
+    @classmethod
+    def _bucket_owner(cls, value: str | None) -> str | None:
+        owner = (value or "").strip()
+        if owner and not (len(owner) == 12 and owner.isdigit()):
+            raise SGPUConfigError("bucket_owner", owner, "the 12-digit id of the AWS account that owns the store's "
+                                  "bucket, or empty")
+        return owner or None
+
+    @field_validator("kms_key_id")
+    @classmethod
+    def _empty_is_none(cls, value: str | None) -> str | None:
+        return value or None
+
+    @field_validator("python")
+    @classmethod
+    def _empty_is_default(cls, value: str, info: Any) -> str:
+        return value or cls.model_fields[info.field_name].default
+
     @model_validator(mode="after")
-    def _market_needs(self) -> EC2Settings:
+    def _fields_agree(self) -> Self:
+        unknown = sorted(set(self.model_extra or ()) - {"block_type_slug"})  # the block keeps what it is given
+        if unknown:
+            raise _unknown_field(unknown[0], (self.model_extra or {})[unknown[0]], type(self))
         if self.job_roles and self.instance_profile:
             raise SGPUConfigError("instance_profile", self.instance_profile,
                                   "empty when job_roles is set (each job gets a role of its own)")
+        if self.job_roles and self.keep_warm > 0:
+            raise SGPUConfigError("keep_warm", self.keep_warm, "0 while job_roles is on (a job role covers one "
+                                  "job, and a warm lease's instances serve several): turn one of them off")
         if self.market == "reserved" and not self.capacity_reservation_id:
             raise SGPUConfigError(
                 "capacity_reservation_id", None, "a capacity reservation id (cr-...) when market='reserved'"
             )
         return self
 
+
+class EC2Settings(EC2ComputeFields):
+    """Everything an EC2 compute reads: the block's fields, and knobs only code turns (tests, benchmarks)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: botocore retry mode and attempts for every AWS call (throttling, 5xx)
+    retry_mode: Literal["standard", "adaptive"] = "standard"
+    max_attempts: int = Field(5, ge=1, le=20)
+    #: how long to wait for launched instances to reach "running", and how often to look
+    running_timeout_s: float = Field(900.0, gt=0)
+    waiter_delay_s: float = Field(5.0, gt=0)
+    #: the driver's heartbeat TTL in seconds, instead of ttl_minutes (tests that kill a driver)
+    heartbeat_ttl_s: Optional[float] = Field(None, gt=0)
+    #: how often the driver looks at the job folder
+    poll_interval_s: float = Field(1.0, gt=0)
+
+    @classmethod
+    def of(cls, fields: EC2ComputeFields) -> EC2Settings:
+        """The settings of a block (or of any object with the block's fields), checked again."""
+        return cls.model_validate(fields, from_attributes=True)
+
     # -- derived ------------------------------------------------------------------
+
+    @property
+    def heartbeat_ttl(self) -> float:
+        """One TTL for everything that watches the driver: both the bootstrap's and the node agent's."""
+        return self.heartbeat_ttl_s or 60.0 * self.ttl_minutes
+
+    def require_store(self) -> str:
+        """The store URI, which a compute needs (a sweeper or a dry run of the provisioner may go without)."""
+        if not self.store_uri.startswith("s3://"):
+            raise SGPUConfigError("store_uri", self.store_uri, "an s3://bucket/prefix both the driver and the "
+                                  "instances (through their instance profile) can read and write")
+        return self.store_uri
 
     @property
     def owner_name(self) -> str:
@@ -241,17 +358,20 @@ class EC2Settings(BaseModel):
             )
 
 
-def _config_error(exc: ValidationError) -> SGPUConfigError:
+def _config_error(exc: ValidationError, model: type[BaseModel]) -> SGPUConfigError:
+    """The first error as the field, its value and what is allowed (a check's own error as it is)."""
     err = exc.errors()[0]
     cause = err.get("ctx", {}).get("error")
     if isinstance(cause, SGPUConfigError):
         return cause
-    field = ".".join(str(p) for p in err.get("loc", ())) or "EC2Settings"
+    field = ".".join(str(p) for p in err.get("loc", ())) or model.__name__
     value = err.get("input")
-    if field == "market":
-        return SGPUConfigError("market", value, "one of " + ", ".join(MARKETS))
     if err.get("type") == "extra_forbidden":
-        return SGPUConfigError(
-            field, value, "a field of the EC2Compute block: " + ", ".join(EC2Settings.model_fields)
-        )
-    return SGPUConfigError(field, value, err.get("msg", "invalid value"))
+        return _unknown_field(field, value, model)
+    known = model.model_fields.get(field)
+    allowed = "one of " + ", ".join(MARKETS) if field == "market" else err.get("msg", "invalid value")
+    return SGPUConfigError(field, value, allowed, known.description if known else None)
+
+
+def _unknown_field(field: str, value: Any, model: type[BaseModel]) -> SGPUConfigError:
+    return SGPUConfigError(field, value, f"a field of {model.__name__}: " + ", ".join(model.model_fields))
