@@ -161,6 +161,8 @@ class RayAllocation(Allocation):
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: the warm worker group the job runs on (None: a Ray Train run)
     group: Any = None
+    #: how many times the warm group's ranks were started for this job (see ``SETUP_ATTEMPTS``)
+    setup_attempts: int = 1
 
 
 # one Ray connection per process: which cluster prefect-sgpu joined, so any compute for it may leave it
@@ -446,10 +448,13 @@ class RayTrainCompute(Compute):
         Train stops a run's workers); None when all succeeded, else the failure."""
         import ray
 
-        runs = allocation.group.runs
+        from prefect_sgpu.ray.warm_group import SETUP_ATTEMPTS, SETUP_FAILED
+
+        group = allocation.group
+        runs = group.runs
         ready, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
         self._drain(allocation)
-        failed = []
+        failed, setup = [], []
         for rank, ref in enumerate(runs):
             if ref in ready:
                 try:
@@ -457,12 +462,23 @@ class RayTrainCompute(Compute):
                 except Exception as exc:  # noqa: BLE001 - the actor died: reported as the run's error
                     failed.append(f"rank {rank}'s warm worker: {type(exc).__name__}: {exc}")
                     continue
-                if code and code < 0:
+                if code == SETUP_FAILED:
+                    setup.append(rank)
+                    failed.append(f"rank {rank} could not join the job's process group (its log says why)")
+                elif code and code < 0:
                     failed.append(f"rank {rank} was killed by signal {-code}")
                 elif code:
                     failed.append(f"rank {rank} exited with code {code}")
+        if setup and len(setup) == len(failed) and allocation.setup_attempts < SETUP_ATTEMPTS:
+            # no rank ran the function (each waits for all at a barrier first): start them again
+            allocation.setup_attempts += 1
+            if group.start_again():
+                logger.warning("job %s: rank(s) %s could not join the job's process group; starting its "
+                               "ranks again (attempt %d of %d)", allocation.run_id,
+                               ", ".join(map(str, setup)), allocation.setup_attempts, SETUP_ATTEMPTS)
+                return "running"
         if failed:
-            allocation.group.stop(0.0)
+            group.stop(0.0)
             self._drain(allocation)
             return "; ".join(failed)[:4000]
         return None if len(ready) == len(runs) else "running"

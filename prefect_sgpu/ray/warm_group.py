@@ -34,6 +34,10 @@ from prefect_sgpu.launch.warm_pool import Pooled, WarmPool
 PRELOAD = ["torch", "torch.distributed", "cloudpickle", "prefect_sgpu.payload", "prefect_sgpu.jobfolder",
            "prefect_sgpu.runtime", "prefect_sgpu.launch.rank_main"]
 FORWARD_INTERVAL_S = 0.2
+#: a rank's exit code when the job's process group could not be formed (before any rank ran the
+#: function): the driver starts the job's ranks again, up to ``SETUP_ATTEMPTS`` times in all
+SETUP_FAILED = 75
+SETUP_ATTEMPTS = 3
 
 
 def _noop() -> None:
@@ -61,15 +65,23 @@ def _rank_child(config: dict[str, Any], identity: dict[str, Any], log_path: str,
     base = {k: identity[k] for k in ("rank", "node", "local_rank")} | {"host": socket.gethostname()}
     code = 1
     try:
-        backend = identity["backend"] or ("nccl" if runtime.uses_gpu() else "gloo")
-        dist.init_process_group(backend=backend, timeout=runtime.default_timeout(),
-                                **({"device_id": runtime.device()} if backend == "nccl" else {}))
+        try:
+            backend = identity["backend"] or ("nccl" if runtime.uses_gpu() else "gloo")
+            dist.init_process_group(backend=backend, timeout=runtime.default_timeout(),
+                                    **({"device_id": runtime.device()} if backend == "nccl" else {}))
+            # every rank is in before any runs the function: a rank that could not join stops the
+            # job before the function ran anywhere, so the job may be started again (SETUP_FAILED)
+            dist.barrier()
+        except BaseException:  # noqa: BLE001 - said in the rank's log, told by the exit code
+            traceback.print_exc()
+            print(f"rank {identity['rank']}: the process group over {identity['env']['MASTER_ADDR']}:"
+                  f"{identity['env']['MASTER_PORT']} could not be formed", file=sys.stderr)
+            code = SETUP_FAILED
+            return
+        with open(f"{log_path}.began", "w"):
+            pass
         envelope, code = run_payload(config["payload"], config["key"], config["run_id"], base)
         result.send_bytes(payload.dump_envelope(envelope))
-    except BaseException:  # noqa: BLE001 - joining the process group failed: said in the rank's log
-        traceback.print_exc()
-        print(f"rank {identity['rank']}: the process group over {identity['env']['MASTER_ADDR']}:"
-              f"{identity['env']['MASTER_PORT']} could not be joined", file=sys.stderr)
     finally:
         try:
             if dist.is_initialized():
@@ -103,6 +115,8 @@ class WarmRank:
         self.folder = tempfile.mkdtemp(prefix="sgpu-warm-rank-")
         self.child: Any = None
         self.lock = threading.Lock()
+        #: whether the last job's rank got as far as running the function
+        self.began = False
 
     def where(self) -> tuple[str, str]:
         import ray
@@ -126,6 +140,7 @@ class WarmRank:
 
         rank = identity["rank"]
         log_path = os.path.join(self.folder, f"{config['run_id']}-rank-{rank}.log")
+        self.began = False
         receive, send = self.ctx.Pipe(duplex=False)
         with self.lock:
             self.child = self.ctx.Process(target=_rank_child, args=(config, identity, log_path, send), daemon=False)
@@ -147,14 +162,19 @@ class WarmRank:
         if body is not None:
             ray.get(collector.put_result.remote(rank, body))
         code = self.child.exitcode
+        self.began = os.path.exists(f"{log_path}.began")
         with self.lock:
             self.child = None
-        for leftover in (log_path, f"{log_path}.progress"):
+        for leftover in (log_path, f"{log_path}.progress", f"{log_path}.began"):
             try:
                 os.unlink(leftover)
             except OSError:
                 pass
         return 0 if body is not None and code == 0 else (code or 1)
+
+    def ran_function(self) -> bool:
+        """Whether the last job's rank process got as far as the function (past the process group)."""
+        return self.began
 
     def busy(self) -> bool:
         """Whether a job's rank process runs here."""
@@ -239,6 +259,8 @@ class WarmGroup(Pooled):
     layout: list[tuple[int, int, int]]
     addresses: list[str]
     runs: list[Any] = field(default_factory=list)
+    #: the running job's start (config, collector, backend), kept to start its ranks again
+    launch: Any = None
 
     def healthy(self) -> bool:
         if self.closed:
@@ -254,6 +276,7 @@ class WarmGroup(Pooled):
     def start(self, config: dict[str, Any], collector: Any, backend: str | None) -> None:
         import ray
 
+        self.launch = (config, collector, backend)
         port = ray.get(self.actors[0].free_port.remote())
         world = len(self.actors)
         self.runs = []
@@ -264,6 +287,18 @@ class WarmGroup(Pooled):
                                 "LOCAL_WORLD_SIZE": local_world, "GROUP_RANK": node, "NODE_RANK": node,
                                 "MASTER_ADDR": self.addresses[0], "MASTER_PORT": port}}
             self.runs.append(actor.run.remote(config, identity, collector))
+
+    def start_again(self) -> bool:
+        """Start the job's ranks again after its process group could not be formed; False (nothing
+        started) when a rank already ran the function, whose effects a second start would repeat."""
+        import ray
+
+        self.stop(0.0)
+        if self.closed or not ray.get([a.ran_function.remote() for a in self.actors], timeout=60) == \
+                [False] * len(self.actors):
+            return False
+        self.start(*self.launch)
+        return True
 
     def stop(self, grace: float) -> None:
         import ray

@@ -107,3 +107,37 @@ def test_a_silent_rank_on_a_warm_group_ends_the_job_as_hung_and_the_group_serves
 def test_keep_warm_is_checked() -> None:
     with pytest.raises(SGPUConfigError, match="keep_warm"):
         RayTrainCompute(address="auto", keep_warm=-5)
+
+
+def _writes_a_marker(path: str) -> int:
+    with open(path, "a") as fh:
+        fh.write(f"rank {runtime.rank()}\n")
+    return runtime.rank()
+
+
+def test_ranks_that_cannot_form_the_process_group_are_started_again_then_the_job_fails_with_why(
+        compute: RayTrainCompute, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from prefect_sgpu.errors import RankFailedError
+    from prefect_sgpu.jobfolder import log_key
+    from prefect_sgpu.ray.warm_group import SETUP_ATTEMPTS
+
+    marker = tmp_path / "ran"
+    # gloo cannot build its device on an interface that does not exist: every attempt fails in setup
+    broken = distributed(gpus=2, mlflow=False, compute=compute, timeout=600,
+                         env={"GLOO_SOCKET_IFNAME": "sgpu-no-such-if"})(_writes_a_marker)
+    job = broken.job(str(marker))
+    with caplog.at_level("WARNING", logger="prefect_sgpu.ray.compute"), pytest.raises(RankFailedError) as info:
+        job.run()
+    assert "could not join the job's process group" in str(info.value)
+    assert not marker.exists(), "no rank ran the function"
+    attempts = [r.getMessage() for r in caplog.records if "starting its ranks again" in r.getMessage()]
+    assert [a.split("(attempt ")[1] for a in attempts] == [f"{n} of {SETUP_ATTEMPTS})" for n in
+                                                          range(2, SETUP_ATTEMPTS + 1)]
+    logs = "".join((job.folder.store.get(job.run_id, log_key(r)) or b"").decode() for r in (0, 1))
+    assert logs.count("sgpu-no-such-if") >= SETUP_ATTEMPTS, "each attempt's reason is in the rank logs"
+    (group,) = [g for g in RAY_POOL.idle() if g.owner == id(compute)]
+    good = distributed(gpus=2, mlflow=False, compute=compute)(_writes_a_marker)
+    assert good.distributed(str(marker)) == [0, 1], "the group serves the next job"
+    assert [g for g in RAY_POOL.idle() if g.owner == id(compute)] == [group]
+    compute.close()
+    assert _settled(job.run_id) == []
