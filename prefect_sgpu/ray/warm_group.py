@@ -294,8 +294,7 @@ class WarmGroup(Pooled):
         import ray
 
         self.stop(0.0)
-        if self.closed or not ray.get([a.ran_function.remote() for a in self.actors], timeout=60) == \
-                [False] * len(self.actors):
+        if self.closed or any(ray.get([a.ran_function.remote() for a in self.actors], timeout=60)):
             return False
         self.start(*self.launch)
         return True
