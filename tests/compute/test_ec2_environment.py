@@ -14,16 +14,29 @@ import json
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
-from prefect_sgpu import environment_ship
+from prefect_sgpu import distributed, environment_ship
+from prefect_sgpu.compute.ec2.request import render_user_data
 from prefect_sgpu.environment import capture
-from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.errors import ProvisioningError, SGPUConfigError
 from prefect_sgpu.launch import node_env
+from support.conformance_ec2 import EC2Env
 
 USER_MODULE = "sgpu_user_project_train"
+
+
+@pytest.fixture
+def bare(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Path) -> Iterator[EC2Env]:
+    """Offline AWS whose instances boot a bare image (see the module doc); one venv folder for
+    every node of the test, as one instance's disk keeps it across boots."""
+    from support.conformance_ec2 import ec2_environment
+
+    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults, bare=True,
+                         env_root=tmp_path / "node-envs") as env:
+        yield env
 
 
 @pytest.fixture
@@ -52,6 +65,10 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
+def _consoles(env: EC2Env, run_id: str) -> list[str]:
+    return [env.simulator.console(i["InstanceId"]) for i in env.instances(run_id)]
+
+
 # --- what the driver ships and what the user-data says ------------------------------------------
 
 
@@ -75,10 +92,21 @@ def test_the_manifest_pins_index_distributions_and_ships_local_code_by_sha256(pr
     assert str(project) not in json.dumps(manifest)
 
 
+def test_the_user_data_names_the_manifest_and_carries_the_stage(project: Path) -> None:
+    env = capture(working_dir=project)
+    script = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env)
+    assert f"--manifest={environment_ship.manifest_sha256(env)}" in script
+    assert "-m prefect_sgpu.launch.bootstrap" in script and "pip install" not in script
+    assert len(script.encode()) <= environment_ship.USER_DATA_LIMIT
+    image = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env.model_copy(
+        update={"mode": "image"}))
+    assert "--manifest" not in image and image.splitlines()[-1].startswith("python3 -m prefect_sgpu.launch.bootstrap")
+
+
 def test_an_index_with_credentials_never_reaches_the_user_data(project: Path) -> None:
     env = capture(working_dir=project, index_url="https://user:s3cret@pypi.example.com/simple")
     with pytest.raises(SGPUConfigError) as info:
-        environment_ship.manifest(env)
+        render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env)
     assert info.value.field == "environment.index_url" and "s3cret" not in str(info.value)
     local = capture(find_links=[str(project)])
     with pytest.raises(SGPUConfigError, match="environment.find_links"):
@@ -163,3 +191,62 @@ def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_
     monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "fresh-node"))
     with pytest.raises(node_env.SetupError, match="does not match its sha256"):
         boot(env)
+
+
+# --- bare nodes, end to end ----------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_bare_nodes_build_the_driver_environment_once_and_run_the_users_project(
+        bare: EC2Env, project: Path) -> None:
+    import importlib
+
+    train = importlib.import_module(USER_MODULE).train
+    compute = bare.compute(agent_timeout_s=600.0)
+    env_root = bare.simulator.env_root
+
+    def job(**environment: Any) -> Any:
+        fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=600,
+                         environment={"working_dir": str(project), **environment})(train)
+        return fn.job("hello")
+
+    first = job()
+    result = first.run()
+    assert [v["rank"] for v in result.values] == [0, 1]
+    assert all(v["tokens"] == [ord(c) % 7 for c in "hello"] for v in result.values)
+    for value in result.values:  # the user's code and this project came from the store, not this checkout
+        assert Path(value["features"]).is_relative_to(env_root), value
+        assert Path(value["prefect_sgpu"]).is_relative_to(env_root), value
+    digest = first.spec.environment.digest
+    venvs = sorted(p.name for p in env_root.iterdir() if (p / ".complete").exists())
+    assert venvs == [f"{digest}-{sys.platform}-{__import__('platform').machine()}"]
+    consoles = _consoles(bare, first.run_id)
+    assert sum("built environment" in c for c in consoles) == 1, consoles  # the other node waited, then reused
+    assert sum("reused environment" in c for c in consoles) == 1, consoles
+
+    second = job()
+    assert second.run().values == result.values
+    consoles = _consoles(bare, second.run_id)
+    assert all("reused environment" in c for c in consoles), consoles
+    assert not any("installing" in c or "creating the venv" in c for c in consoles), consoles
+
+
+
+@pytest.mark.e2e
+def test_a_failing_environment_build_ends_the_job_with_its_output_not_at_the_timeout(
+        bare: EC2Env, project: Path) -> None:
+    import importlib
+
+    train = importlib.import_module(USER_MODULE).train
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, mlflow=False, timeout=900,
+                     compute=bare.compute(agent_timeout_s=900.0),
+                     environment={"working_dir": str(project), "requirements": ["sgpu-no-such-package==1.0"]})(train)
+    job = fn.job("x")
+    with pytest.raises(ProvisioningError, match="went away while booting") as info:
+        job.run()
+    text = str(info.value)
+    assert "environment setup said" in text and "installing the extra requirements" in text, text
+    assert "sgpu-no-such-package" in text, text
+    for inst in bare.instances(job.run_id):
+        assert bare.simulator.shutdowns(inst["InstanceId"]), "the user-data powered the instance off"
+    assert bare.leftovers(job.run_id) == []

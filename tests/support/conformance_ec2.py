@@ -10,6 +10,7 @@ instance's real user-data as local processes. ``EC2Case`` adapts it to the
 from __future__ import annotations
 
 import base64
+import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from support.ec2_simulator import EC2Simulator
 from prefect_sgpu import jobfolder
 from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
+from prefect_sgpu.environment import ENVIRONMENT_ENV
 from prefect_sgpu.store_s3 import S3Store
 
 HEARTBEAT_TTL_S = 10.0
@@ -101,8 +103,14 @@ class EC2Env:
 
 @contextmanager
 def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
-                    proxy: AWSFaultProxy | None = None) -> Iterator[EC2Env]:
-    """A bucket, settings and a running simulator; checks nothing was leaked when it ends."""
+                    proxy: AWSFaultProxy | None = None, bare: bool = False,
+                    env_root: Path | None = None) -> Iterator[EC2Env]:
+    """A bucket, settings and a running simulator; checks nothing was leaked when it ends.
+
+    By default the simulated image has everything (the driver's venv, this checkout): jobs say so
+    with ``PREFECT_SGPU_ENVIRONMENT=image``, set here for the test's duration. With ``bare`` the
+    nodes boot a bare image and build the driver's environment themselves (the default for users).
+    """
     bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
     settings = {
@@ -122,7 +130,10 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
     node_env = {k: v for k, v in aws_env.env.items() if k != "AWS_ENDPOINT_URL"}
     node_env.pop("AWS_SECURITY_TOKEN", None)
     node_env.pop("AWS_SESSION_TOKEN", None)
-    simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir).start()
+    simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir, bare=bare, env_root=env_root).start()
+    saved = os.environ.pop(ENVIRONMENT_ENV, None)
+    if not bare:
+        os.environ[ENVIRONMENT_ENV] = "image"
     env = EC2Env(aws_env, settings, simulator, bucket, proxy)
     if proxy is not None:  # "terminated" means powered off, as on EC2: no node writes after it
         proxy.on_terminate = lambda ids: simulator.wait_powered_off(ids, timeout=30)
@@ -133,6 +144,9 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
         assert simulator.wait_powered_off(list(simulator.nodes), timeout=20), simulator.describe()
         assert not simulator.errors, simulator.errors
     finally:
+        os.environ.pop(ENVIRONMENT_ENV, None)
+        if saved is not None:
+            os.environ[ENVIRONMENT_ENV] = saved
         if proxy is not None:
             proxy.on_terminate = None
         simulator.close()

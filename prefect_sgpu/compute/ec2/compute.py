@@ -36,6 +36,8 @@ from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.compute.ec2.roles import ROLE_PATH
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.remote.lease import lease_id
+from prefect_sgpu import environment_ship
+from prefect_sgpu.environment_ship import environment_key
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
@@ -101,6 +103,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
     name = "ec2"
     allocation_type = EC2Allocation
+    #: the user-data builds an environment of mode "driver" on the node (its files shipped at acquire)
+    ships_environment = True
     provisioner: EC2Provisioner
     store: S3Store
 
@@ -166,18 +170,19 @@ class EC2InstanceCompute(RemoteNodeCompute):
                                   "Keep large values (files, certificates) in S3 or a mounted secret "
                                   "and pass where they are")
 
-    def user_data(self, run_id: str, lease: bool = False) -> str:
+    def user_data(self, run_id: str, lease: bool = False, environment: Any = None) -> str:
+        """``environment``: the job's captured environment; mode "driver" builds it on the node."""
         return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
                                    endpoint_url=self.endpoint_url, python=self.python,
                                    setup=self.setup_commands,
                                    backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
                                    kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner,
-                                   lease=lease)
+                                   lease=lease, environment=environment)
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
         lease = lease_id(run_id) if self.keep_warm > 0 else ""
-        user_data = self.user_data(lease or run_id, lease=bool(lease))
+        user_data = self.user_data(lease or run_id, lease=bool(lease), environment=spec.environment)
         attempts = self.provisioner.attempts(lease or run_id, plan, user_data)
         instance_type = attempts[0].params["InstanceType"] if attempts else rq.instance_type_for(self.settings, plan)
         known = catalog.instance_type_by_name(instance_type)
@@ -197,7 +202,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
         assert isinstance(request, EC2Request)
         if request.lease_id:
             lease = lease_id(request.run_id, gang)
-            user_data = self.user_data(lease, lease=True)
+            user_data = self.user_data(lease, lease=True, environment=request.spec.environment)
             return replace(request, lease_id=lease, user_data=user_data,
                            run_instances=self.provisioner.attempts(lease, request.plan, user_data))
         attempts = tuple(replace(a, params={**a.params, "ClientToken": rq.client_token(request.run_id, i, gang)})
@@ -249,7 +254,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
         """Jobs of the same shape on the same settings may share a lease."""
         plan = request.plan
         return ("ec2", self.region, self.store.root_uri, request.instance_type, plan.nodes, plan.procs_per_node,
-                self.python, self.setup_commands, self.heartbeat_ttl_s, self.settings.model_dump_json())
+                self.python, self.setup_commands, self.heartbeat_ttl_s, self.settings.model_dump_json(),
+                environment_key(request.spec.environment))
 
     def _provision(self, allocation: RemoteAllocation, launch_id: str, deadline: float,  # type: ignore[override]
                    cancel: threading.Event) -> list[Instance]:
@@ -293,8 +299,11 @@ class EC2InstanceCompute(RemoteNodeCompute):
         request = allocation.request
         assert isinstance(request, EC2Request) and isinstance(allocation, EC2Allocation)
         allocation.job_role = request.job_role
+        environment = request.spec.environment
+        own = (self.store.uri(environment_ship.STORE_FOLDER, environment.digest)
+               if environment_ship.builds_on_node(environment) else None)
         policy = roles.node_policy(request.run_id, self.region, self.account(), self.job_locations(request),
-                                   self.kms_key_id)
+                                   self.kms_key_id, environment_uri=own)
         tags = {rq.RUN_ID_TAG: request.run_id, **self.provisioner.run_tags}
         roles.create(self._client("iam"), request.run_id, policy, tags, self.settings.node_permissions_boundary)
 

@@ -25,12 +25,15 @@ import os
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from prefect_sgpu import catalog
 from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.spec import Plan
+
+if TYPE_CHECKING:
+    from prefect_sgpu.environment import Environment
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.request")
 
@@ -271,8 +274,15 @@ def render_user_data(
     kms_key_id: str | None = None,
     bucket_owner: str | None = None,
     lease: bool = False,
+    environment: "Environment | None" = None,
 ) -> str:
     """The instance's user-data: a short shell script, with no credential and no key in it.
+
+    With an ``environment`` of mode ``"driver"`` the bootstrap runs in that environment, built
+    (or reused) on the node by the environment stage (:mod:`prefect_sgpu.launch.node_env`,
+    carried compressed in the user-data) from the manifest whose sha256 is written here
+    (:mod:`prefect_sgpu.environment_ship`): the image needs only ``python`` and uv. Without one,
+    or with ``"image"``, ``python`` must import prefect-sgpu itself (the image has everything).
 
     With ``lease`` the instance belongs to a warm lease (``run_id`` is the lease's id) and
     serves the jobs the lease assigns to it, one after another, instead of one job.
@@ -311,9 +321,22 @@ def render_user_data(
         """trap '[ -e "$marker" ] || shutdown -h now' EXIT""",
         "set -euo pipefail",
         *([setup.strip()] if setup.strip() else []),
-        shlex.join(argv) + ' --backstop-marker="$marker"',
     ]
-    return "\n".join(lines) + "\n"
+    from prefect_sgpu import environment_ship
+
+    if environment_ship.builds_on_node(environment):
+        assert environment is not None
+        manifest = environment_ship.manifest_sha256(environment)
+        stage, runs = environment_ship.stage_lines(python, environment.digest, manifest, store_uri, run_id, region,
+                                                   endpoint_url, bucket_owner)
+        lines += [*stage, f'{runs} {shlex.join(argv[1:])} --backstop-marker="$marker"']
+    else:
+        lines.append(shlex.join(argv) + ' --backstop-marker="$marker"')
+    text = "\n".join(lines) + "\n"
+    if len(text.encode()) > environment_ship.USER_DATA_LIMIT:
+        raise SGPUConfigError("setup_commands", f"user-data of {len(text.encode())} bytes",
+                              f"at most {environment_ship.USER_DATA_LIMIT} bytes of user-data in all (EC2's limit)")
+    return text
 
 
 #: what a credential looks like, whoever's it is: found in a launch request, it is refused

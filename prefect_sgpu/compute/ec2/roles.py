@@ -115,11 +115,15 @@ def s3_location(uri: str) -> tuple[str, str]:
 
 
 def node_policy(run_id: str, region: str, account: str, locations: list[str],
-                kms_key_id: str | None = None) -> dict[str, Any]:
-    """The inline policy of run ``run_id``'s role: its ``s3://`` locations, its SSM path, its instances."""
+                kms_key_id: str | None = None, environment_uri: str | None = None) -> dict[str, Any]:
+    """The inline policy of run ``run_id``'s role: its ``s3://`` locations, its SSM path, its instances,
+    and read access to ``environment_uri``, the folder of the environment its nodes build (none when
+    they build none)."""
+    env_bucket, env_prefix = s3_location(environment_uri) if environment_uri else (None, None)
     return render(policy_template("node-policy"),
                   {"Partition": partition(region), "Region": region, "Account": account, "RunId": run_id,
-                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account)},
+                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account), "EnvironmentBucket": env_bucket,
+                   "EnvironmentPrefix": env_prefix},
                   [s3_location(uri) for uri in dict.fromkeys(locations)])
 
 

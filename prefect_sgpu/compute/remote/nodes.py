@@ -185,6 +185,7 @@ class RemoteNodeCompute(Compute):
             self._sweep(request)
             self._put_key(allocation)  # before any machine exists: nodes verify from their first read
             self._prepare(allocation)
+            self._ship_environment(allocation)
             allocation.instances = self._provision(allocation, request.run_id, deadline, cancel)
             allocation.progress("running", ", ".join(self._describe(m) for m in allocation.instances))
             self._wait_for_agents(allocation, deadline, cancel)
@@ -202,6 +203,36 @@ class RemoteNodeCompute(Compute):
 
     def _requested_text(self, request: RemoteRequest) -> str:
         return f"{request.plan.nodes} node(s)"
+
+    #: whether this cloud's nodes build an environment of mode "driver" themselves (from the store)
+    ships_environment = False
+
+    def _ship_environment(self, allocation: RemoteAllocation) -> None:
+        """The files and manifest of the job's environment, in the store before any machine boots
+        (content-addressed: what an earlier job shipped is not uploaded again)."""
+        from prefect_sgpu import environment_ship
+
+        environment = allocation.request.spec.environment
+        if not (self.ships_environment and environment_ship.builds_on_node(environment)):
+            return
+        started = time.monotonic()
+        shipped = environment_ship.ship(self.store, environment)
+        allocation.progress("environment", f"{environment.digest[:16]}: {shipped['uploaded']} file(s) uploaded "
+                            f"({shipped['bytes']} bytes), {shipped['skipped']} already in the store, "
+                            f"{time.monotonic() - started:.1f}s")
+
+    def _setup_output(self, allocation: RemoteAllocation, machine_id: str, limit: int = 4000) -> str:
+        """What the node's environment stage wrote when it failed (``setup/<machine>.log`` in the folder the
+        user-data named), as text for the error; "" when nothing. Written by the node: shown, never acted on."""
+        folder = allocation.lease.lease_id if allocation.lease is not None else allocation.run_id
+        try:
+            data = self.store.get(folder, f"setup/{machine_id}.log")
+        except Exception:  # noqa: BLE001 - the error is raised without it
+            logger.debug("no setup output of %s", machine_id, exc_info=True)
+            return ""
+        if not data:
+            return ""
+        return f"; {machine_id}'s environment setup said:\n" + data[-limit:].decode("utf-8", "replace").strip()
 
     # -- warm leases ------------------------------------------------------------------
 
@@ -248,6 +279,7 @@ class RemoteNodeCompute(Compute):
         self._put_secret(lease, ssm_key_parameter(lease.lease_id), lease.folder.key,
                          "prefect-sgpu key of one warm lease (deleted when the lease ends)", "key_parameter")
         lease.start_beating()
+        self._ship_environment(allocation)
         lease.instances = self._provision(allocation, lease.lease_id, deadline, cancel)
         allocation.progress("running", f"lease {lease.lease_id}: " +
                             ", ".join(self._describe(m) for m in lease.instances))
@@ -317,8 +349,9 @@ class RemoteNodeCompute(Compute):
                 dead = {k: v for k, v in self.provisioner.instance_states([i.id for i in instances]).items()
                         if v in self.provisioner.dead_states}
                 if dead:
+                    first = sorted(dead)[0]
                     raise ProvisioningError(f"job {run_id}: machine(s) {dead} went away while booting"
-                                            + self._console_tail(sorted(dead)[0]))
+                                            + self._setup_output(allocation, first) + self._console_tail(first))
             cancel.wait(0.5)
         # addresses from the cloud's API (the provisioner), never from what a node wrote
         allocation.nodes = [AllocatedNode(index=i, address=inst.private_ip, host=inst.id, instance_id=inst.id)
