@@ -113,6 +113,19 @@ def test_an_index_with_credentials_never_reaches_the_user_data(project: Path) ->
         environment_ship.manifest(local)
 
 
+def test_a_job_role_reads_its_own_environment_and_no_other() -> None:
+    from prefect_sgpu.compute.ec2 import roles
+
+    digest = "ab" * 32
+    policy = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"],
+                               environment_uri=f"s3://b/jobs/{environment_ship.STORE_FOLDER}/{digest}")
+    own = [s for s in policy["Statement"] if s["Sid"] == "OwnEnvironment"]
+    assert own == [{"Sid": "OwnEnvironment", "Effect": "Allow", "Action": "s3:GetObject",
+                    "Resource": f"arn:aws:s3:::b/jobs/.environments/{digest}/*"}]
+    without = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"])
+    assert not [s for s in without["Statement"] if s["Sid"] == "OwnEnvironment"], "no environment, no access"
+
+
 @pytest.mark.parametrize("path", ["../escape.py", "/etc/passwd", "a//b", "./a", "a/../../b", ""])
 def test_the_stage_refuses_a_path_that_leaves_its_folder(path: str) -> None:
     with pytest.raises(node_env.SetupError, match="is not allowed"):
