@@ -26,7 +26,7 @@ from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeComma
 from prefect_sgpu.errors import (EnvironmentMismatch, InfrastructureLost, JobCancelled, JobHung, LaunchTimeout,
                                  RankFailedError, SGPUConfigError, SGPUError)
 from prefect_sgpu.heartbeat import DriverHeartbeat, Outage
-from prefect_sgpu.jobfolder import JobFolder, NodeStatus, new_key
+from prefect_sgpu.jobfolder import GANG_ENV, JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
 from prefect_sgpu.spec import JobSpec, Plan
 from prefect_sgpu.store import Store
@@ -191,6 +191,7 @@ class Job:
             "SGPU_RUN_ID": self.run_id,
             "SGPU_JOB_DIR": self.store.uri(self.run_id),
             "PYTHONUNBUFFERED": "1",
+            **({GANG_ENV: str(self.folder.gang)} if self.folder is not None and self.folder.gang else {}),
             **self._checkpoint_env(),
             **self._tracking_env(),
             **rank_prefect_environment(),  # last: no Prefect credential reaches a rank, not even via env=

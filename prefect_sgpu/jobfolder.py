@@ -10,6 +10,8 @@ acts on is sealed: HMAC-SHA256 with the job's key over a header that binds it to
   stand in for a launch document;
 - its node index or rank (and on EC2 the instance id): node 1's launch document
   cannot start node 0.
+- for results, the gang (the relaunch it belongs to, from the second gang on): a lost gang's
+  result written back after a relaunch is not the new gang's.
 
 Anything unsigned, foreign or rebound is refused with :class:`DocumentRefused`; a
 reader that cannot tell (the driver polling for a node's status) logs the refusal
@@ -104,6 +106,8 @@ CONTROL = (PAYLOAD, RESULTS, STOP, NODES, HEARTBEAT, METRICS)
 LAUNCH_KEY = f"{NODES}/launch"
 #: in a warm lease's folder: every node's next job, one object (:class:`Assign`)
 ASSIGN_KEY = f"{NODES}/assign"
+#: a rank's gang of its job (0, or the relaunch it belongs to): what its result is bound to
+GANG_ENV = "SGPU_GANG"
 #: what a run id (or lease id) may look like: it names folders, SSM parameters and tags
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 
@@ -275,20 +279,24 @@ def launch_entry(bundle: bytes, node: int, run_id: str) -> bytes | None:
 # --- sealing ---------------------------------------------------------------------------
 
 
-def _header(kind: str, run_id: str, node: int | None, rank: int | None, instance_id: str | None) -> dict[str, Any]:
-    return {"v": 2, "kind": kind, "run_id": run_id, "node": node, "rank": rank, "instance_id": instance_id}
+def _header(kind: str, run_id: str, node: int | None, rank: int | None, instance_id: str | None,
+            gang: int | None = None) -> dict[str, Any]:
+    header = {"v": 2, "kind": kind, "run_id": run_id, "node": node, "rank": rank, "instance_id": instance_id}
+    if gang:  # a relaunched gang's documents (the first gang's carry no gang, as before gangs were bound)
+        header["gang"] = gang
+    return header
 
 
 def seal(key: str, kind: Kind, run_id: str, body: bytes, *, node: int | None = None, rank: int | None = None,
-         instance_id: str | None = None) -> bytes:
-    """``body`` signed with the job key and bound to job, kind, node/rank and instance."""
-    header = json.dumps(_header(kind, run_id, node, rank, instance_id), sort_keys=True).encode()
+         instance_id: str | None = None, gang: int | None = None) -> bytes:
+    """``body`` signed with the job key and bound to job, kind, node/rank, instance and gang."""
+    header = json.dumps(_header(kind, run_id, node, rank, instance_id, gang), sort_keys=True).encode()
     message = len(header).to_bytes(4, "big") + header + body
     return MAGIC + hmac.new(bytes.fromhex(key), message, hashlib.sha256).digest() + message
 
 
 def unseal(blob: bytes, key: str, kind: Kind, run_id: str, *, node: int | None = None, rank: int | None = None,
-           instance_id: str | None = None, what: str | None = None) -> bytes:
+           instance_id: str | None = None, what: str | None = None, gang: int | None = None) -> bytes:
     """The body of a sealed document, or DocumentRefused saying why it is not this job's."""
     what = what or kind
     if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + _DIGEST + 4:
@@ -301,7 +309,7 @@ def unseal(blob: bytes, key: str, kind: Kind, run_id: str, *, node: int | None =
                               "job (forged, or from another job): refused")
     size = int.from_bytes(message[:4], "big")
     header = json.loads(message[4: 4 + size])
-    expected = _header(kind, run_id, node, rank, instance_id)
+    expected = _header(kind, run_id, node, rank, instance_id, gang)
     if header != expected:
         raise DocumentRefused(f"{what} of job {run_id} is bound to {_binding(header)}, expected "
                               f"{_binding(expected)} (replayed or moved): refused")
@@ -309,7 +317,7 @@ def unseal(blob: bytes, key: str, kind: Kind, run_id: str, *, node: int | None =
 
 
 def _binding(header: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={header.get(k)}" for k in ("kind", "run_id", "node", "rank", "instance_id")
+    return ", ".join(f"{k}={header.get(k)}" for k in ("kind", "run_id", "node", "rank", "instance_id", "gang")
                      if header.get(k) is not None)
 
 
@@ -323,6 +331,9 @@ class JobFolder:
         self.store = store
         self.run_id = run_id
         self.key = key
+        #: which gang of the job this process serves (0, then one more at each relaunch): results are
+        #: bound to it, so a lost gang's sealed result written back after a relaunch is refused
+        self.gang = 0
         self._beat_seq = 0
         self._refused: set[str] = set()
         self._lock = threading.Lock()
@@ -479,7 +490,7 @@ class JobFolder:
     # results (rank -> driver) ----------------------------------------------------------
 
     def put_result(self, rank: int, body: bytes) -> None:
-        self._put(result_key(rank), "result", body, rank=rank)
+        self._put(result_key(rank), "result", body, rank=rank, gang=self.gang)
 
     def results(self) -> dict[int, bytes]:
         """Every rank's sealed envelope body that is really this job's, by rank."""
@@ -490,7 +501,7 @@ class JobFolder:
             except (IndexError, ValueError):
                 continue
             try:
-                body = self._get(key, "result", rank=rank)
+                body = self._get(key, "result", rank=rank, gang=self.gang)
             except DocumentRefused as exc:
                 self._note_refused(key, exc)
                 continue
@@ -505,7 +516,9 @@ class JobFolder:
 
     def reset_for_relaunch(self, gang: int) -> None:
         """Before a new gang starts: the old gang's node documents, results and stop go; its
-        rank logs move to ``logs/gang-<gang>/`` (the payload, heartbeat and checkpoints stay)."""
+        rank logs move to ``logs/gang-<gang>/`` (the payload, heartbeat and checkpoints stay). From now
+        on results are this gang's (:attr:`gang`; its ranks learn it from :data:`GANG_ENV`)."""
+        self.gang = gang
         for key in (RESULTS, STOP, NODES, METRICS):
             self.store.delete(self.run_id, key)
         for key in self.log_keys():

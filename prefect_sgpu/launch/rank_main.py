@@ -293,6 +293,7 @@ def main() -> int:
     key = os.environ.pop("SGPU_PAYLOAD_KEY")
     mlflow_relay.arm(key)  # relayed MLflow records are sealed (with a key derived from this one)
     folder = jobfolder.JobFolder.local(os.environ["SGPU_JOB_DIR"], key)
+    folder.gang = int(os.environ.get(jobfolder.GANG_ENV) or 0)  # the result is bound to this gang
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     node = int(os.environ.get("GROUP_RANK", 0))
