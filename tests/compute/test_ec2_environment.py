@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -204,6 +205,61 @@ def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_
     monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "fresh-node"))
     with pytest.raises(node_env.SetupError, match="does not match its sha256"):
         boot(env)
+
+
+def _other_minor_python() -> str | None:
+    """A CPython of another minor version on this machine (the image's Python of a bare node)."""
+    import shutil
+    import subprocess
+
+    for minor in (10, 12, 9, 13):
+        if minor == sys.version_info.minor:
+            continue
+        pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+        for found in [*map(str, sorted(pyenv.glob(f"3.{minor}.*/bin/python3"))), shutil.which(f"python3.{minor}")]:
+            if found and subprocess.run([found, "-c", "import venv, ensurepip"], capture_output=True).returncode == 0:
+                return found
+    return None
+
+
+def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_drivers_python(
+        aws_env: Any, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage runs on the image's own Python; uv gives the venv the driver's minor version (here
+    found on the machine, offline; on AWS uv downloads it)."""
+    import subprocess
+    import uuid
+    from importlib import metadata
+
+    from prefect_sgpu.environment import Distribution, Environment, PythonVersion
+    from prefect_sgpu.environment_files import scan
+    from prefect_sgpu.store_s3 import S3Store
+    from support.ec2_simulator import bare_image
+
+    other = _other_minor_python()
+    if other is None:
+        pytest.skip("no CPython of another minor version on this machine")
+    image = bare_image(other)
+    bucket = f"sgpu-env-{uuid.uuid4().hex[:12]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    store = S3Store(f"s3://{bucket}/jobs", session=aws_env.session(), endpoint_url=aws_env.endpoint_url)
+    env = Environment(python=PythonVersion.here(),
+                      distributions=(Distribution(name="six", version=metadata.version("six")),),
+                      working_dir=scan("working_dir", project, "environment.working_dir"))
+    environment_ship.ship(store, env)
+    stage = tmp_path / "stage.py"
+    stage.write_bytes(Path(node_env.__file__).read_bytes())
+    node = {"PATH": f"{image / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "UV_OFFLINE": "1",
+            "UV_CACHE_DIR": str(Path.home() / ".cache" / "uv"), node_env.ENV_ROOT_ENV: str(tmp_path / "envs"),
+            **{k: v for k, v in aws_env.env.items() if k.startswith("AWS_")}}
+    done = subprocess.run(
+        [str(image / "bin" / "python3"), str(stage), f"--store=s3://{bucket}/jobs", "--run-id=r1",
+         f"--region={aws_env.region}", f"--endpoint-url={aws_env.endpoint_url}", f"--environment={env.digest}",
+         f"--manifest={environment_ship.manifest_sha256(env)}", "--",
+         "-c", "import sys, six, features.encode; print('%d.%d' % sys.version_info[:2], six.__version__)"],
+        capture_output=True, text=True, env=node, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "built environment" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == f"{env.python.minor} {metadata.version('six')}", done.stdout
 
 
 # --- bare nodes, end to end ----------------------------------------------------------------------

@@ -116,14 +116,17 @@ class SimulatedNode:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def bare_image() -> Path:
-    """A venv of the system Python with only pip and uv in it: what a bare machine image brings.
-    Made once per machine (by whichever test process comes first, under a lock) in the temporary folder."""
+def bare_image(python: str | Path | None = None) -> Path:
+    """A venv of the system Python (or of ``python``) with only pip and uv in it: what a bare machine
+    image brings. Made once per machine and Python (by whichever test process comes first, under a
+    lock) in the temporary folder."""
     import fcntl
     import tempfile
 
-    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
-    tag = f"{sys.version_info.major}{sys.version_info.minor}-{os.getuid()}"
+    base = Path(python or getattr(sys, "_base_executable", sys.executable)).resolve()
+    version = subprocess.run([str(base), "-c", "import sys; print('%d%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    tag = f"{version}-{os.getuid()}"
     image = Path(tempfile.gettempdir()) / f"sgpu-bare-image-{tag}"
     ready = image / ".ready"
     if ready.exists():
