@@ -24,16 +24,17 @@ def _spread_over_nodes(tasks: int) -> dict:
 
     ray.init()  # RAY_ADDRESS points at the job's head
 
-    # SPREAD: one task per node as the nodes come up, however long a node takes to start its
-    # first worker (packed, a busy machine ran every task on the first node's worker)
-    @ray.remote(num_cpus=1, scheduling_strategy="SPREAD")
-    def where() -> str:
-        import time
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        time.sleep(0.3)
+    # each task pinned to one node of the cluster, round robin (SPREAD is best effort: on a busy
+    # machine it ran every task on the first node, whose worker was up first)
+    @ray.remote(num_cpus=1)
+    def where() -> str:
         return ray.util.get_node_ip_address()
 
-    ips = sorted(set(ray.get([where.remote() for _ in range(tasks)])))
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    ips = sorted(set(ray.get([where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        alive[i % len(alive)], soft=False)).remote() for i in range(tasks)])))
     resources = ray.cluster_resources()
     print(f"driver sees {len(ray.nodes())} node(s): {ips}")
     return {"nodes": sum(1 for n in ray.nodes() if n["Alive"]), "ips": ips, "cpus": resources.get("CPU"),
@@ -131,7 +132,7 @@ def test_cancel_stops_every_ray_process_of_the_job_without_namespaces() -> None:
     log = Path(job.store.uri(job.run_id, "logs")) / "rank-00000.log"
     deadline = time.monotonic() + 300
     while not (log.exists() and "cluster ready" in log.read_text()):
-        assert time.monotonic() < deadline and runner.is_alive(), "the driver never started"
+        assert time.monotonic() < deadline and runner.is_alive(), f"the driver never started: {outcome}"
         time.sleep(0.5)
     assert job_leftovers(job.run_id), "the job's Ray processes are running"
     cancel.set()
