@@ -34,12 +34,15 @@ def ray_cluster(cpus_per_node: int = 1, gpus_per_node: int | None = None,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)}
     log = open(Path(temp) / "ray-start.out", "a")  # noqa: SIM115 - closed below
+    # no Ray log monitor: ranks' output reaches a job through prefect-sgpu's own collector, and the
+    # two monitors (one a node) tailing every worker's log files cost minutes of CPU in a suite
+    quiet = ["--include-log-monitor=false"]
     head = RayNodeProcess(RayNodeSpec(node_ip="127.0.0.11", temp_dir=f"{temp}/h", num_cpus=cpus_per_node,
                                       num_gpus=gpus_per_node, gcs_port=port, resources=resources,
-                                      object_store_memory=256 << 20), env=env, output=log)
+                                      object_store_memory=256 << 20, extra_args=quiet), env=env, output=log)
     worker = RayNodeProcess(RayNodeSpec(node_ip="127.0.0.12", temp_dir=f"{temp}/w", num_cpus=cpus_per_node,
                                         num_gpus=gpus_per_node, head_address=address, resources=resources,
-                                        object_store_memory=256 << 20), env=env, output=log)
+                                        object_store_memory=256 << 20, extra_args=quiet), env=env, output=log)
     try:
         head.start(timeout=450, attempts=8)  # a loaded machine (other suites beside it) can need several tries
         worker.start(timeout=450, attempts=8)
