@@ -254,7 +254,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
         """Jobs of the same shape on the same settings may share a lease."""
         plan = request.plan
         return ("ec2", self.region, self.store.root_uri, request.instance_type, plan.nodes, plan.procs_per_node,
-                self.python, self.setup_commands, self.heartbeat_ttl_s, self.settings.model_dump_json(),
+                self.python, self.setup_commands, self.heartbeat_ttl_s,
+                self.settings.model_dump_json(exclude={"keep_warm"}),  # a lease serves computes of any keep_warm
                 environment_key(request.spec.environment))
 
     def _provision(self, allocation: RemoteAllocation, launch_id: str, deadline: float,  # type: ignore[override]
