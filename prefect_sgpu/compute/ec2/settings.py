@@ -115,12 +115,14 @@ class EC2ComputeFields(BaseModel):
     owner: Optional[str] = Field(
         default=None, description="Value of the sgpu:owner tag on every resource; empty uses the local user name."
     )
-    python: str = Field(default="python3", description="Python on the node that can import prefect-sgpu.")
+    python: str = Field(default="python3", description=(
+        "Python 3.7+ on the node that runs the environment stage, which builds the job's environment "
+        "with uv (docs/environment.md); with environment='image' it must import prefect-sgpu itself."))
     setup_commands: str = Field(
         default="",
         description=(
-            "Shell lines the node runs before its bootstrap, for an AMI without prefect-sgpu "
-            "(for example: python3 -m pip install 'prefect-sgpu[aws,torch]')."
+            "Shell lines the node runs before its bootstrap, for an image without uv "
+            "(for example: python3 -m pip install uv==0.13.9), or anything else the image lacks."
         ),
     )
     agent_timeout_s: float = Field(
