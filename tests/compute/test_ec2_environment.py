@@ -140,19 +140,14 @@ def test_the_stage_refuses_a_manifest_the_user_data_does_not_name() -> None:
     assert node_env.check_manifest(raw, hashlib.sha256(raw).hexdigest())["digest"] == "0" * 64
 
 
-# --- the node stage against the store (moto's S3), with real uv installing offline ---------------
-
-
-def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_a_changed_file_is_refused(
-        aws_env: Any, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import subprocess
+def _store_and_small_environment(aws_env: Any, project: Path) -> tuple[str, Any, Any]:
+    """A new bucket, its store on moto, and an environment of one pinned distribution and the project."""
     import uuid
     from importlib import metadata
 
     from prefect_sgpu.environment import Distribution, Environment, PythonVersion
     from prefect_sgpu.environment_files import scan
     from prefect_sgpu.store_s3 import S3Store
-    from support.ec2_simulator import bare_image
 
     bucket = f"sgpu-env-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
@@ -160,6 +155,21 @@ def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_
     env = Environment(python=PythonVersion.here(),
                       distributions=(Distribution(name="six", version=metadata.version("six")),),
                       working_dir=scan("working_dir", project, "environment.working_dir"))
+    return bucket, store, env
+
+
+# --- the node stage against the store (moto's S3), with real uv installing offline ---------------
+
+
+def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_a_changed_file_is_refused(
+        aws_env: Any, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    from importlib import metadata
+
+    from prefect_sgpu.environment import Environment
+    from support.ec2_simulator import bare_image
+
+    bucket, store, env = _store_and_small_environment(aws_env, project)
     assert environment_ship.ship(store, env)["uploaded"] == 3
     assert environment_ship.ship(store, env)["uploaded"] == 0, "shipped content is not uploaded again"
 
@@ -227,24 +237,15 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
     """The stage runs on the image's own Python; uv gives the venv the driver's minor version (here
     found on the machine, offline; on AWS uv downloads it)."""
     import subprocess
-    import uuid
     from importlib import metadata
 
-    from prefect_sgpu.environment import Distribution, Environment, PythonVersion
-    from prefect_sgpu.environment_files import scan
-    from prefect_sgpu.store_s3 import S3Store
     from support.ec2_simulator import bare_image
 
     other = _other_minor_python()
     if other is None:
         pytest.skip("no CPython of another minor version on this machine")
     image = bare_image(other)
-    bucket = f"sgpu-env-{uuid.uuid4().hex[:12]}"
-    aws_env.client("s3").create_bucket(Bucket=bucket)
-    store = S3Store(f"s3://{bucket}/jobs", session=aws_env.session(), endpoint_url=aws_env.endpoint_url)
-    env = Environment(python=PythonVersion.here(),
-                      distributions=(Distribution(name="six", version=metadata.version("six")),),
-                      working_dir=scan("working_dir", project, "environment.working_dir"))
+    bucket, store, env = _store_and_small_environment(aws_env, project)
     environment_ship.ship(store, env)
     stage = tmp_path / "stage.py"
     stage.write_bytes(Path(node_env.__file__).read_bytes())
