@@ -446,29 +446,11 @@ class RayTrainCompute(Compute):
     def _warm_outcome(self, allocation: RayAllocation) -> str | None:
         """"running" until every rank ended or one failed (the others are stopped then, as Ray
         Train stops a run's workers); None when all succeeded, else the failure."""
-        import ray
-
-        from prefect_sgpu.ray.warm_group import SETUP_ATTEMPTS, SETUP_FAILED
+        from prefect_sgpu.ray.warm_group import SETUP_ATTEMPTS
 
         group = allocation.group
-        runs = group.runs
-        ready, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+        ended, failed, setup = group.outcomes()
         self._drain(allocation)
-        failed, setup = [], []
-        for rank, ref in enumerate(runs):
-            if ref in ready:
-                try:
-                    code = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - the actor died: reported as the run's error
-                    failed.append(f"rank {rank}'s warm worker: {type(exc).__name__}: {exc}")
-                    continue
-                if code == SETUP_FAILED:
-                    setup.append(rank)
-                    failed.append(f"rank {rank} could not join the job's process group (its log says why)")
-                elif code and code < 0:
-                    failed.append(f"rank {rank} was killed by signal {-code}")
-                elif code:
-                    failed.append(f"rank {rank} exited with code {code}")
         if setup and len(setup) == len(failed) and allocation.setup_attempts < SETUP_ATTEMPTS:
             # no rank ran the function (each waits for all at a barrier first): start them again
             allocation.setup_attempts += 1
@@ -481,7 +463,7 @@ class RayTrainCompute(Compute):
             group.stop(0.0)
             self._drain(allocation)
             return "; ".join(failed)[:4000]
-        return None if len(ready) == len(runs) else "running"
+        return None if ended else "running"
 
     def _drain(self, allocation: RayAllocation) -> None:
         """Append the lines the workers sent since the last drain to ``logs/rank-<r>.log``."""

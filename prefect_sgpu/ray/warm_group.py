@@ -288,6 +288,31 @@ class WarmGroup(Pooled):
                                 "MASTER_ADDR": self.addresses[0], "MASTER_PORT": port}}
             self.runs.append(actor.run.remote(config, identity, collector))
 
+    def outcomes(self) -> tuple[bool, list[str], list[int]]:
+        """Whether every rank of the running job ended; what failed, in words; the ranks that ended
+        because the process group could not be formed (``SETUP_FAILED``). Nothing waits."""
+        import ray
+
+        ready, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        failed: list[str] = []
+        setup: list[int] = []
+        for rank, ref in enumerate(self.runs):
+            if ref not in ready:
+                continue
+            try:
+                code = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the actor died: reported as the run's error
+                failed.append(f"rank {rank}'s warm worker: {type(exc).__name__}: {exc}")
+                continue
+            if code == SETUP_FAILED:
+                setup.append(rank)
+                failed.append(f"rank {rank} could not join the job's process group (its log says why)")
+            elif code and code < 0:
+                failed.append(f"rank {rank} was killed by signal {-code}")
+            elif code:
+                failed.append(f"rank {rank} exited with code {code}")
+        return len(ready) == len(self.runs), failed, setup
+
     def start_again(self) -> bool:
         """Start the job's ranks again after its process group could not be formed; False (nothing
         started) when a rank already ran the function, whose effects a second start would repeat."""
