@@ -155,6 +155,12 @@ def new_key() -> str:
     return secrets.token_hex(32)
 
 
+def derive_key(key: str, purpose: bytes) -> str:
+    """A key for one purpose, derived from the job key (HMAC-SHA256): whoever holds it can do
+    that one thing, and cannot recover the job key or any other purpose's key."""
+    return hmac.new(bytes.fromhex(key), purpose, hashlib.sha256).hexdigest()
+
+
 # --- documents -------------------------------------------------------------------------
 
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -75,7 +73,9 @@ def metrics_key(rank: int) -> str:
 def relay_key(job_key: str) -> str:
     """The key relay records are sealed with: derived from the job key, so it opens nothing else
     (a rank's subprocess that holds it can relay metrics, not seal a result or a stop)."""
-    return hmac.new(bytes.fromhex(job_key), b"prefect-sgpu mlflow relay records", hashlib.sha256).hexdigest()
+    from prefect_sgpu.jobfolder import derive_key
+
+    return derive_key(job_key, b"prefect-sgpu mlflow relay records")
 
 
 def arm(job_key: str) -> None:

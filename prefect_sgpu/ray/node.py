@@ -14,8 +14,6 @@ Coordination goes through the job folder (``ray/head-up``, ``ray/node-<i>.joined
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import os
 import shutil
 import signal
@@ -84,7 +82,9 @@ def _wait_for(paths: list[Path], timeout: float, what: str, give_up: Path | None
 
 def _cluster_token(payload_key: str) -> str:
     """This job's Ray auth token: derived from the job's key, so every node (and only they) has it."""
-    return hmac.new(bytes.fromhex(payload_key), b"prefect-sgpu ray cluster token", hashlib.sha256).hexdigest()
+    from prefect_sgpu.jobfolder import derive_key
+
+    return derive_key(payload_key, b"prefect-sgpu ray cluster token")
 
 
 def _rank_env(gcs: str) -> dict[str, str]:
