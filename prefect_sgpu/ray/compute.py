@@ -538,6 +538,10 @@ class RayTrainCompute(Compute):
         if allocation.fit is not None:
             gone.append(f"Ray Train run {allocation.run_id} (its workers and placement group)")
         if allocation.collector is not None and ray.is_initialized():
+            if allocation.fit is not None:  # Ray Train removes its group itself when its abort completes
+                ray.wait([allocation.fit], timeout=CANCEL_GRACE_S)
+                for left in ray.get(allocation.collector.remove_placement_groups.remote()):
+                    logger.info("job %s: removed placement group %s that its run left", allocation.run_id, left)
             ray.kill(allocation.collector)
             gone.append(f"collector actor {collector_name(allocation.run_id)}")
         return Released(gone=gone)

@@ -34,6 +34,29 @@ class Collector:
         self._results: dict[int, bytes] = {}
         self._seen: dict[int, float] = {}
         self._steps: dict[int, str] = {}
+        self._groups: dict[str, Any] = {}
+
+    def placed(self, group_id: str) -> None:
+        """A rank runs in the placement group ``group_id`` (hex: Ray Train's, for this run)."""
+        import ray
+        from ray.util.placement_group import PlacementGroup
+
+        self._groups[group_id] = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+
+    def remove_placement_groups(self) -> list[str]:
+        """Remove the placement groups the job's ranks ran in that outlived the run; their ids.
+
+        Ray Train's controller removes it asynchronously as the run ends; under load that was
+        seen to take longer than 20 s after the job returned, its CPUs or GPUs held meanwhile.
+        Removed here, the group is gone when ``release`` returns."""
+        import ray
+
+        removed = []
+        for group_id, group in self._groups.items():
+            if ray.util.placement_group_table(group).get("state") not in (None, "REMOVED"):
+                ray.util.remove_placement_group(group)
+                removed.append(group_id)
+        return removed
 
     def put_lines(self, lines: list[tuple[int, int, str]]) -> None:
         self._lines.extend(lines)
@@ -190,15 +213,17 @@ def _set_rank_env(config: dict[str, Any]) -> tuple[int, int, int]:
 
 def run_rank(config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of the job's TorchTrainer."""
+    import ray
+
     from prefect_sgpu import payload
     from prefect_sgpu.launch.rank_main import run_payload
 
     rank, node, local = _set_rank_env(config)
+    if (group := ray.get_runtime_context().get_placement_group_id()) is not None:
+        ray.get(config["collector"].placed.remote(group))  # known before user code can end the process
     base = {"rank": rank, "node": node, "local_rank": local, "host": socket.gethostname()}
     with OutputToCollector(config["collector"], rank, node):
         envelope, _ = run_payload(config["payload"], config["key"], config["run_id"], base)
-    import ray
-
     # the body travels through Ray's object store; the driver seals it into the job folder
     ray.get(config["collector"].put_result.remote(rank, payload.dump_envelope(envelope)))
     if not envelope.ok:  # fail the Ray Train run, so the other workers are stopped

@@ -143,6 +143,42 @@ def test_cancel_stops_the_ray_train_run(compute: RayCompute) -> None:
     assert cluster_idle(), "both workers and the run's placement group were released"
 
 
+def test_release_removes_the_placement_group_the_run_s_ranks_ran_in(compute: RayCompute, tmp_path: Path) -> None:
+    """Ray Train removes its group asynchronously, after its controller ends (minutes when a worker
+    died): the group the ranks reported is removed by release, so it is gone when the call returns."""
+    import threading
+    import time
+
+    import ray
+
+    from prefect_sgpu.errors import JobCancelled
+
+    @distributed(gpus=2, compute=compute, mlflow=False)
+    def sleeps(folder: str) -> None:
+        import time
+
+        import ray
+
+        group = ray.get_runtime_context().get_placement_group_id()
+        Path(folder, f"rank-{runtime.rank()}").write_text(group or "none")
+        time.sleep(600)
+
+    job = sleeps.job(str(tmp_path), cancel_event=threading.Event())
+    runner, outcome = run_in_thread(job)
+    deadline = time.monotonic() + 300
+    while len(list(tmp_path.glob("rank-*"))) < 2:
+        assert time.monotonic() < deadline and runner.is_alive(), "the workers never started"
+        time.sleep(0.2)
+    groups = {p.read_text() for p in tmp_path.glob("rank-*")}
+    assert len(groups) == 1 and "none" not in groups, groups
+    job.cancel_event.set()
+    runner.join(timeout=120)
+    assert outcome and isinstance(outcome[0], JobCancelled)
+    table = ray.util.placement_group_table()
+    assert table[groups.pop()]["state"] == "REMOVED"
+    assert cluster_idle()
+
+
 def test_a_rank_that_dies_without_an_exception_becomes_rank_failed_error(compute: RayCompute) -> None:
     @distributed(gpus=1, compute=compute, mlflow=False)
     def vanish() -> None:
