@@ -2,7 +2,8 @@
 
 Locally it is started by :class:`~prefect_sgpu.compute.local.LocalProcessCompute` (in its
 own PID and mount namespace when possible); on a VM the bootstrap starts it. It
-joins the c10d rendezvous hosted by node 0, lets torch elastic start and watch the
+joins the c10d rendezvous hosted by node 0 (on node 0's address only, under an id derived
+from the job key: :mod:`prefect_sgpu.launch.rendezvous`), lets torch elastic start and watch the
 ranks, writes its sealed ``NodeStatus`` with each failed rank's exit code, and stops
 everything when the driver's heartbeat stops changing (the driver died).
 
@@ -175,10 +176,11 @@ def job_folder(job_dir: str | Path) -> "JobFolder":
 def run(args: argparse.Namespace, forked: bool = False) -> int:
     """Run this node's part of the job with torch elastic; ``forked``: on a warm node, whose ranks
     are forked from this agent (torch already imported) instead of started as new interpreters."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from prefect_sgpu.launch import rendezvous
 
     job_dir = Path(args.job_dir)
     folder = job_folder(job_dir)
@@ -214,15 +216,15 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,
         nproc_per_node=args.nproc_per_node,
-        run_id=args.run_id,
+        run_id=rendezvous.rendezvous_id(os.environ["SGPU_PAYLOAD_KEY"]),  # on no command line
         role="sgpu",
         rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_backend="c10d",
-        rdzv_configs={"is_host": args.node_index == 0, "join_timeout": args.join_timeout},
+        rdzv_backend=rendezvous.BACKEND,  # torch's c10d, its stores on this node's address only
+        rdzv_configs={"is_host": False, "join_timeout": args.join_timeout},
         max_restarts=args.max_restarts,
         monitor_interval=0.1,
         start_method="fork" if forked else "spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(job_dir / "agent" / f"node-{args.node_index}")),
+        logs_specs=rendezvous.logs_specs(str(job_dir / "agent" / f"node-{args.node_index}")),
         local_addr=args.local_addr,
         **newer,
     )
@@ -232,7 +234,13 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
                               "failures": {}}
     from prefect_sgpu.jobfolder import NodeStatus
 
+    hosted: list[Any] = []  # node 0's rendezvous store, alive as long as this agent
     try:
+        rendezvous.register()
+        if args.node_index == 0:  # every agent, this one too, joins it as a client
+            from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+            hosted.append(rendezvous.host_store(*parse_rendezvous_endpoint(args.rdzv_endpoint, 29400)))
         if forked:
             from prefect_sgpu.launch.rank_main import forked_rank
 

@@ -1,0 +1,123 @@
+"""The c10d rendezvous of a job's node agents: torch elastic's, listening on the node's own address only.
+
+torch elastic's c10d backend has node 0's agent create the rendezvous ``TCPStore``, and its
+dynamic rendezvous has whichever agent becomes rendezvous rank 0 create a second one, the store
+the workers' process groups bootstrap from (``MASTER_ADDR``/``MASTER_PORT``,
+``TORCHELASTIC_USE_AGENT_STORE``). A ``TCPStore`` server listens on every interface whatever host
+it is given, and torch elastic unpickles the rendezvous state the first one holds. So here:
+
+- node 0's agent binds the rendezvous socket itself to (its address, the rendezvous port) and
+  hands it to a ``TCPStore`` server (``master_listen_fd``) that it keeps for the job
+  (:func:`host_store`); every agent, node 0's too, joins the rendezvous as a client of that store;
+- the workers' store is made the same way, on the address of the agent that hosts it;
+- the rendezvous id (the key under which the state lives, ``TORCHELASTIC_RUN_ID`` in the ranks)
+  is derived from the job key (:func:`rendezvous_id`): every agent computes it from the key in its
+  environment, so it is on no command line, and no one without the key can name it in advance.
+
+Both go through torch elastic's own handler registry (backend :data:`BACKEND`): the launcher, the
+c10d backend and the dynamic rendezvous are torch's; only where their two stores listen changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+#: the rendezvous backend name node agents give ``LaunchConfig``
+BACKEND = "sgpu-c10d"
+#: what the rendezvous id is derived for (``jobfolder.derive_key``)
+PURPOSE = b"prefect-sgpu c10d rendezvous id"
+#: seconds a store server waits on its own operations (torch's default for the workers' store)
+STORE_TIMEOUT_S = 300.0
+
+
+def rendezvous_id(job_key: str) -> str:
+    """The job's rendezvous id: the same on every node holding the job key, unguessable without it."""
+    from prefect_sgpu.jobfolder import derive_key
+
+    return derive_key(job_key, PURPOSE)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host`` alone (never every interface); ``port`` 0: any free port."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own: no TIME_WAIT wait
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def host_store(host: str, port: int, timeout_s: float = STORE_TIMEOUT_S) -> "TCPStore":
+    """A ``TCPStore`` server listening on ``host``:``port`` only; ``port`` 0: a free one (``.port``).
+
+    The store takes the socket for its lifetime, which is this process's: the socket is never
+    closed under it (the non-libuv server aborts the process when its listening socket goes).
+    """
+    from torch.distributed import TCPStore
+
+    sock = listen_socket(host, port)
+    bound = sock.getsockname()[1]
+    kwargs = {"is_master": True, "master_listen_fd": sock.fileno(), "wait_for_workers": False,
+              "timeout": datetime.timedelta(seconds=timeout_s)}
+    try:
+        try:
+            store = TCPStore(host, bound, **kwargs)
+        except (RuntimeError, ValueError):
+            # a torch whose libuv server takes no listening socket: its older server does
+            store = TCPStore(host, bound, use_libuv=False, **kwargs)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
+    return store
+
+
+def _workers_store(master_addr: str, master_port: int) -> "TCPStore":
+    """Stands in for ``DynamicRendezvousHandler._create_tcp_store_server``: the same store, on this
+    agent's own address (the handler passes its node's address, from ``local_addr``)."""
+    return host_store(master_addr, master_port)
+
+
+def _create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
+    """torch's c10d rendezvous as a client of the store node 0 hosts, with the workers' store moved."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    params.config["is_host"] = False  # node 0's agent hosts the store itself (host_store), on its address
+    backend, store = create_backend(params)
+    handler = create_handler(store, backend, params)
+    if not callable(getattr(handler, "_create_tcp_store_server", None)):
+        raise RuntimeError("this torch's dynamic rendezvous creates the workers' store in a way prefect-sgpu "
+                           "does not know; it would listen on every interface")
+    handler._create_tcp_store_server = _workers_store  # type: ignore[attr-defined]
+    handler.get_backend = lambda: BACKEND  # type: ignore[method-assign]  # torch checks it is the one asked for
+    return handler
+
+
+def register() -> None:
+    """Make :data:`BACKEND` known to torch elastic in this process (again: no change)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND, _create_handler)
+
+
+def logs_specs(log_dir: str) -> object:
+    """torch elastic's ``DefaultLogsSpecs`` in ``log_dir``, whose run folder is not named after the
+    rendezvous id (torch names it ``<rendezvous id>_<random>``)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    class _LogsSpecs(DefaultLogsSpecs):
+        def _make_log_dir(self, log_dir: str | None, rdzv_run_id: str) -> str:
+            return super()._make_log_dir(log_dir, "run")
+
+    return _LogsSpecs(log_dir=log_dir)

@@ -1,0 +1,97 @@
+"""The c10d rendezvous of a real two-node job: where its stores listen, and what its id gives away."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from support.processes import job_processes
+from support.sockets import listeners
+from prefect_sgpu import distributed, runtime
+from prefect_sgpu.launch.rendezvous import rendezvous_id
+
+pytestmark = pytest.mark.e2e
+
+WILDCARDS = ("0.0.0.0", "::")
+
+
+def _hold_until_released(folder: str) -> str:
+    """Say which job and rendezvous this rank is in, then wait for the test to look at them."""
+    Path(folder, f"rank-{runtime.rank()}").write_text(
+        f"{os.environ['SGPU_RUN_ID']}\n{os.environ['TORCHELASTIC_RUN_ID']}")
+    deadline = time.monotonic() + 180
+    while not Path(folder, "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return os.environ["TORCHELASTIC_RUN_ID"]
+
+
+def _this_jobs_processes(run_id: str) -> list[psutil.Process]:
+    """The job's agents and ranks (its run id on their command line) of this test session's home."""
+    found = []
+    for line in job_processes(run_id):
+        try:
+            proc = psutil.Process(int(line.split(":", 1)[0]))
+            if proc.environ().get("PREFECT_SGPU_HOME") == os.environ["PREFECT_SGPU_HOME"]:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _argument(cmdline: list[str], name: str) -> str:
+    return next(a.split("=", 1)[1] for a in cmdline if a.startswith(f"{name}="))
+
+
+def test_the_rendezvous_stores_listen_on_the_nodes_address_under_an_id_on_no_command_line(
+        tmp_path: Path) -> None:
+    fn = distributed(gpus=2, nodes=2, mlflow=False)(_hold_until_released)
+    outcome: dict[str, Any] = {}
+
+    def run_job() -> None:
+        try:
+            outcome["result"] = fn.run(str(tmp_path))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            outcome["error"] = exc
+
+    job = threading.Thread(target=run_job, daemon=True)
+    job.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not all((tmp_path / f"rank-{r}").exists() for r in (0, 1)):
+            assert job.is_alive(), f"the job ended before both ranks ran: {outcome}"
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        run_id, rdzv = (tmp_path / "rank-0").read_text().split("\n")
+        procs = _this_jobs_processes(run_id)
+        agents = [p for p in procs if "prefect_sgpu.launch.node_agent" in p.cmdline()
+                  and "unshare" not in p.cmdline()[0]]
+        assert sorted(_argument(a.cmdline(), "--node-index") for a in agents) == ["0", "1"]
+        node0 = next(a for a in agents if _argument(a.cmdline(), "--node-index") == "0")
+        host, port = _argument(node0.cmdline(), "--rdzv-endpoint").rsplit(":", 1)
+
+        # the rendezvous id: derived from the job key, the same on every node, on no command line
+        assert rdzv == rendezvous_id(node0.environ()["SGPU_PAYLOAD_KEY"]) != run_id
+        assert (tmp_path / "rank-1").read_text().split("\n")[1] == rdzv
+        for proc in procs:
+            assert rdzv not in " ".join(proc.cmdline()), f"the rendezvous id is on the command line of {proc.pid}"
+
+        # node 0's rendezvous store listens on node 0's address alone; nothing of the job on every interface
+        found = listeners([p.pid for p in procs])
+        on_port = [(l.pid, l.address) for l in found if l.port == int(port)]
+        assert on_port == [(node0.pid, host)], f"rendezvous port {port}: {on_port}"
+        assert not [l for l in found if l.address in WILDCARDS], f"listening on every interface: {found}"
+        # and the workers' store (MASTER_PORT), which an agent hosts, is among them: on its address too
+        agent_listeners = [l for l in found if l.pid in {a.pid for a in agents}]
+        assert len(agent_listeners) >= 2, agent_listeners
+    finally:
+        (tmp_path / "release").touch()
+        job.join(timeout=240)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["result"].values == [rdzv, rdzv]
+    assert job_processes(run_id) == []
