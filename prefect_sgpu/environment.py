@@ -245,16 +245,46 @@ def _site_dirs() -> set[Path]:
     return {Path(d).resolve() for d in dirs}
 
 
+#: what ``_distributions`` found, by the fingerprint of ``sys.path`` it was found under
+_FOUND: dict[tuple[tuple[str, int | None], ...], tuple[tuple[Distribution, ...], tuple[Any, ...]]] = {}
+
+
+def _path_fingerprint() -> tuple[tuple[str, int | None], ...]:
+    """``sys.path`` with each folder's modification time: installing, removing or upgrading a
+    distribution adds or removes an entry (its metadata folder) in the folder that holds it."""
+    stamps = []
+    for entry in sys.path:
+        try:
+            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            stamps.append((entry, None))
+    return tuple(stamps)
+
+
 def _installed(max_bytes: int) -> tuple[tuple[Distribution, ...], tuple[Tree, ...]]:
+    """Every distribution the driver's interpreter sees and the files of those whose files travel,
+    hashed now (the distributions are read again only when ``sys.path`` or a folder on it changed:
+    reading every metadata file costs more than the rest of a capture)."""
+    key = _path_fingerprint()
+    if key not in _FOUND:
+        _FOUND.clear()
+        _FOUND[key] = _distributions()
+    distributions, sources = _FOUND[key]
+    trees = [scan(name, folder, field, max_bytes=max_bytes) if rels is None
+             else installed_files(name, folder, rels, field) for name, field, folder, rels in sources]
+    return distributions, tuple(sorted(trees, key=lambda t: t.name))
+
+
+def _distributions() -> tuple[tuple[Distribution, ...], tuple[Any, ...]]:
     """Every distribution the driver's interpreter sees (the first of a name on sys.path, as import
-    finds it) and the files of those not installed from an index by name: PEP 610's
-    ``direct_url.json`` (editable: its source folder; file, VCS or URL installs: the files its
-    RECORD lists), or metadata outside every site-packages folder (its folder)."""
+    finds it) and where the files travel from for those not installed from an index by name:
+    PEP 610's ``direct_url.json`` (editable: its source folder; file, VCS or URL installs: the
+    files its RECORD lists), or metadata outside every site-packages folder (its folder)."""
     from importlib import metadata
     from urllib.request import url2pathname
 
     seen: dict[str, Distribution] = {}
-    trees: list[Tree] = []
+    sources: list[tuple[str, str, Path, list[str] | None]] = []  # name, field, folder, RECORD files
     site_dirs = _site_dirs()
     for dist in metadata.distributions():
         raw_name = dist.metadata["Name"] if dist.metadata else None
@@ -270,19 +300,19 @@ def _installed(max_bytes: int) -> tuple[tuple[Distribution, ...], tuple[Tree, ..
         if direct is None and folder not in site_dirs:
             # metadata in a plain folder on sys.path (a checkout's *.egg-info, PYTHONPATH): its source travels
             source = "editable"
-            trees.append(scan(name, folder, field, max_bytes=max_bytes))
+            sources.append((name, field, folder, None))
         elif direct is not None:
             url = str(direct.get("url", ""))
             if (direct.get("dir_info") or {}).get("editable") and url.startswith("file://"):
                 source = "editable"
-                trees.append(scan(name, Path(url2pathname(urlsplit(url).path)), field, max_bytes=max_bytes))
+                sources.append((name, field, Path(url2pathname(urlsplit(url).path)), None))
             else:
                 source = "local"
                 base = Path(dist.locate_file(""))
-                rels = [str(f) for f in (dist.files or ()) if ".." not in Path(str(f)).parts]
-                trees.append(installed_files(name, base, rels, field))
+                sources.append((name, field, base, [str(f) for f in (dist.files or ())
+                                                    if ".." not in Path(str(f)).parts]))
         seen[name] = Distribution(name=name, version=dist.version, source=source)
-    return tuple(sorted(seen.values(), key=lambda d: d.name)), tuple(sorted(trees, key=lambda t: t.name))
+    return tuple(sorted(seen.values(), key=lambda d: d.name)), tuple(sources)
 
 
 class Environment(IndexSettings):

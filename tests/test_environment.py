@@ -235,3 +235,32 @@ def test_capture_imports_no_heavy_library_and_is_fast() -> None:
     seconds, heavy, count = out.stdout.split(" ", 1)[0], out.stdout.split("[", 1)[1].split("]")[0], 0
     assert heavy == "", f"capture imported {heavy}"
     assert float(seconds) < 20, f"capture took {seconds} s"
+
+
+def test_a_distribution_installed_or_removed_between_captures_is_seen_and_edited_files_are_hashed_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture reads every distribution's metadata again only when sys.path or a folder on it
+    changed; the files of a project that travels are hashed at every capture."""
+    project = tmp_path / "checkout"  # a checkout on sys.path with its metadata beside it (PYTHONPATH)
+    (project / "probe_pkg").mkdir(parents=True)
+    (project / "probe_pkg" / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(project))
+    before = capture()
+    assert "sgpu-probe" not in {d.name for d in before.distributions}
+    assert capture().digest == before.digest, "nothing changed: the same environment"
+
+    info = project / "sgpu_probe.egg-info"
+    info.mkdir()
+    (info / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: sgpu-probe\nVersion: 1.2.3\n")
+    installed = capture()
+    assert {d.name: (d.version, d.source) for d in installed.distributions}["sgpu-probe"] == ("1.2.3", "editable")
+    assert installed.digest != before.digest
+    tree = next(t for t in installed.local_packages if t.name == "sgpu-probe")
+    first = {f.path: f.sha256 for f in tree.files}["probe_pkg/__init__.py"]
+
+    (project / "probe_pkg" / "__init__.py").write_text("VALUE = 2\n")  # an edit between two jobs
+    edited = next(t for t in capture().local_packages if t.name == "sgpu-probe")
+    assert {f.path: f.sha256 for f in edited.files}["probe_pkg/__init__.py"] != first
+
+    shutil.rmtree(info)
+    assert "sgpu-probe" not in {d.name for d in capture().distributions}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import psutil
@@ -62,13 +63,16 @@ def _run_worker_once() -> subprocess.CompletedProcess[str]:
     return _cli("worker", "start", "--pool", POOL, "--type", "sgpu", "--run-once", timeout=400)
 
 
-def _logs(flow_run_id: UUID) -> list[str]:
+def _logs(flow_run_id: UUID, client: Any = None) -> list[str]:
+    """The flow run's log messages, through ``client`` when given (a poll loop's own: a new client costs a TLS context)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    with get_client(sync_client=True) as client:
-        return [log.message for log in client.read_logs(
-            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=0)]
+    if client is None:
+        with get_client(sync_client=True) as client:
+            return _logs(flow_run_id, client)
+    return [log.message for log in client.read_logs(
+        LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=0)]
 
 
 def test_failed_run_retried_like_the_ui_resumes_from_its_checkpoint(deployment_id: UUID, tmp_path: Path) -> None:
@@ -132,7 +136,7 @@ def test_cancelling_the_flow_run_stops_every_rank_and_kills_the_mlflow_run(deplo
             run = client.create_flow_run_from_deployment(deployment_id, parameters={
                 "num_epochs": 100000, "batch_size": 512, "gpus": 2, "nodes": 1})
             deadline = time.monotonic() + 180
-            while not any("[rank 0 node 0] epoch 0:" in m for m in _logs(run.id)):
+            while not any("[rank 0 node 0] epoch 0:" in m for m in _logs(run.id, client)):
                 assert time.monotonic() < deadline, "training never started"
                 time.sleep(1)
             assert {p.pid for p in _job_agents()} - before, "the job's processes should be running"
