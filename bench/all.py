@@ -30,6 +30,7 @@ QUICK = [
     ("scale", ["--quick"]),
     ("ec2_warm", ["--quick"]),
     ("log_shipping", []),
+    ("capture", ["--quick"]),
 ]
 
 
