@@ -14,7 +14,9 @@ _HOME = Path(tempfile.mkdtemp(prefix="sgpu-tests-"))
 os.environ["PREFECT_SGPU_HOME"] = str(_HOME)
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_HOME / 'mlflow.db'}"
 os.environ.setdefault("PREFECT_SGPU_DEVICE", "cpu")  # CI has no GPU; GPU runs set it to "cuda"
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+# DeepSpeed's comm-op build belongs to this venv (./dev builds it there): one folder shared by two
+# checkouts' venvs is rebuilt by each in turn
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 # Cold jobs unless a test asks for warm nodes (tests/compute/test_warm.py, the local_warm conformance
 # case): a job's processes then end with the job, which is what most tests look for afterwards.
 os.environ.setdefault("PREFECT_SGPU_KEEP_WARM", "0")
