@@ -82,12 +82,6 @@ def host_store(host: str, port: int, timeout_s: float = STORE_TIMEOUT_S) -> "TCP
     return store
 
 
-def _workers_store(master_addr: str, master_port: int) -> "TCPStore":
-    """Stands in for ``DynamicRendezvousHandler._create_tcp_store_server``: the same store, on this
-    agent's own address (the handler passes its node's address, from ``local_addr``)."""
-    return host_store(master_addr, master_port)
-
-
 def _create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     """torch's c10d rendezvous as a client of the store node 0 hosts, with the workers' store moved."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
@@ -99,7 +93,8 @@ def _create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     if not callable(getattr(handler, "_create_tcp_store_server", None)):
         raise RuntimeError("this torch's dynamic rendezvous creates the workers' store in a way prefect-sgpu "
                            "does not know; it would listen on every interface")
-    handler._create_tcp_store_server = _workers_store  # type: ignore[attr-defined]
+    # the workers' store: the same server, on this agent's own address (the handler passes its node's, from local_addr)
+    handler._create_tcp_store_server = host_store  # type: ignore[attr-defined]
     handler.get_backend = lambda: BACKEND  # type: ignore[method-assign]  # torch checks it is the one asked for
     return handler
 

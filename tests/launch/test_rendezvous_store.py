@@ -6,13 +6,12 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 import pytest
 
 from support.processes import job_processes
-from support.sockets import listeners
 from prefect_sgpu import distributed, runtime
 from prefect_sgpu.launch.rendezvous import rendezvous_id
 
@@ -29,6 +28,24 @@ def _hold_until_released(folder: str) -> str:
     while not Path(folder, "release").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     return os.environ["TORCHELASTIC_RUN_ID"]
+
+
+class Listener(NamedTuple):
+    pid: int
+    address: str
+    port: int
+
+
+def listeners(procs: list[psutil.Process]) -> list[Listener]:
+    """Every listening TCP socket (IPv4 and IPv6) of ``procs``, each read in its own network namespace."""
+    found = []
+    for proc in procs:
+        try:
+            found += [Listener(proc.pid, c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 def _this_jobs_processes(run_id: str) -> list[psutil.Process]:
@@ -82,7 +99,7 @@ def test_the_rendezvous_stores_listen_on_the_nodes_address_under_an_id_on_no_com
             assert rdzv not in " ".join(proc.cmdline()), f"the rendezvous id is on the command line of {proc.pid}"
 
         # node 0's rendezvous store listens on node 0's address alone; nothing of the job on every interface
-        found = listeners([p.pid for p in procs])
+        found = listeners(procs)
         on_port = [(l.pid, l.address) for l in found if l.port == int(port)]
         assert on_port == [(node0.pid, host)], f"rendezvous port {port}: {on_port}"
         assert not [l for l in found if l.address in WILDCARDS], f"listening on every interface: {found}"
