@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -109,6 +110,20 @@ class JobResult:
     recoveries: list[Recovery] = field(default_factory=list)
 
 
+#: how cold node agents start their ranks: auto (fork where ranks use no GPU), fork, or spawn
+RANK_START_ENV = "PREFECT_SGPU_RANK_START"
+
+
+def rank_start() -> str:
+    """``PREFECT_SGPU_RANK_START``, checked: ``auto`` (the default), ``fork`` or ``spawn``."""
+    from prefect_sgpu.launch.node_agent import RANK_STARTS
+
+    raw = os.environ.get(RANK_START_ENV, "").strip().lower() or "auto"
+    if raw not in RANK_STARTS:
+        raise SGPUConfigError(RANK_START_ENV, raw, " or ".join(RANK_STARTS))
+    return raw
+
+
 class Launcher:
     """What each node of a node compute runs. The default: torch elastic with ``procs_per_node`` ranks."""
 
@@ -123,7 +138,7 @@ class Launcher:
             f"--nproc-per-node={plan.procs_per_node}", f"--rdzv-endpoint={endpoint}",
             f"--local-addr={address}", f"--max-restarts={job.spec.max_restarts}",
             f"--heartbeat-ttl={request.heartbeat_ttl_s:g}", f"--join-timeout={min(job.spec.timeout, 600):g}",
-            f"--hang-timeout={job.spec.hang_timeout or 0:g}",
+            f"--hang-timeout={job.spec.hang_timeout or 0:g}", f"--rank-start={rank_start()}",
         ]
 
     def result_ranks(self, plan: Plan) -> list[int]:
@@ -181,6 +196,7 @@ class Job:
     def prepare(self) -> tuple[Request, bytes, str]:
         """Request and payload, checked and built once; raises before anything is started."""
         if self._prepared is None:
+            rank_start()  # a bad setting fails here, before anything is spent
             request = self.compute.plan(self.spec, self.run_id)
             self._prepared = (request, payload_mod.build(self.call), new_key())
         return self._prepared

@@ -141,6 +141,13 @@ def add_progress_listener(listener: Callable[[int | None], None]) -> Callable[[]
     return lambda: _progress_listeners.remove(listener) if listener in _progress_listeners else None
 
 
+def finished_marker(job_dir: Path, rank_: int) -> Path:
+    """Where a rank that returned from the job's function leaves its pid. A rank forked by torch
+    elastic stays alive after that until every rank of its node returned (its value travels
+    back through a queue): the hang watchdog must not take its silence for a hang."""
+    return job_dir / PROGRESS_DIR / f"rank-{rank_}.done"
+
+
 def _job_dir() -> Path | None:
     value = os.environ.get("SGPU_JOB_DIR")
     return Path(value) if value else None

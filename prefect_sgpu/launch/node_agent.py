@@ -29,6 +29,10 @@ from typing import TYPE_CHECKING, Any, Callable
 #: stands for "no NUMA binding" while a LaunchConfig is built without asking torch about CUDA
 _NO_NUMA_QUERY = object()
 
+#: how a cold agent starts its ranks: ``spawn`` (each a new interpreter, as torchrun does),
+#: ``fork`` (forked from this agent, which has imported torch already) or ``auto``
+RANK_STARTS = ("auto", "fork", "spawn")
+
 if TYPE_CHECKING:
     from prefect_sgpu.jobfolder import JobFolder
 
@@ -72,7 +76,7 @@ def _watch_heartbeat(folder: "JobFolder", ttl: float) -> None:
 def _silent_ranks(job_dir: Path, timeout: float, mine: set[int]) -> dict[int, tuple[int, float, str]]:
     """This node's live ranks with no progress (and no output) for ``timeout`` s: rank -> (pid, silent, step)."""
     from prefect_sgpu import jobfolder
-    from prefect_sgpu.runtime import PROGRESS_DIR
+    from prefect_sgpu.runtime import PROGRESS_DIR, finished_marker
 
     now = time.time()
     silent: dict[int, tuple[int, float, str]] = {}
@@ -86,6 +90,11 @@ def _silent_ranks(job_dir: Path, timeout: float, mine: set[int]) -> dict[int, tu
             continue
         if pid not in mine:
             continue  # finished, or another node's rank (local nodes share one job folder)
+        try:
+            if int(finished_marker(job_dir, rank).read_text().split()[0]) == pid:
+                continue  # returned from the function; a forked rank waits for its node's others
+        except (OSError, ValueError, IndexError):
+            pass
         try:
             last = max(last, (job_dir / jobfolder.log_key(rank)).stat().st_mtime)
         except OSError:
@@ -163,7 +172,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shm-size", default="")
     p.add_argument("--local-addr", default=None,
                    help="this node's address; also tells simulated nodes on one host apart")
+    p.add_argument("--rank-start", choices=RANK_STARTS, default="auto",
+                   help="auto: fork on a node whose ranks use no GPU, spawn where they may")
     return p.parse_args(argv)
+
+
+def ranks_may_use_cuda() -> bool:
+    """Could this node's ranks use CUDA? Answered without initializing it (a forked rank cannot
+    use CUDA once its parent did): the launcher's device, else the driver's device files."""
+    device = os.environ.get("SGPU_DEVICE", "").strip().lower()
+    if device:
+        return device == "cuda"
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl")
+
+
+def rank_start_method(requested: str, forked: bool) -> str:
+    """``fork`` or ``spawn`` for this node's ranks.
+
+    A warm node's agent always forks. ``auto`` forks where the ranks use no GPU: the ranks then
+    skip importing torch again (about 2 s of CPU each), and there is no CUDA state or NUMA binding
+    that a fork could lose. Where they may use a GPU, ranks are new interpreters as under torchrun,
+    each bound to its GPU's NUMA node by torch elastic.
+    """
+    if forked:
+        return "fork"
+    if requested not in RANK_STARTS:
+        raise ValueError(f"rank start {requested!r}: one of {', '.join(RANK_STARTS)}")
+    if requested != "auto":
+        return requested
+    return "spawn" if ranks_may_use_cuda() else "fork"
 
 
 def job_folder(job_dir: str | Path) -> "JobFolder":
@@ -175,7 +214,8 @@ def job_folder(job_dir: str | Path) -> "JobFolder":
 
 def run(args: argparse.Namespace, forked: bool = False) -> int:
     """Run this node's part of the job with torch elastic; ``forked``: on a warm node, whose ranks
-    are forked from this agent (torch already imported) instead of started as new interpreters."""
+    are always forked from this agent (torch already imported). A cold agent starts them as
+    ``--rank-start`` says (:func:`rank_start_method`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -203,14 +243,15 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
     if args.hang_timeout > 0:
         threading.Thread(target=_watch_progress, args=(job_dir, args.hang_timeout, hung), daemon=True).start()
 
+    start = rank_start_method(getattr(args, "rank_start", "auto"), forked)
     accepted = inspect.signature(LaunchConfig).parameters
     # older torch (2.11) has no shutdown_timeout: its agent then waits its own default
     newer: dict[str, Any] = {"shutdown_timeout": 10} if "shutdown_timeout" in accepted else {}
-    if forked and "numa_options" in accepted:
+    if start == "fork" and "numa_options" in accepted:
         # Without numa_options, LaunchConfig asks torch whether the accelerator is available to
         # choose a NUMA binding; on a GPU that query initializes CUDA in this agent, and the
         # ranks forked from it then cannot use CUDA at all. A placeholder skips the query and
-        # is cleared below: ranks forked from a warm node are not NUMA-bound.
+        # is cleared below: forked ranks are not NUMA-bound.
         newer["numa_options"] = _NO_NUMA_QUERY
     config = LaunchConfig(
         min_nodes=args.nnodes,
@@ -223,7 +264,7 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
         rdzv_configs={"is_host": False, "join_timeout": args.join_timeout},
         max_restarts=args.max_restarts,
         monitor_interval=0.1,
-        start_method="fork" if forked else "spawn",
+        start_method=start,
         logs_specs=rendezvous.logs_specs(str(job_dir / "agent" / f"node-{args.node_index}")),
         local_addr=args.local_addr,
         **newer,
@@ -241,7 +282,7 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
             from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
             hosted.append(rendezvous.host_store(*parse_rendezvous_endpoint(args.rdzv_endpoint, 29400)))
-        if forked:
+        if start == "fork":
             from prefect_sgpu.launch.rank_main import forked_rank
 
             elastic_launch(config, forked_rank)()

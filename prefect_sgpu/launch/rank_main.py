@@ -307,10 +307,28 @@ def main() -> int:
     sealed = folder.store.get(folder.run_id, jobfolder.PAYLOAD) or b""
     envelope, exit_code = run_payload(sealed, key, folder.run_id, base)
     folder.put_result(rank, payload.dump_envelope(envelope))
+    _mark_finished(rank)
     _shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     return exit_code
+
+
+def _mark_finished(rank: int) -> None:
+    """Tell this node's hang watchdog that this rank (this pid) is done with the job's function."""
+    from prefect_sgpu.runtime import finished_marker
+
+    job_dir = os.environ.get("SGPU_JOB_DIR")
+    if not job_dir:
+        return
+    marker = finished_marker(Path(job_dir), rank)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
+        tmp.write_text(f"{os.getpid()}\n")
+        os.replace(tmp, marker)
+    except OSError:
+        pass  # a job folder that is gone: nothing is watching
 
 
 def apply_thread_count() -> None:
@@ -331,6 +349,9 @@ def forked_rank() -> None:
     """
     import atexit
 
+    from prefect_sgpu.launch.rendezvous import close_hosted_sockets
+
+    close_hosted_sockets()
     apply_thread_count()
     code = main()
     try:

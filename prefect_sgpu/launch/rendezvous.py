@@ -21,6 +21,7 @@ c10d backend and the dynamic rendezvous are torch's; only where their two stores
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,20 @@ def rendezvous_id(job_key: str) -> str:
     from prefect_sgpu.jobfolder import derive_key
 
     return derive_key(job_key, PURPOSE)
+
+
+#: the listening sockets this process's stores hold (file descriptors)
+_HOSTED_FDS: list[int] = []
+
+
+def close_hosted_sockets() -> None:
+    """In a rank forked from an agent: close the agent's listening sockets it inherited, so the
+    agent's stores accept on the agent's own socket alone, and the rank holds none of them."""
+    while _HOSTED_FDS:
+        try:
+            os.close(_HOSTED_FDS.pop())
+        except OSError:
+            pass
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -78,7 +93,7 @@ def host_store(host: str, port: int, timeout_s: float = STORE_TIMEOUT_S) -> "TCP
     except BaseException:
         sock.close()
         raise
-    sock.detach()
+    _HOSTED_FDS.append(sock.detach())
     return store
 
 

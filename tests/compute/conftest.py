@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
-from support.conformance import LocalCase, LocalWarmCase
+from support.conformance import LocalCase, LocalSpawnCase, LocalWarmCase
 
 if TYPE_CHECKING:
     from support.conformance_ec2 import EC2Case, EC2Env, EC2WarmCase
@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 @pytest.fixture
 def local_case() -> LocalCase:
     return LocalCase()
+
+
+@pytest.fixture
+def local_spawn_case(monkeypatch: pytest.MonkeyPatch) -> LocalSpawnCase:
+    monkeypatch.setenv("PREFECT_SGPU_RANK_START", "spawn")
+    return LocalSpawnCase()
 
 
 @pytest.fixture

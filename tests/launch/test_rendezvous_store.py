@@ -61,6 +61,14 @@ def _this_jobs_processes(run_id: str) -> list[psutil.Process]:
     return found
 
 
+def _is_agent(proc: psutil.Process) -> bool:
+    """A node agent, not the ``unshare`` around it nor a rank forked from it (same command line)."""
+    def agent_image(p: psutil.Process | None) -> bool:
+        return p is not None and "prefect_sgpu.launch.node_agent" in p.cmdline() and "unshare" not in p.cmdline()[0]
+
+    return agent_image(proc) and not agent_image(proc.parent())
+
+
 def _argument(cmdline: list[str], name: str) -> str:
     return next(a.split("=", 1)[1] for a in cmdline if a.startswith(f"{name}="))
 
@@ -86,8 +94,7 @@ def test_the_rendezvous_stores_listen_on_the_nodes_address_under_an_id_on_no_com
             time.sleep(0.2)
         run_id, rdzv = (tmp_path / "rank-0").read_text().split("\n")
         procs = _this_jobs_processes(run_id)
-        agents = [p for p in procs if "prefect_sgpu.launch.node_agent" in p.cmdline()
-                  and "unshare" not in p.cmdline()[0]]
+        agents = [p for p in procs if _is_agent(p)]
         assert sorted(_argument(a.cmdline(), "--node-index") for a in agents) == ["0", "1"]
         node0 = next(a for a in agents if _argument(a.cmdline(), "--node-index") == "0")
         host, port = _argument(node0.cmdline(), "--rdzv-endpoint").rsplit(":", 1)

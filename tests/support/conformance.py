@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Protocol
 from support.processes import job_processes
 
 #: the computes the suite runs against (fixtures ``<name>_case`` in tests/compute/conftest.py)
-CASES = ["local", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm", "fake", "fake_warm"]
+CASES = ["local", "local_spawn", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm", "fake", "fake_warm"]
 #: those whose acquire can be made to wait (timeout and cancel during acquire)
 STALLABLE: list[str] = ["local", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm", "fake", "fake_warm"]
 
@@ -97,6 +97,17 @@ class LocalCase:
         expected = [[places.get(arg.split("=", 1)[1], arg.split("=", 1)[1]).join([arg.split("=", 1)[0] + "=", ""])
                      if "=<node-" in arg else arg for arg in shlex.split(n["command"])] for n in shown["nodes"]]
         assert sent == expected
+
+
+class LocalSpawnCase(LocalCase):
+    """Local processes whose ranks are new interpreters (``PREFECT_SGPU_RANK_START=spawn``), as on a
+    GPU node: on CPU the agent forks them unless told otherwise."""
+
+    name = "local_spawn"
+
+    def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
+        super().check_sent(job, shown)
+        assert all("--rank-start=spawn" in shlex.split(n["command"]) for n in shown["nodes"])
 
 
 def warm_node_descendants() -> list[str]:
