@@ -179,8 +179,8 @@ def test_a_relaunched_ec2_gangs_user_data_names_its_gang(aws_env: Any) -> None:
     from prefect_sgpu.launch.bootstrap import parse_args
     from prefect_sgpu.spec import JobSpec
 
-    compute = EC2InstanceCompute.from_settings({"store_uri": "s3://bucket/jobs", "subnet_ids": ["subnet-0123456789abcdef0"]},
-                                               session=aws_env.session())
+    settings = {"store_uri": "s3://bucket/jobs", "subnet_ids": ["subnet-0123456789abcdef0"]}
+    compute = EC2InstanceCompute.from_settings(settings, session=aws_env.session())
     first = compute.plan(JobSpec(gpus=1, gpu_type="A10", remote=True), "run-u")
     second = compute.replan(first, 1)
 

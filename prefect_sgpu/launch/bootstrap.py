@@ -14,11 +14,11 @@ on itself) and no key. The program:
    at most ``--heartbeat-ttl`` seconds;
 3. announces itself (a sealed ``nodes/node-<i>.alive``, refreshed while it lives by a thread of
    its own, so that no upload, however slow, holds it back past the driver's ``node_silence_s``;
-   silent in a folder once it wrote its status there) and waits for its launch document, written by the driver once every node is up. Only a
-   document sealed with the job key *and bound to this node index and this instance
-   id* is run; anything else (unsigned, another job's, node 1's copied to node 0's key,
-   bound to no instance) is refused with a log line and waited past: whoever can write
-   the store can delay a node, never run code on it;
+   silent in a folder once it wrote its status there) and waits for its launch document,
+   written by the driver once every node is up. Only a document sealed with the job key
+   *and bound to this node index and this instance id* is run; anything else (unsigned,
+   another job's, node 1's copied to node 0's key, bound to no instance) is refused with a
+   log line and waited past: whoever can write the store can delay a node, never run code on it;
 4. copies the payload into a local job folder (the ranks verify it) and runs the
    node agent against that folder, with the job key in its environment;
 5. in a loop, ships what rank logs, metric files and its agent's output gained since the
@@ -30,10 +30,10 @@ on itself) and no key. The program:
    recommendation): it tells the ranks (the ``preempt`` file ``runtime.preemption_requested()``
    reads; a ``Checkpointer`` saves at once) and the driver (a sealed ``nodes/node-<i>.notice``),
    which relaunches the job on new capacity once this node is gone;
-7. obeys a sealed ``stop`` from the driver for its own gang (``--gang``: the relaunch it belongs
-   to; a lost gang's stop written back after a relaunch is refused), and when no *new* heartbeat (a higher
-   sequence number under a valid seal) has arrived for ``--heartbeat-ttl`` seconds
-   (the driver died) stops the agent and terminates its own instance, so a dead driver
+7. obeys a sealed ``stop`` from the driver for its own gang (``--gang``: the relaunch it
+   belongs to; a lost gang's stop written back after a relaunch is refused), and when no *new*
+   heartbeat (a higher sequence number under a valid seal) has arrived for ``--heartbeat-ttl``
+   seconds (the driver died) stops the agent and terminates its own instance, so a dead driver
    cannot leak paid VMs. Staleness is measured on this node's monotonic clock: clock skew
    does not matter, and a forged or replayed heartbeat keeps nothing alive.
 
@@ -135,7 +135,6 @@ class NodeBootstrap(LeaseServing):
         self._alive_lock = threading.RLock()
         #: this folder got the node's status: no alive document goes there any more
         self._alive_quiet = False
-        self._alive_done = threading.Event()
         self._alive_thread: threading.Thread | None = None
         #: the job's node agent: a process of its own, or a ForkedAgent of the lease's warm node
         self._agent: Any = None
@@ -233,13 +232,9 @@ class NodeBootstrap(LeaseServing):
             self._alive_thread = threading.Thread(target=self._beat_alive, name="sgpu-node-alive", daemon=True)
             self._alive_thread.start()
 
-    def stop_alive(self) -> None:
-        self._alive_done.set()
-        if self._alive_thread is not None:
-            self._alive_thread.join(timeout=30)
-
     def _beat_alive(self) -> None:
-        while not self._alive_done.wait(min(self.alive_period, 1.0) / 2):
+        while True:
+            time.sleep(min(self.alive_period, 1.0) / 2)
             with self._alive_lock:
                 if self._alive_quiet or self.folder is None:
                     continue

@@ -607,7 +607,7 @@ def test_bootstrap_rides_out_store_errors_until_the_ttl(aws_env: MotoAWS, aws_fa
     if time.monotonic() - seen < ttl:
         assert stale is False, "an unreadable heartbeat is no news, not a dead driver"
     assert node.stop_requested() is False
-    node.sync_quietly()  # logs, envelopes, alive: retried next tick, no exception
+    node.sync_quietly()  # logs, envelopes: retried next tick, no exception
     time.sleep(max(0.0, seen + ttl + 0.3 - time.monotonic()))
     assert node.heartbeat_stale() is True, "unreachable for a whole TTL: the driver counts as gone"
 
