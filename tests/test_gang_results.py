@@ -35,9 +35,12 @@ class _ReplayingCompute(FakeCompute):
     def __init__(self) -> None:
         super().__init__(nodes=2, lose_node=1, lose_times=1)
         self.kept: bytes | None = None
+        self.first_kept = threading.Event()
 
     def _node(self, allocation: Any, node: int) -> None:
         folder = allocation.folder
+        if node == 1 and self.acquired == 1:  # node 1 is lost only once node 0's first result is kept:
+            self.first_kept.wait(60)          # else the relaunch may overtake it (its result then sealed for gang 1)
         if node == 0 and self.kept is not None:
             own_put = folder.put_result
 
@@ -51,6 +54,7 @@ class _ReplayingCompute(FakeCompute):
         super()._node(allocation, node)
         if node == 0 and self.kept is None:
             self.kept = folder.store.get(folder.run_id, jobfolder.result_key(0))
+            self.first_kept.set()
 
 
 def test_a_lost_gangs_result_written_back_after_the_relaunch_is_refused(tmp_path: Path) -> None:
