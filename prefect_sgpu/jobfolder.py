@@ -10,8 +10,10 @@ acts on is sealed: HMAC-SHA256 with the job's key over a header that binds it to
   stand in for a launch document;
 - its node index or rank (and on EC2 the instance id): node 1's launch document
   cannot start node 0.
-- for results, the gang (the relaunch it belongs to, from the second gang on): a lost gang's
-  result written back after a relaunch is not the new gang's.
+- for results and the stop, the gang (the relaunch it belongs to, from the second gang on): a
+  lost gang's result or stop written back after a relaunch is not the new gang's. A node learns
+  its gang from what only the driver writes: its boot arguments (``--gang``, in the EC2
+  user-data) or, on a warm lease, its sealed assignment.
 
 Anything unsigned, foreign or rebound is refused with :class:`DocumentRefused`; a
 reader that cannot tell (the driver polling for a node's status) logs the refusal
@@ -26,7 +28,7 @@ Layout of one job (``<store root>/<run_id>/...``)::
 
     payload.bin                 sealed cloudpickle of the call           driver -> ranks
     heartbeat                   sealed Heartbeat (seq, time)              driver -> nodes
-    stop                        sealed Stop                               driver -> nodes
+    stop                        sealed Stop (bound to the gang)           driver -> nodes
     nodes/launch                one sealed LaunchDocument (argv, env)     driver -> nodes
                                 per node, each bound to its node and
                                 instance (:func:`launch_bundle`)
@@ -196,10 +198,13 @@ class Assign(_Doc):
     """A warm lease's node serves job ``run_id`` next (in that job's folder, with that job's key).
 
     ``seq`` grows with every assignment of the lease: a node takes only a higher one than it
-    last took, so an old assignment written back into the store is never served twice."""
+    last took, so an old assignment written back into the store is never served twice.
+    ``gang``: which gang of the job the node serves (0, or the relaunch): the job's stop is
+    bound to it."""
 
     run_id: str = Field(pattern=RUN_ID_PATTERN)
     seq: int
+    gang: int = Field(default=0, ge=0)
 
 
 class Alive(_Doc):
@@ -337,8 +342,9 @@ class JobFolder:
         self.store = store
         self.run_id = run_id
         self.key = key
-        #: which gang of the job this process serves (0, then one more at each relaunch): results are
-        #: bound to it, so a lost gang's sealed result written back after a relaunch is refused
+        #: which gang of the job this process serves (0, then one more at each relaunch): results and
+        #: the stop are bound to it, so a lost gang's sealed result or stop written back after a
+        #: relaunch is refused
         self.gang = 0
         self._beat_seq = 0
         self._refused: set[str] = set()
@@ -422,10 +428,14 @@ class JobFolder:
         return self._get_doc_or_none(HEARTBEAT, "heartbeat", Heartbeat)
 
     def put_stop(self, grace: float, reason: str = "") -> None:
-        self._put_doc(STOP, "stop", Stop(time=time.time(), grace=grace, reason=reason))
+        """The stop of this folder's gang (:attr:`gang`): a relaunched gang's nodes refuse a lost
+        gang's stop written back, as the driver refuses its results. The first gang's is sealed as
+        before gangs were bound."""
+        self._put_doc(STOP, "stop", Stop(time=time.time(), grace=grace, reason=reason), gang=self.gang)
 
     def stop(self) -> Stop | None:
-        return self._get_doc_or_none(STOP, "stop", Stop)
+        """The stop of this folder's gang; one of another gang (or job) is logged once and counts as absent."""
+        return self._get_doc_or_none(STOP, "stop", Stop, gang=self.gang)
 
     # launch documents (driver -> node) -------------------------------------------------
 
@@ -523,7 +533,8 @@ class JobFolder:
     def reset_for_relaunch(self, gang: int) -> None:
         """Before a new gang starts: the old gang's node documents, results and stop go; its
         rank logs move to ``logs/gang-<gang>/`` (the payload, heartbeat and checkpoints stay). From now
-        on results are this gang's (:attr:`gang`; its ranks learn it from :data:`GANG_ENV`)."""
+        on results and the stop are this gang's (:attr:`gang`; its ranks learn it from :data:`GANG_ENV`,
+        its nodes from their boot arguments or assignment)."""
         self.gang = gang
         for key in (RESULTS, STOP, NODES, METRICS):
             self.store.delete(self.run_id, key)

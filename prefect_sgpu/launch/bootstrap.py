@@ -12,12 +12,13 @@ on itself) and no key. The program:
 2. reads the job key from the secret whose name it derives from its own ``--run-id``
    (:func:`prefect_sgpu.jobfolder.ssm_key_parameter`; never from a document), waiting for it
    at most ``--heartbeat-ttl`` seconds;
-3. announces itself (a sealed ``nodes/node-<i>.alive``, refreshed while it lives) and
-   waits for its launch document, written by the driver once every node is up. Only a
-   document sealed with the job key *and bound to this node index and this instance
-   id* is run; anything else (unsigned, another job's, node 1's copied to node 0's key,
-   bound to no instance) is refused with a log line and waited past: whoever can write
-   the store can delay a node, never run code on it;
+3. announces itself (a sealed ``nodes/node-<i>.alive``, refreshed while it lives by a thread of
+   its own, so that no upload, however slow, holds it back past the driver's ``node_silence_s``;
+   silent in a folder once it wrote its status there) and waits for its launch document,
+   written by the driver once every node is up. Only a document sealed with the job key
+   *and bound to this node index and this instance id* is run; anything else (unsigned,
+   another job's, node 1's copied to node 0's key, bound to no instance) is refused with a
+   log line and waited past: whoever can write the store can delay a node, never run code on it;
 4. copies the payload into a local job folder (the ranks verify it) and runs the
    node agent against that folder, with the job key in its environment;
 5. in a loop, ships what rank logs, metric files and its agent's output gained since the
@@ -29,9 +30,10 @@ on itself) and no key. The program:
    recommendation): it tells the ranks (the ``preempt`` file ``runtime.preemption_requested()``
    reads; a ``Checkpointer`` saves at once) and the driver (a sealed ``nodes/node-<i>.notice``),
    which relaunches the job on new capacity once this node is gone;
-7. obeys a sealed ``stop`` from the driver, and when no *new* heartbeat (a higher
-   sequence number under a valid seal) has arrived for ``--heartbeat-ttl`` seconds
-   (the driver died) stops the agent and terminates its own instance, so a dead driver
+7. obeys a sealed ``stop`` from the driver for its own gang (``--gang``: the relaunch it
+   belongs to; a lost gang's stop written back after a relaunch is refused), and when no *new*
+   heartbeat (a higher sequence number under a valid seal) has arrived for ``--heartbeat-ttl``
+   seconds (the driver died) stops the agent and terminates its own instance, so a dead driver
    cannot leak paid VMs. Staleness is measured on this node's monotonic clock: clock skew
    does not matter, and a forged or replayed heartbeat keeps nothing alive.
 
@@ -47,6 +49,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -86,9 +89,11 @@ class NodeBootstrap(LeaseServing):
         lease: bool = False,
         key_wait: float = 60.0,
         host: NodeHost | None = None,
+        gang: int = 0,
     ) -> None:
         """``host``: the cloud as this node sees it (default: EC2, :mod:`prefect_sgpu.launch.ec2_host`,
-        with ``region`` and ``endpoint_url``)."""
+        with ``region`` and ``endpoint_url``). ``gang``: which gang of its job a cold node serves (its
+        boot arguments say; a lease's node learns each job's from its assignment)."""
         if host is None:
             from prefect_sgpu.launch.ec2_host import EC2NodeHost
 
@@ -103,6 +108,8 @@ class NodeBootstrap(LeaseServing):
         #: this instance serves a warm lease (``run_id`` is the lease's id until a job is assigned)
         self.lease = lease
         self.lease_id: str | None = run_id if lease else None
+        #: the gang of the job this node serves: the only one whose stop it obeys (a lease's own folder: 0)
+        self.gang = 0 if lease else gang
         #: how long an assigned job's key may take to appear in SSM (the driver writes it first)
         self.key_wait = key_wait
         self._assigned = -1
@@ -124,6 +131,11 @@ class NodeBootstrap(LeaseServing):
         self._beat_seen = time.monotonic()
         self._alive_seq = 0
         self._alive_at = 0.0
+        #: held while an alive document is written and while the folder it goes to changes
+        self._alive_lock = threading.RLock()
+        #: this folder got the node's status: no alive document goes there any more
+        self._alive_quiet = False
+        self._alive_thread: threading.Thread | None = None
         #: the job's node agent: a process of its own, or a ForkedAgent of the lease's warm node
         self._agent: Any = None
         self._error_logged = 0.0
@@ -137,16 +149,25 @@ class NodeBootstrap(LeaseServing):
     # -- the key and the folders ------------------------------------------------------
 
     def use_key(self, key: str) -> None:
-        """From now on every document is read and written sealed with ``key``."""
-        self.key = key
-        self.folder = JobFolder(self.store, self.run_id, key)
-        self.local = JobFolder.local(self.job_dir, key)
+        """From now on every document is read and written sealed with ``key`` (the stop: for :attr:`gang`)."""
+        with self._alive_lock:
+            self.key = key
+            self.folder = JobFolder(self.store, self.run_id, key)
+            self.folder.gang = self.gang
+            self.local = JobFolder.local(self.job_dir, key)
+            self._alive_quiet = False
 
-    def enter(self, run_id: str, key: str) -> None:
-        """Serve ``run_id``'s folder from now on (a warm lease's node moving between the lease and
-        a job): nothing of the folder it leaves carries over but each folder's heartbeat sequence."""
+    def enter(self, run_id: str, key: str, gang: int = 0) -> None:
+        """Serve ``run_id``'s folder (gang ``gang`` of that job) from now on (a warm lease's node moving
+        between the lease and a job): nothing of the folder it leaves carries over but each folder's
+        heartbeat sequence."""
+        with self._alive_lock:  # the alive thread writes to the folder left or to the new one, never between
+            self._enter(run_id, key, gang)
+
+    def _enter(self, run_id: str, key: str, gang: int) -> None:
         self._beat_seqs[self.run_id] = self._beat_seq
         self.run_id = run_id
+        self.gang = gang
         self.job_dir = self.node_dir / run_id
         self.job_dir.mkdir(parents=True, exist_ok=True)
         self.use_key(key)
@@ -186,16 +207,47 @@ class NodeBootstrap(LeaseServing):
 
     # -- store helpers ----------------------------------------------------------
 
+    @property
+    def alive_period(self) -> float:
+        """Seconds between alive documents."""
+        return max(self.interval * 2, 1.0)
+
     def publish_alive(self, force: bool = False) -> None:
-        assert self.folder is not None
-        now = time.monotonic()
-        if not force and now - self._alive_at < max(self.interval * 2, 1.0):
-            return
-        self._alive_at = now
-        self._alive_seq += 1
-        doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname(),
-                    versions=runtime_versions())
-        self.folder.put_alive(self.index, doc, instance_id=self.identity.instance_id)
+        with self._alive_lock:
+            assert self.folder is not None
+            now = time.monotonic()
+            if not force and now - self._alive_at < self.alive_period:
+                return
+            self._alive_at = now
+            self._alive_seq += 1
+            doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname(),
+                        versions=runtime_versions())
+            self.folder.put_alive(self.index, doc, instance_id=self.identity.instance_id)
+
+    def start_alive(self) -> None:
+        """The alive documents from now on, every :attr:`alive_period`, on a thread of their own: the
+        loop's uploads (logs, results, the final sync) may take as long as the store makes them,
+        and a node that keeps beating is never taken for lost because of them."""
+        if self._alive_thread is None:
+            self._alive_thread = threading.Thread(target=self._beat_alive, name="sgpu-node-alive", daemon=True)
+            self._alive_thread.start()
+
+    def _beat_alive(self) -> None:
+        while True:
+            time.sleep(min(self.alive_period, 1.0) / 2)
+            with self._alive_lock:
+                if self._alive_quiet or self.folder is None:
+                    continue
+                try:
+                    self.publish_alive()
+                except Exception as exc:  # noqa: BLE001 - the next beat tries again
+                    self._store_error("publishing the node's alive document", exc)
+
+    def quiet(self) -> None:
+        """No more alive documents in this folder (the node's status is going there, or the job is
+        over): once an alive being written is done, none follows."""
+        with self._alive_lock:
+            self._alive_quiet = True
 
     def _store_error(self, what: str, exc: Exception) -> None:
         """Store calls in the loop may fail for a while (botocore already retried): try again next
@@ -248,7 +300,6 @@ class NodeBootstrap(LeaseServing):
         while True:
             doc = None
             try:
-                self.publish_alive()
                 doc = self.folder.launch(self.index, instance_id=self.identity.instance_id)
             except DocumentRefused as exc:
                 self._refused(exc)
@@ -365,7 +416,13 @@ class NodeBootstrap(LeaseServing):
         if status is None:
             status = NodeStatus(node=self.index, host=socket.gethostname(), exit_code=code or 1,
                                 error=reason or f"node agent exited with code {code} and no status")
-        self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
+        self.quiet()  # after its status a node writes nothing more to the folder
+        try:
+            self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
+        except BaseException:
+            with self._alive_lock:  # not written: the node still lives, and says so, while it retries
+                self._alive_quiet = False
+            raise
 
     def watch_notices(self) -> None:
         """A reclaim notice from the host (IMDS on EC2): tell the ranks (the ``preempt`` file) and the driver (a notice document)."""
@@ -394,12 +451,12 @@ class NodeBootstrap(LeaseServing):
             self._store_error("publishing the reclaim notice", exc)
 
     def sync_quietly(self) -> None:
-        """One tick's uploads (logs, envelopes, alive); a failure waits for the next tick."""
+        """One tick's uploads (logs, envelopes); a failure waits for the next tick. The alive
+        documents go on meanwhile (:meth:`start_alive`): a slow upload delays only this loop."""
         self.watch_notices()
         self.publish_notice()
         try:
             self.sync_up()
-            self.publish_alive()
         except Exception as exc:  # noqa: BLE001
             self._store_error("uploading logs and results", exc)
 
@@ -464,6 +521,7 @@ class NodeBootstrap(LeaseServing):
         if self._agent is not None:
             self.stop_agent(self._agent)
         if self.folder is not None:  # without the key nothing this node writes would be believed
+            self.quiet()
             try:
                 status = NodeStatus(node=self.index, host=socket.gethostname(), exit_code=2,
                                     error=f"node bootstrap failed: {type(exc).__name__}: {exc}")
@@ -487,6 +545,7 @@ class NodeBootstrap(LeaseServing):
                 return self.terminate_self(f"the {what} key never appeared")
             self.use_key(key)
         self.job_dir.mkdir(parents=True, exist_ok=True)
+        self.start_alive()
         if self.lease:
             return self.serve_lease()
         code = self.serve_job()
@@ -541,6 +600,7 @@ class NodeBootstrap(LeaseServing):
         Silent: after its status a node writes nothing more to the store, so the driver's
         deletion of the job's control files (right after it terminates the instances) is final.
         """
+        self.quiet()
         while True:
             if self.heartbeat_stale():
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
@@ -559,6 +619,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--lease", action="store_true",
                    help="the instance belongs to a warm lease (--run-id is the lease's id): serve its assigned jobs")
+    p.add_argument("--gang", type=int, default=0,
+                   help="which gang of the job the instance serves (a relaunch: 1, 2, ...); only its stop is obeyed")
     p.add_argument("--backstop-marker", default=None,
                    help="created once this program has taken over from the user-data's backstop")
     return p.parse_args(argv)
@@ -579,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                         kms_key_id=args.store_kms_key, bucket_owner=args.bucket_owner)
         node_dir = Path(os.environ.get(NODE_DIR_ENV) or default_home() / "node-jobs")
         node = NodeBootstrap(store, args.run_id, identity, node_dir, args.heartbeat_ttl, interval=args.interval,
-                             lease=args.lease, host=host)
+                             lease=args.lease, host=host, gang=args.gang)
         if args.backstop_marker:
             Path(args.backstop_marker).touch()  # from here on this program watches the node
         return node.run()

@@ -65,7 +65,7 @@ class LeaseServing:
             key = self.read_key(assigned.run_id, wait=self.key_wait)
             if key is None:  # the driver gave the job up before it wrote the key: back to waiting
                 continue
-            self.enter(assigned.run_id, key)
+            self.enter(assigned.run_id, key, assigned.gang)
             try:
                 code = self.serve_job()
             finally:
@@ -81,7 +81,6 @@ class LeaseServing:
         while True:
             doc = None
             try:
-                self.publish_alive()
                 self.watch_notices()
                 doc = self.folder.assignment(self.index, instance_id=self.identity.instance_id)
             except DocumentRefused as exc:

@@ -373,6 +373,62 @@ def test_lost_instance_with_max_recoveries_0_fails_the_job_naming_it_and_nothing
     assert ec2.leftovers(job.run_id) == []
 
 
+def _print_for_ever() -> int:
+    line = 0
+    while True:
+        print(f"line {line} " + "x" * 200, flush=True)  # the bootstrap ships new bytes every tick
+        line += 1
+        time.sleep(0.25)
+
+
+def test_a_slow_upload_does_not_hold_back_a_nodes_alive_but_a_node_that_stops_beating_is_lost(
+        ec2: EC2Env, aws_faults: Any) -> None:
+    """Every upload of a rank's log is held by the store's link for more than twice ``node_silence_s``
+    (the block's setting): the node keeps announcing itself meanwhile (its alive documents do not wait for
+    uploads) and the driver does not count it lost. Then the node freezes, as a hung VM does, and is lost
+    within the setting."""
+    silence = 4.0
+    held = aws_faults.delay(r"/logs/rank-\d+\.log", 2.25 * silence, method="PUT")
+    fn = distributed(gpus=1, gpu_type="A10", remote=True, mlflow=False, timeout=300, max_recoveries=0,
+                     compute=ec2.compute(node_silence_s=silence))(_print_for_ever)
+    job = fn.job()
+    outcome: dict[str, BaseException] = {}
+
+    def drive() -> None:
+        try:
+            job.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+
+    def lost() -> bool:  # the driver's own verdict: a NodeLost marks the allocation at once
+        allocation = job.allocation
+        return allocation is not None and bool(allocation.lost or allocation.reported)
+
+    deadline = time.monotonic() + 240
+    while held.done < 2 and thread.is_alive() and not lost() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if lost():
+        thread.join(timeout=120)  # the driver ends the job (and its instance) before the test fails
+    assert not lost(), "the node was taken for lost while it uploaded"
+    assert held.done >= 2, f"two uploads of a rank's log were not held to their end: {outcome or 'still running'}"
+    assert thread.is_alive(), repr(outcome.get("error"))
+    (iid,) = [i["InstanceId"] for i in ec2.instances(job.run_id, live=True)]
+    ec2.simulator.freeze(iid)
+    frozen = time.monotonic()
+    while not lost() and time.monotonic() - frozen < 60:
+        time.sleep(0.2)
+    assert lost() and time.monotonic() - frozen < silence + 15, "the frozen node was not counted lost in time"
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, InfrastructureLost), repr(error)
+    assert f"has not reported for {silence:g}s" in str(error) and iid in str(error), str(error)
+    assert ec2.leftovers(job.run_id) == []
+
+
 def test_bootstrap_reads_its_identity_from_imdsv2(monkeypatch: pytest.MonkeyPatch) -> None:
     import urllib.error
     import urllib.request
@@ -551,7 +607,7 @@ def test_bootstrap_rides_out_store_errors_until_the_ttl(aws_env: MotoAWS, aws_fa
     if time.monotonic() - seen < ttl:
         assert stale is False, "an unreadable heartbeat is no news, not a dead driver"
     assert node.stop_requested() is False
-    node.sync_quietly()  # logs, envelopes, alive: retried next tick, no exception
+    node.sync_quietly()  # logs, envelopes: retried next tick, no exception
     time.sleep(max(0.0, seen + ttl + 0.3 - time.monotonic()))
     assert node.heartbeat_stale() is True, "unreachable for a whole TTL: the driver counts as gone"
 

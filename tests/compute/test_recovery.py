@@ -126,6 +126,46 @@ def test_an_fsdp2_checkpoint_on_s3_is_restored_by_a_gang_on_other_nodes(ec2: EC2
         "shared/fsdp-run/step-00000020/dcp/.metadata" in keys, keys
 
 
+def _gang_of_this_rank() -> int:
+    gang = int(os.environ.get("SGPU_GANG") or 0)
+    print(f"gang {gang} is up", flush=True)
+    if gang == 0:
+        time.sleep(300)  # its machine is lost meanwhile
+    return gang
+
+
+def test_a_lost_gangs_stop_written_back_does_not_stop_the_relaunched_gang(fake_case: Any) -> None:
+    """The fake cloud (real bootstraps over a local store): gang 0's machine is lost, the driver stops
+    gang 0 with a sealed stop and relaunches. A store writer keeps that stop and writes it back for as long
+    as gang 1 runs: gang 1's node refuses it (another gang's) and the job returns gang 1's value."""
+    from prefect_sgpu.jobfolder import STOP, log_key
+
+    provider, store = fake_case.provider, fake_case.compute.store
+    fn = distributed(**fake_case.options(gpus=1, timeout=300, max_recoveries=1))(_gang_of_this_rank)
+    job = fn.job()
+    thread, outcome = _drive(job)
+    machines = lambda: [m for m in provider.machines.values() if m.launch_id == job.run_id]  # noqa: E731
+    _when(lambda: b"gang 0 is up" in (store.get(job.run_id, log_key(0)) or b""), 120, "gang 0's rank", thread)
+    (first,) = machines()
+    os.killpg(first.proc.pid, signal.SIGKILL)  # the machine is lost
+    kept: list[bytes] = []
+    _when(lambda: bool(kept.append(store.get(job.run_id, STOP) or b"") or kept[-1]), 60, "gang 0's stop", thread)
+    stop = kept[-1]
+    replays = 0
+    while thread.is_alive():  # the store writer: gang 0's stop in gang 1's folder, again whenever it goes
+        if len(machines()) > 1 and store.get(job.run_id, STOP) != stop:
+            store.put(job.run_id, STOP, stop)
+            replays += 1
+        time.sleep(0.05)
+    thread.join(timeout=60)
+    assert "error" not in outcome, repr(outcome.get("error"))
+    assert outcome["result"].values == [1] and len(outcome["result"].recoveries) == 1
+    assert replays >= 1, "gang 0's stop was never written back"
+    second = machines()[-1]
+    console = (second.home / "console.log").read_text(errors="replace")
+    assert "expected kind=stop" in console and "gang=1" in console, console[-3000:]
+
+
 def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking import MlflowClient

@@ -7,6 +7,9 @@ rule, either answered with an AWS error in the service's own wire format (EC2 XM
 JSON-protocol services) or forwarded to moto unchanged. That lets tests drive
 botocore's real retry, error parsing and waiter paths: a capacity error in one
 subnet, the first N calls throttled, a response lost after the launch happened.
+A delay rule (:meth:`AWSFaultProxy.delay`) holds matching requests (say, uploads
+under one key pattern) for a while before forwarding them, as a slow link would;
+other requests pass meanwhile.
 
 Moto 5.2 lacks three EC2 behaviours that provisioning relies on, so the proxy
 supplies them in front of moto, following the EC2 API reference:
@@ -29,6 +32,7 @@ import http.client
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +83,25 @@ class FaultRule:
         if action != self.action or (self.times is not None and self.hits >= self.times):
             return False
         return self.where is None or bool(self.where(params))
+
+
+@dataclass
+class DelayRule:
+    """Hold requests whose method is ``method`` (None: any) and whose path matches ``path``
+    (a regular expression, searched) ``seconds`` before forwarding them, ``times`` times (None: always)."""
+
+    path: str
+    seconds: float
+    method: str | None = None
+    times: int | None = None
+    hits: int = 0
+    #: how many of the held requests were forwarded and answered
+    done: int = 0
+
+    def matches(self, method: str, path: str) -> bool:
+        if self.times is not None and self.hits >= self.times:
+            return False
+        return (self.method is None or method == self.method) and re.search(self.path, path) is not None
 
 
 @dataclass
@@ -157,6 +180,7 @@ class AWSFaultProxy:
         self.upstream_host = parts.hostname or "127.0.0.1"
         self.upstream_port = parts.port or 80
         self.rules: list[FaultRule] = []
+        self.delays: list[DelayRule] = []
         self.requests: list[Recorded] = []
         self._groups: dict[str, _PlacementGroup] = {}
         self._tokens: dict[str, tuple[str, int, bytes]] = {}
@@ -203,10 +227,21 @@ class AWSFaultProxy:
             self.rules.append(rule)
         return rule
 
+    def delay(self, path: str, seconds: float, *, method: str | None = None,
+              times: int | None = None) -> DelayRule:
+        """Hold every request whose path matches ``path`` (a regular expression; for S3 the path is
+        ``/<bucket>/<key>``) ``seconds`` before forwarding it: a slow upload or download, while
+        every other request is answered at once."""
+        rule = DelayRule(path, seconds, method, times)
+        with self._lock:
+            self.delays.append(rule)
+        return rule
+
     def reset(self) -> None:
         """Drop rules and records (placement groups and tokens stay: they mirror moto's state)."""
         with self._lock:
             self.rules.clear()
+            self.delays.clear()
             self.requests.clear()
 
     def add_capacity_reservation(
@@ -292,6 +327,20 @@ class AWSFaultProxy:
             rule = next((r for r in self.rules if r.matches(action, params)), None)
             if rule is not None:
                 rule.hits += 1
+            held = next((d for d in self.delays if d.matches(method, path)), None)
+            if held is not None:
+                held.hits += 1
+        if held is not None:
+            try:
+                time.sleep(held.seconds)  # this request's own thread: the others go on
+                return self._answer(record, rule, method, path, headers, body, service, action, params)
+            finally:
+                with self._lock:
+                    held.done += 1
+        return self._answer(record, rule, method, path, headers, body, service, action, params)
+
+    def _answer(self, record: Recorded, rule: FaultRule | None, method: str, path: str, headers: dict[str, str],
+                body: bytes, service: str, action: str, params: Params) -> tuple[int, list, bytes]:
         gate = self.iam_gate
         if gate is not None:
             refused = gate.check(method, path, headers, body, service, action, params)

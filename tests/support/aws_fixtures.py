@@ -9,7 +9,8 @@ Fixtures (wired into every test module by ``tests/conftest.py``):
 - ``moto_server``   session: moto's own endpoint URL (``http://127.0.0.1:PORT``).
 - ``aws_proxy``     session: :class:`~aws_fault_proxy.AWSFaultProxy` in front of moto.
                     It adds the EC2 behaviour moto lacks (placement groups, ClientToken
-                    idempotency) and injects AWS errors by rule.
+                    idempotency), injects AWS errors by rule and holds requests by
+                    path (``delay``: a slow upload).
 - ``aws_env``       function: fake credentials, region and ``AWS_ENDPOINT_URL`` (the
                     proxy) in the environment, so any ``boto3.client(...)`` made by code
                     under test lands on moto. Returns a :class:`MotoAWS` handle.

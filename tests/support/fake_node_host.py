@@ -8,7 +8,7 @@ line, secrets from files the provider writes, reclaim notices from a file the te
 terminate or power-off by killing its own machine.
 
 Run as ``python -m support.fake_node_host --store DIR --run-id ID --machine-id M --index I
---address A --secrets DIR --node-dir DIR [--lease]``.
+--address A --secrets DIR --node-dir DIR [--lease] [--gang N]``.
 """
 
 from __future__ import annotations
@@ -92,11 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index", type=int, required=True)
     p.add_argument("--heartbeat-ttl", type=float, default=30.0)
     p.add_argument("--lease", action="store_true")
+    p.add_argument("--gang", type=int, default=0)
     args = p.parse_args(argv)
     identity = NodeIdentity(args.machine_id, args.index, args.address)
     host = FakeNodeHost(identity, Path(args.secrets), Path(args.machine_dir))
     node = NodeBootstrap(LocalStore(args.store), args.run_id, identity, Path(args.node_dir), args.heartbeat_ttl,
-                         interval=0.5, lease=args.lease, host=host)
+                         interval=0.5, lease=args.lease, host=host, gang=args.gang)
     try:
         return node.run()
     except Exception as exc:  # noqa: BLE001 - as the real bootstrap: report, then end the machine

@@ -74,23 +74,26 @@ class FakeProvider:
         self.secrets.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.namespaces = pid_namespaces()  # a machine ends as a whole, as a terminated VM does
 
-    def provision(self, launch_id: str, nodes: int, lease: bool, cancel: threading.Event) -> list[FakeMachine]:
+    def provision(self, launch_id: str, nodes: int, lease: bool, cancel: threading.Event,
+                  gang: int = 0) -> list[FakeMachine]:
+        """``gang``: which gang of its job a cold machine serves (its boot arguments say, as EC2's user-data does)."""
         self.sent.append((launch_id, nodes))
         booted = []
         for index in range(nodes):
             if cancel.is_set():
                 raise JobCancelled(f"{launch_id} was cancelled while its machines started")
-            booted.append(self._boot(launch_id, index, lease))
+            booted.append(self._boot(launch_id, index, lease, gang))
         return booted
 
-    def _boot(self, launch_id: str, index: int, lease: bool) -> FakeMachine:
+    def _boot(self, launch_id: str, index: int, lease: bool, gang: int = 0) -> FakeMachine:
         machine_id, address = f"fake-{uuid.uuid4().hex[:12]}", next(self.addresses)
         home = self.workdir / machine_id
         home.mkdir(parents=True)
         argv = [sys.executable, "-m", "support.fake_node_host", f"--store={self.store_root}",
                 f"--run-id={launch_id}", f"--machine-id={machine_id}", f"--index={index}", f"--address={address}",
                 f"--secrets={self.secrets}", f"--node-dir={home / 'jobs'}", f"--machine-dir={home}",
-                f"--heartbeat-ttl={self.heartbeat_ttl_s:g}", *(["--lease"] if lease else [])]
+                f"--heartbeat-ttl={self.heartbeat_ttl_s:g}", *(["--lease"] if lease else []),
+                *([f"--gang={gang}"] if gang else [])]
         if not self.boot:
             argv = [sys.executable, "-c", "import time; time.sleep(3600)"]  # up, but never announces itself
         elif self.broken_image:
@@ -203,7 +206,8 @@ class FakeCompute(RemoteNodeCompute):
         request = allocation.request
         if time.monotonic() >= deadline:
             raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning")
-        return self.provisioner.provision(launch_id, request.plan.nodes, bool(request.lease_id), cancel)
+        gang = 0 if request.lease_id else allocation.folder.gang  # a lease's assignment names the gang
+        return self.provisioner.provision(launch_id, request.plan.nodes, bool(request.lease_id), cancel, gang)
 
     def _console_output(self, machine_id: str) -> str:
         machine = self.provisioner.machines.get(machine_id)

@@ -170,14 +170,15 @@ class EC2InstanceCompute(RemoteNodeCompute):
                                   "Keep large values (files, certificates) in S3 or a mounted secret "
                                   "and pass where they are")
 
-    def user_data(self, run_id: str, lease: bool = False, environment: Any = None) -> str:
-        """``environment``: the job's captured environment; mode "driver" builds it on the node."""
+    def user_data(self, run_id: str, lease: bool = False, environment: Any = None, gang: int = 0) -> str:
+        """``environment``: the job's captured environment; mode "driver" builds it on the node.
+        ``gang``: the gang of a cold job the instances serve (its stop is bound to it)."""
         return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
                                    endpoint_url=self.endpoint_url, python=self.python,
                                    setup=self.setup_commands,
                                    backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
                                    kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner,
-                                   lease=lease, environment=environment)
+                                   lease=lease, environment=environment, gang=gang)
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
@@ -197,17 +198,20 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
     def replan(self, request: Request, gang: int) -> EC2Request:
         """The same launch tries in the same order (the first market first, then the fallback
-        chain), each with a ClientToken of its own for this gang: new instances, not the lost ones.
-        A warm job's new instances are a new lease's (its own id, tags and tokens)."""
+        chain), each with a ClientToken of its own for this gang: new instances, not the lost ones,
+        whose user-data names the gang (the job's stop is bound to it). A warm job's new instances
+        are a new lease's (its own id, tags and tokens; the lease's assignment names the gang)."""
         assert isinstance(request, EC2Request)
         if request.lease_id:
             lease = lease_id(request.run_id, gang)
             user_data = self.user_data(lease, lease=True, environment=request.spec.environment)
             return replace(request, lease_id=lease, user_data=user_data,
                            run_instances=self.provisioner.attempts(lease, request.plan, user_data))
-        attempts = tuple(replace(a, params={**a.params, "ClientToken": rq.client_token(request.run_id, i, gang)})
+        user_data = self.user_data(request.run_id, environment=request.spec.environment, gang=gang)
+        attempts = tuple(replace(a, params={**a.params, "UserData": user_data,
+                                            "ClientToken": rq.client_token(request.run_id, i, gang)})
                          for i, a in enumerate(request.run_instances))
-        return replace(request, run_instances=attempts)
+        return replace(request, user_data=user_data, run_instances=attempts)
 
     # -- what the remote-node wing asks of EC2 ---------------------------------------------
 

@@ -275,6 +275,7 @@ def render_user_data(
     bucket_owner: str | None = None,
     lease: bool = False,
     environment: "Environment | None" = None,
+    gang: int = 0,
 ) -> str:
     """The instance's user-data: a short shell script, with no credential and no key in it.
 
@@ -286,6 +287,10 @@ def render_user_data(
 
     With ``lease`` the instance belongs to a warm lease (``run_id`` is the lease's id) and
     serves the jobs the lease assigns to it, one after another, instead of one job.
+
+    ``gang``: which gang of the job the instance serves (a relaunch after infrastructure loss is
+    gang 1, 2, ...): the job's stop is bound to it, so the node refuses a lost gang's stop written
+    back into the store. Only the first gang's user-data goes without it.
 
     ``setup`` (shell lines, e.g. installing prefect-sgpu into the AMI's Python) runs first.
     The bootstrap derives the SSM parameter of the job key from ``run_id`` itself.
@@ -308,6 +313,8 @@ def render_user_data(
         argv.append(f"--bucket-owner={bucket_owner}")
     if lease:
         argv.append("--lease")
+    if gang:
+        argv.append(f"--gang={gang}")
     backstop = float(backstop_s or heartbeat_ttl)
     marker = f"${{HOME:-/root}}/.prefect-sgpu-{run_id}.up"
     lines = [

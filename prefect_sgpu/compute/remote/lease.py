@@ -134,11 +134,12 @@ class WarmLease(Pooled):
     def healthy(self) -> bool:
         return not self.closed and self.unfit is None
 
-    def assign(self, run_id: str) -> int:
-        """Tell every node to serve job ``run_id`` next (one write, each entry sealed and bound)."""
+    def assign(self, run_id: str, gang: int = 0) -> int:
+        """Tell every node to serve gang ``gang`` of job ``run_id`` next (one write, each entry sealed
+        and bound)."""
         with self._lock:
             self.seq += 1
-            self.folder.put_assignments({i: (Assign(run_id=run_id, seq=self.seq), inst.id)
+            self.folder.put_assignments({i: (Assign(run_id=run_id, seq=self.seq, gang=gang), inst.id)
                                          for i, inst in enumerate(self.instances)})
             return self.seq
 

@@ -292,7 +292,7 @@ class RemoteNodeCompute(Compute):
         lease = allocation.lease
         assert lease is not None
         allocation.instances = list(lease.instances)
-        seq = lease.assign(allocation.run_id)
+        seq = lease.assign(allocation.run_id, gang=allocation.folder.gang)  # the job's stop is bound to it
         logger.debug("job %s: assignment %d of lease %s written", allocation.run_id, seq, lease.lease_id)
         self._wait_for_agents(allocation, deadline, cancel, timeout)
 
