@@ -283,7 +283,11 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
 
             hosted.append(rendezvous.host_store(*parse_rendezvous_endpoint(args.rdzv_endpoint, 29400)))
         if start == "fork":
+            import gc
+
             from prefect_sgpu.launch.rank_main import forked_rank
+
+            gc.freeze()  # what this agent imported stays out of the collector: forks keep sharing its pages
 
             elastic_launch(config, forked_rank)()
         else:
