@@ -215,8 +215,17 @@ class RayTrainCompute(Compute):
         plan = Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cuda" if spec.gpu_type else "cpu")
         return RayRequest(run_id=run_id, compute=self.name, plan=plan, spec=spec, heartbeat_ttl_s=0.0,
                           address=self.address, scaling=scaling_options(spec, plan, None, self.resources_per_worker),
-                          runtime_env=dict(self.runtime_env), backend=self.backend,
+                          runtime_env=self.job_runtime_env(spec), backend=self.backend,
                           max_failures=spec.max_restarts, keep_warm=self.keep_warm)
+
+    def job_runtime_env(self, spec: JobSpec) -> dict[str, Any]:
+        """The job's ``runtime_env``: this compute's own with the job's ``environment=`` mapped onto it
+        (:mod:`prefect_sgpu.ray.runtime_env`); a key both set raises SGPUConfigError here, in ``plan``."""
+        from prefect_sgpu.environment import Environment
+        from prefect_sgpu.ray.runtime_env import merged
+
+        environment = spec.environment if isinstance(spec.environment, Environment) else None
+        return merged(self.runtime_env, environment)
 
     def command_line(self, request: Request, command: NodeCommand) -> list[str]:
         """What node 0 stands for: one Ray Train run (``dry_run`` prints this, not a torchrun agent)."""
@@ -311,8 +320,11 @@ class RayTrainCompute(Compute):
                 _ask_autoscaler(None)
         if cancel.is_set():
             raise JobCancelled(f"job {request.run_id} was cancelled")
-        refined = dataclasses.replace(request, scaling=scaling, plan=dataclasses.replace(
-            plan, device="cuda" if scaling["use_gpu"] else "cpu"))
+        from prefect_sgpu.ray.runtime_env import uploaded
+
+        # the job's working_dir and py_modules go up to the cluster now, as gcs:// URIs for its tasks
+        refined = dataclasses.replace(request, scaling=scaling, runtime_env=uploaded(request.runtime_env),
+                                      plan=dataclasses.replace(plan, device="cuda" if scaling["use_gpu"] else "cpu"))
         allocation = RayAllocation(request=refined, folder=folder,
                                    nodes=[AllocatedNode(index=0, address=self.address, host=self.address)])
         if refined.keep_warm > 0:
@@ -323,6 +335,7 @@ class RayTrainCompute(Compute):
         """An idle warm group of this job's shape, or a new one (placement group and actors ready)."""
         from prefect_sgpu.ray.warm_group import RAY_POOL, create_group
 
+        # uploaded files are named by their content: a changed project gets a group of its own
         key = (self.address, repr(sorted(request.scaling.items())), repr(sorted(request.runtime_env.items())),
                request.backend)
         group = RAY_POOL.take(key, owner=id(self))
@@ -370,7 +383,9 @@ class RayTrainCompute(Compute):
             # actor that worker owns; after a failed run the exception's traceback can keep the
             # controller's handle alive in a reused worker, and with it the run's workers and
             # placement group. The owner's exit ends them (Ray Train removes the group itself).
-            allocation.fit = ray.remote(num_cpus=0, max_retries=0, max_calls=1)(_fit).remote(
+            # the job's runtime_env on the run's task: Ray Train's controller and workers inherit it
+            options: dict[str, Any] = {"runtime_env": request.runtime_env} if request.runtime_env else {}
+            allocation.fit = ray.remote(num_cpus=0, max_retries=0, max_calls=1, **options)(_fit).remote(
                 config, request.scaling, allocation.run_id, request.max_failures, request.backend)
             allocation.started = True
 
