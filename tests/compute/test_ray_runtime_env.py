@@ -136,9 +136,10 @@ def run_on_ray(kind: str, project: Path, wheels: Path, image: Path) -> list[dict
 
 
 @pytest.mark.e2e
-def test_a_working_dir_module_and_an_extra_requirement_reach_ray_train_workers(
+def test_a_working_dir_module_and_an_extra_requirement_reach_ray_train_and_warm_workers(
         project: Path, wheels: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     values = run_on_ray("compute", project, wheels, tmp_path_factory.getbasetemp() / "ray-image")
-    assert [v["tag"] for v in values] == ["from-the-project"] * 2, "the project's module on both workers"
-    assert [v["value"] for v in values] == [42, 42], "the wheel installed by Ray's pip on both nodes"
+    # two ranks of a Ray Train run, then two of a warm worker group (keep_warm)
+    assert [v["tag"] for v in values] == ["from-the-project"] * 4, "the project's module on every worker"
+    assert [v["value"] for v in values] == [42] * 4, "the wheel installed by Ray's pip on both nodes"
     assert all("/runtime_resources/pip/" in v["python"] for v in values), "in Ray's pip virtualenv"

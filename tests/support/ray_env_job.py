@@ -1,7 +1,7 @@
 """One job on each Ray path with ``environment=`` (run by the image Python of ``ray_image.py``).
 
-``python ray_env_job.py PROJECT WHEELS KIND``: KIND ``compute`` runs a two-worker RayCompute job on a
-two-node cluster on loopback, ``launch`` a one-node ``@ray_launch`` job whose driver runs a Ray task.
+``python ray_env_job.py PROJECT WHEELS KIND``: KIND ``compute`` runs a two-worker RayCompute job (a Ray
+Train run, then a warm worker group) on a two-node cluster on loopback, ``launch`` a one-node ``@ray_launch`` job whose driver runs a Ray task.
 Either way the code on Ray's workers imports ``features`` (a module of PROJECT, the working_dir)
 and ``sgpu_tiny`` (a wheel in WHEELS, the one extra requirement). The last line printed is JSON.
 """
@@ -40,11 +40,15 @@ def main() -> None:
         from prefect_sgpu.ray import RayCompute
 
         with ray_cluster() as address:
-            compute = RayCompute(address=address, environment=environment)
+            cold = RayCompute(address=address, environment=environment)
+            warm = RayCompute(address=address, environment=environment, keep_warm=30)
             try:
-                values = distributed(gpus=2, compute=compute, mlflow=False)(probe).distributed()
+                values = distributed(gpus=2, compute=cold, mlflow=False)(probe).distributed()
+                # a warm worker group's actors (their fork servers and the rank processes forked from them)
+                values += distributed(gpus=2, compute=warm, mlflow=False)(probe).distributed()
             finally:
-                compute.close()
+                warm.close()
+                cold.close()
     else:
         from prefect_sgpu.ray import ray_launch
 
