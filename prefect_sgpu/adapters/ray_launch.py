@@ -38,9 +38,12 @@ class RayLauncher(Launcher):
 
     name = "ray"
 
-    def __init__(self, metrics_to_mlflow: bool = False, metrics_interval: float = 5.0) -> None:
+    def __init__(self, metrics_to_mlflow: bool = False, metrics_interval: float = 5.0,
+                 runtime_env: dict[str, Any] | None = None) -> None:
         self.metrics_to_mlflow = metrics_to_mlflow
         self.metrics_interval = metrics_interval
+        #: the Ray job's runtime_env (``environment=`` mapped): ``ray.init()`` in the function uses it
+        self.runtime_env = dict(runtime_env or {})
 
     def node_argv(self, job: Job, request: "Request", node: int, address: str, endpoint: str) -> list[str]:
         plan = request.plan
@@ -54,12 +57,36 @@ class RayLauncher(Launcher):
             f"--node-ip={address}", *resources, f"--heartbeat-ttl={request.heartbeat_ttl_s:g}",
             f"--join-timeout={min(job.spec.timeout, 600):g}",
         ]
+        if self.runtime_env and node == 0:  # the driver's ray.init() reads it as Ray's job config
+            from prefect_sgpu.ray.runtime_env import job_config_json
+
+            argv.append(f"--runtime-env={job_config_json(self.runtime_env)}")
         if self.metrics_to_mlflow and job.spec.mlflow:
             argv += ["--metrics-to-mlflow", f"--metrics-interval={self.metrics_interval:g}"]
         return argv
 
     def result_ranks(self, plan: "Plan") -> list[int]:
         return [0]  # the driver on node 0
+
+
+def _runtime_env(job: Job) -> dict[str, Any]:
+    """The Ray job's ``runtime_env`` for ``environment=``.
+
+    Nodes of this machine (a local compute) run in the driver's own Python, so only what the
+    call gives travels, through Ray: ``working_dir``, ``py_modules`` and ``requirements`` (Ray's
+    pip). Remote nodes (EC2) already run every Ray process in the environment their
+    environment stage built (docs/environment.md), with the project on ``sys.path``: nothing is
+    repeated through Ray."""
+    from prefect_sgpu.environment import Environment, EnvironmentOptions
+    from prefect_sgpu.ray.runtime_env import merged
+
+    option = job.spec.environment
+    if job.compute.remote or option is None:
+        return {}
+    environment = option if isinstance(option, Environment) else None
+    if isinstance(option, EnvironmentOptions):
+        environment = option.capture()
+    return merged({}, environment, field="environment")
 
 
 class RayDriverFuture(DistributedFuture[R]):
@@ -107,7 +134,7 @@ class RayLaunchFunction(DistributedFunction[P, R]):
         here = installed_ray_version()
         if here is not None:  # the nodes check their own Ray again before starting it
             require_token_auth(here)
-        job.launcher = RayLauncher(metrics_to_mlflow=self.ray_metrics_to_mlflow)
+        job.launcher = RayLauncher(metrics_to_mlflow=self.ray_metrics_to_mlflow, runtime_env=_runtime_env(job))
         return job
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> R:  # type: ignore[override]

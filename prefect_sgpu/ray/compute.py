@@ -163,6 +163,8 @@ class RayAllocation(Allocation):
     group: Any = None
     #: how many times the warm group's ranks were started for this job (see ``SETUP_ATTEMPTS``)
     setup_attempts: int = 1
+    #: the request's runtime_env as sent to Ray: local working_dir and py_modules uploaded, as gcs:// URIs
+    runtime_env: dict[str, Any] = field(default_factory=dict)
 
 
 # one Ray connection per process: which cluster prefect-sgpu joined, so any compute for it may leave it
@@ -215,8 +217,17 @@ class RayTrainCompute(Compute):
         plan = Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cuda" if spec.gpu_type else "cpu")
         return RayRequest(run_id=run_id, compute=self.name, plan=plan, spec=spec, heartbeat_ttl_s=0.0,
                           address=self.address, scaling=scaling_options(spec, plan, None, self.resources_per_worker),
-                          runtime_env=dict(self.runtime_env), backend=self.backend,
+                          runtime_env=self.job_runtime_env(spec), backend=self.backend,
                           max_failures=spec.max_restarts, keep_warm=self.keep_warm)
+
+    def job_runtime_env(self, spec: JobSpec) -> dict[str, Any]:
+        """The job's ``runtime_env``: this compute's own with the job's ``environment=`` mapped onto it
+        (:mod:`prefect_sgpu.ray.runtime_env`); a key both set raises SGPUConfigError here, in ``plan``."""
+        from prefect_sgpu.environment import Environment
+        from prefect_sgpu.ray.runtime_env import merged
+
+        environment = spec.environment if isinstance(spec.environment, Environment) else None
+        return merged(self.runtime_env, environment)
 
     def command_line(self, request: Request, command: NodeCommand) -> list[str]:
         """What node 0 stands for: one Ray Train run (``dry_run`` prints this, not a torchrun agent)."""
@@ -311,25 +322,31 @@ class RayTrainCompute(Compute):
                 _ask_autoscaler(None)
         if cancel.is_set():
             raise JobCancelled(f"job {request.run_id} was cancelled")
+        from prefect_sgpu.ray.runtime_env import uploaded
+
         refined = dataclasses.replace(request, scaling=scaling, plan=dataclasses.replace(
             plan, device="cuda" if scaling["use_gpu"] else "cpu"))
         allocation = RayAllocation(request=refined, folder=folder,
-                                   nodes=[AllocatedNode(index=0, address=self.address, host=self.address)])
+                                   nodes=[AllocatedNode(index=0, address=self.address, host=self.address)],
+                                   # the job's working_dir and py_modules go up to the cluster now (gcs:// URIs)
+                                   runtime_env=uploaded(refined.runtime_env))
         if refined.keep_warm > 0:
-            allocation.group = self._warm_group(refined, deadline, cancel)
+            allocation.group = self._warm_group(refined, allocation.runtime_env, deadline, cancel)
         return allocation
 
-    def _warm_group(self, request: RayRequest, deadline: float, cancel: threading.Event) -> Any:
+    def _warm_group(self, request: RayRequest, runtime_env: dict[str, Any], deadline: float,
+                    cancel: threading.Event) -> Any:
         """An idle warm group of this job's shape, or a new one (placement group and actors ready)."""
         from prefect_sgpu.ray.warm_group import RAY_POOL, create_group
 
-        key = (self.address, repr(sorted(request.scaling.items())), repr(sorted(request.runtime_env.items())),
+        # uploaded files are named by their content: a changed project gets a group of its own
+        key = (self.address, repr(sorted(request.scaling.items())), repr(sorted(runtime_env.items())),
                request.backend)
         group = RAY_POOL.take(key, owner=id(self))
         if group is not None:
             return group
         try:
-            group = create_group(key, request.scaling, request.runtime_env, deadline, cancel)
+            group = create_group(key, request.scaling, runtime_env, deadline, cancel)
         except TimeoutError:
             if cancel.is_set():
                 raise JobCancelled(f"job {request.run_id} was cancelled while its warm group started") from None
@@ -370,7 +387,9 @@ class RayTrainCompute(Compute):
             # actor that worker owns; after a failed run the exception's traceback can keep the
             # controller's handle alive in a reused worker, and with it the run's workers and
             # placement group. The owner's exit ends them (Ray Train removes the group itself).
-            allocation.fit = ray.remote(num_cpus=0, max_retries=0, max_calls=1)(_fit).remote(
+            # the job's runtime_env on the run's task: Ray Train's controller and workers inherit it
+            options: dict[str, Any] = {"runtime_env": allocation.runtime_env} if allocation.runtime_env else {}
+            allocation.fit = ray.remote(num_cpus=0, max_retries=0, max_calls=1, **options)(_fit).remote(
                 config, request.scaling, allocation.run_id, request.max_failures, request.backend)
             allocation.started = True
 

@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-to-mlflow", action="store_true")
     p.add_argument("--metrics-interval", type=float, default=5.0)
     p.add_argument("--shm-size", default="")
+    p.add_argument("--runtime-env", default="", help="Ray's job config JSON for the driver's ray.init()")
     return p.parse_args(argv)
 
 
@@ -87,10 +88,15 @@ def _cluster_token(payload_key: str) -> str:
     return derive_key(payload_key, b"prefect-sgpu ray cluster token")
 
 
-def _rank_env(gcs: str) -> dict[str, str]:
-    """The driver process: rank 0 of a one-rank job (rank_main takes the payload key out)."""
+def _rank_env(gcs: str, runtime_env: str = "") -> dict[str, str]:
+    """The driver process: rank 0 of a one-rank job (rank_main takes the payload key out). A job's
+    ``runtime_env`` goes where ``ray job submit`` puts it, Ray's job-config variable, which ``ray.init()``
+    merges with its own."""
+    from prefect_sgpu.ray.runtime_env import JOB_CONFIG_ENV
+
     return {**os.environ, "RAY_ADDRESS": gcs, "SGPU_RAY_ADDRESS": gcs, "RANK": "0", "WORLD_SIZE": "1",
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0"}
+            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+            **({JOB_CONFIG_ENV: runtime_env} if runtime_env else {})}
 
 
 def _start_metrics(gcs: str, interval: float, job_dir: Path,
@@ -126,7 +132,7 @@ def _run_head(args: argparse.Namespace, node: RayNodeProcess, gcs: str, marks: P
     sampler = (_start_metrics(gcs, args.metrics_interval, Path(args.job_dir), marks / "driver-done")
                if args.metrics_to_mlflow else None)
     driver = subprocess.Popen([sys.executable, "-u", "-m", "prefect_sgpu.launch.rank_main",
-                               f"--run-id={args.run_id}"], env=_rank_env(gcs), stdin=subprocess.DEVNULL)
+                               f"--run-id={args.run_id}"], env=_rank_env(gcs, args.runtime_env), stdin=subprocess.DEVNULL)
     try:
         while driver.poll() is None:
             if not node.alive():
