@@ -5,7 +5,9 @@ runs every side once, in order, and rounds repeat (``--runs``), so drift in mach
 hits every side alike. Sides:
 
 - ``distributed-cold``: ``.distributed()`` on the local compute with ``keep_warm=0``
-  (new node agent and rank interpreters every call);
+  (a new node agent every call; on CPU its ranks are forked from it);
+- ``distributed-cold-spawn``: the same with ``PREFECT_SGPU_RANK_START=spawn`` (each rank a new
+  interpreter, as on a GPU node);
 - ``distributed-warm``: ``.distributed()`` on a local compute with warm nodes (the first
   call, which starts them, is left out, as for every side's first call);
 - ``torchrun``: raw ``torchrun --standalone --nproc-per-node=2`` of the same work;
@@ -43,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from prefect_sgpu import distributed  # noqa: E402
 from prefect_sgpu.compute.local import LocalProcessCompute  # noqa: E402
 
-SIDES = ["distributed-cold", "distributed-warm", "torchrun", "torchdistributor", "ray-torchtrainer",
+SIDES = ["distributed-cold", "distributed-cold-spawn", "distributed-warm", "torchrun", "torchdistributor", "ray-torchtrainer",
          "raycompute", "raycompute-warm"]
 
 WORK = """
@@ -125,6 +127,9 @@ def build_sides(wanted: list[str], gpus: int, keep: list[Any]) -> dict[str, Call
     if "distributed-cold" in wanted:
         cold = distributed(gpus=gpus, mlflow=False, compute=LocalProcessCompute(keep_warm=0))(trivial)
         sides["distributed-cold"] = lambda: _check(cold.distributed(), expected)
+    if "distributed-cold-spawn" in wanted:
+        spawned = distributed(gpus=gpus, mlflow=False, compute=LocalProcessCompute(keep_warm=0))(trivial)
+        sides["distributed-cold-spawn"] = lambda: _check(_spawning(spawned.distributed), expected)
     if "distributed-warm" in wanted:
         warm_compute = LocalProcessCompute(keep_warm=3600)
         keep.append(warm_compute)
@@ -176,6 +181,19 @@ def build_sides(wanted: list[str], gpus: int, keep: list[Any]) -> dict[str, Call
             on_group = distributed(gpus=gpus, mlflow=False, compute=warm_ray)(trivial)
             sides["raycompute-warm"] = lambda: _check(on_group.distributed(), expected)
     return sides
+
+
+def _spawning(call: Callable[[], list[float]]) -> list[float]:
+    """``call()`` with every rank a new interpreter (``PREFECT_SGPU_RANK_START=spawn``)."""
+    before = os.environ.get("PREFECT_SGPU_RANK_START")
+    os.environ["PREFECT_SGPU_RANK_START"] = "spawn"
+    try:
+        return call()
+    finally:
+        if before is None:
+            os.environ.pop("PREFECT_SGPU_RANK_START", None)
+        else:
+            os.environ["PREFECT_SGPU_RANK_START"] = before
 
 
 def _check(values: list[float], expected: list[float]) -> None:
