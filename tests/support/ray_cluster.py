@@ -33,6 +33,9 @@ def ray_cluster(cpus_per_node: int = 1, gpus_per_node: int | None = None,
     # the cluster's workers import prefect_sgpu (and the tests' modules) from this checkout
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)}
+    # a one-host head's setting (prefect_sgpu.ray.node_process.head_env) left in this process's
+    # environment by an earlier job would make `ray start` refuse this cluster's second node
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     log = open(Path(temp) / "ray-start.out", "a")  # noqa: SIM115 - closed below
     # no Ray log monitor: ranks' output reaches a job through prefect-sgpu's own collector, and the
     # two monitors (one a node) tailing every worker's log files cost minutes of CPU in a suite
