@@ -392,16 +392,7 @@ def test_a_slow_upload_does_not_hold_back_a_nodes_alive_but_a_node_that_stops_be
     fn = distributed(gpus=1, gpu_type="A10", remote=True, mlflow=False, timeout=300, max_recoveries=0,
                      compute=ec2.compute(node_silence_s=silence))(_print_for_ever)
     job = fn.job()
-    outcome: dict[str, BaseException] = {}
-
-    def drive() -> None:
-        try:
-            job.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=drive, daemon=True)
-    thread.start()
+    thread, outcome = run_in_thread(job)
 
     def lost() -> bool:  # the driver's own verdict: a NodeLost marks the allocation at once
         allocation = job.allocation
@@ -414,7 +405,7 @@ def test_a_slow_upload_does_not_hold_back_a_nodes_alive_but_a_node_that_stops_be
         thread.join(timeout=120)  # the driver ends the job (and its instance) before the test fails
     assert not lost(), "the node was taken for lost while it uploaded"
     assert held.done >= 2, f"two uploads of a rank's log were not held to their end: {outcome or 'still running'}"
-    assert thread.is_alive(), repr(outcome.get("error"))
+    assert thread.is_alive(), repr(outcome)
     (iid,) = [i["InstanceId"] for i in ec2.instances(job.run_id, live=True)]
     ec2.simulator.freeze(iid)
     frozen = time.monotonic()
@@ -423,7 +414,7 @@ def test_a_slow_upload_does_not_hold_back_a_nodes_alive_but_a_node_that_stops_be
     assert lost() and time.monotonic() - frozen < silence + 15, "the frozen node was not counted lost in time"
     thread.join(timeout=120)
     assert not thread.is_alive()
-    error = outcome.get("error")
+    error = outcome[0] if outcome else None
     assert isinstance(error, InfrastructureLost), repr(error)
     assert f"has not reported for {silence:g}s" in str(error) and iid in str(error), str(error)
     assert ec2.leftovers(job.run_id) == []
