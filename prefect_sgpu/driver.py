@@ -110,20 +110,15 @@ class JobResult:
     recoveries: list[Recovery] = field(default_factory=list)
 
 
-#: how cold node agents start their ranks: spawn (the default), auto (fork where ranks use no GPU), or fork
+#: how cold node agents start their ranks: auto (the default: fork where ranks use no GPU), spawn or fork
 RANK_START_ENV = "PREFECT_SGPU_RANK_START"
 
 
 def rank_start() -> str:
-    """``PREFECT_SGPU_RANK_START``, checked: ``spawn`` (the default), ``auto`` or ``fork``.
-
-    ``auto`` is not the default yet: with ranks forked from a cold agent, a rank's inherited
-    SIGTERM handler turns the agent's stop of the surviving ranks into an exception, which can be
-    reported before the rank that really failed, and MLflow's system metrics of a rank went
-    missing in full suite runs."""
+    """``PREFECT_SGPU_RANK_START``, checked: ``auto`` (the default), ``spawn`` or ``fork``."""
     from prefect_sgpu.launch.node_agent import RANK_STARTS
 
-    raw = os.environ.get(RANK_START_ENV, "").strip().lower() or "spawn"
+    raw = os.environ.get(RANK_START_ENV, "").strip().lower() or "auto"
     if raw not in RANK_STARTS:
         raise SGPUConfigError(RANK_START_ENV, raw, " or ".join(RANK_STARTS))
     return raw

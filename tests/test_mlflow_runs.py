@@ -87,6 +87,38 @@ def test_mlflows_system_metrics_switch_logs_each_ranks_metrics_under_its_own_nod
         "every system metric carries its rank's node id"
 
 
+@distributed(gpus=2)
+def first_rank_leaves_early() -> str:
+    import time
+
+    import mlflow as ml
+    import psutil
+    import torch.distributed as dist
+
+    run_id = os.environ["MLFLOW_RUN_ID"]
+    runtime.init_process_group()
+    pids: list[int] = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    dist.destroy_process_group()
+    if runtime.is_rank_zero():
+        ml.log_metric("early", 1.0)  # resumes the job's run as this process's active run
+        return "left"
+    while psutil.pid_exists(pids[0]) and psutil.Process(pids[0]).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.2)  # until rank 0's process, and so its exit handlers, are done
+    return ml.MlflowClient().get_run(run_id).info.status
+
+
+def test_a_rank_that_resumed_the_run_leaves_it_running_for_the_others_when_it_exits(monkeypatch) -> None:
+    # spawned ranks: rank 0's process ends right after its exit handlers (a forked rank waits for
+    # its siblings inside torch elastic), so rank 1 looks once every exit handler of rank 0 ran
+    monkeypatch.setenv("PREFECT_SGPU_RANK_START", "spawn")
+    result = first_rank_leaves_early.run()
+    assert result.values == ["left", "RUNNING"], "rank 0's exit left the shared run as it was"
+    run = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED", "the driver ends the run once every rank is done"
+    assert run.data.metrics["early"] == 1.0
+
+
 def test_without_the_switch_no_system_metrics_are_logged() -> None:
     result = log_from_rank_zero.run(1)
     metrics = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(result.mlflow_run_id).data.metrics

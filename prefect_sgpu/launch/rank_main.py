@@ -252,6 +252,7 @@ def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> t
 
     base = {**base, "started": time.time()}
     exit_code = 0
+    tracked_run = os.environ.get("MLFLOW_RUN_ID")  # MLflow unsets it when user code resumes the run
     monitor = _system_metrics(int(base.get("rank", 0)))
     try:
         call = payload.load(jobfolder.unseal(sealed, key, "payload", run_id, what=jobfolder.PAYLOAD))
@@ -284,7 +285,30 @@ def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> t
                 monitor.finish()  # logs what it sampled last
             except Exception:  # noqa: BLE001 - the rank's outcome is already decided
                 pass
+        _leave_tracked_run(tracked_run)
     return envelope, exit_code
+
+
+def _leave_tracked_run(run_id: str | None) -> None:
+    """Leave the job's MLflow run open for the driver to end.
+
+    MLflow's fluent API makes a run it resumes from ``MLFLOW_RUN_ID`` (any ``mlflow.log_*`` in
+    user code does) the process's active run, and ends it FINISHED when the process exits.
+    One run is shared by every rank, so the first rank to finish would mark it finished while
+    the others still train, and their system-metrics monitors, which stop at a run that is not
+    RUNNING, would log nothing more. Here the run is taken off the rank's active runs with its
+    status left RUNNING; the driver ends it once every rank is done, with the job's outcome.
+    Runs the user's code started itself are left to MLflow.
+    """
+    mlflow = sys.modules.get("mlflow")
+    if not run_id or mlflow is None:
+        return
+    try:
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == run_id:
+            mlflow.end_run(status="RUNNING")
+    except Exception as exc:  # noqa: BLE001 - the rank's outcome is already decided
+        print(f"[sgpu] could not leave the MLflow run {run_id} open: {exc}", file=sys.stderr, flush=True)
 
 
 def main() -> int:
@@ -351,6 +375,7 @@ def forked_rank() -> None:
 
     from prefect_sgpu.launch.rendezvous import close_hosted_sockets
 
+    _default_stop_signals()
     close_hosted_sockets()
     apply_thread_count()
     code = main()
@@ -361,6 +386,21 @@ def forked_rank() -> None:
         sys.stderr.flush()
     if code:
         os._exit(code)
+
+
+def _default_stop_signals() -> None:
+    """Give a forked rank the stop signals' dispositions a new interpreter has.
+
+    A fork inherits its agent's handlers: torch elastic's turns SIGTERM into a
+    ``SignalException`` raised inside the user's code, so a rank the agent stops (because
+    another rank died) would end with an error of its own, reported as if it had failed
+    first. Like a spawned rank, a forked one dies of the signal.
+    """
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _exit(code: int) -> None:

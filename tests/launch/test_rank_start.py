@@ -15,9 +15,15 @@ from prefect_sgpu.launch import node_agent
 
 
 def _how_started() -> dict[str, object]:
-    """This rank's own command line and its parent's: the node agent's, or torch elastic's spawn."""
+    """This rank's own command line and its parent's (the node agent's, or torch elastic's spawn),
+    and what its stop signals do."""
+    import signal
+
     me = psutil.Process()
-    return {"cmdline": me.cmdline(), "parent": me.parent().cmdline()}
+    stops = {sig.name: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    return {"cmdline": me.cmdline(), "parent": me.parent().cmdline(),
+            "stops": {name: how.name if isinstance(how, signal.Handlers) else how.__name__
+                      for name, how in stops.items()}}
 
 
 @pytest.mark.parametrize(
@@ -87,3 +93,6 @@ def test_cpu_ranks_are_forked_from_their_agent_unless_spawn_is_asked_for(
             assert "prefect_sgpu.launch.node_agent" in own and "prefect_sgpu.launch.rank_main" not in own
             assert own == parent
         assert "prefect_sgpu.launch.node_agent" in parent
+        # as in a new interpreter: a stop kills the rank, not torch elastic's handler in the agent
+        assert seen["stops"] == {"SIGTERM": "SIG_DFL", "SIGHUP": "SIG_DFL",
+                                 "SIGINT": "default_int_handler"}, seen["stops"]
