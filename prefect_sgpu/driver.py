@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefect_sgpu import payload as payload_mod
+from prefect_sgpu import progress_watch
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
                                        NodeUp, Released, Request, rank_prefect_environment)
 from prefect_sgpu.errors import (EnvironmentMismatch, InfrastructureLost, JobCancelled, JobHung, LaunchTimeout,
@@ -108,6 +109,8 @@ class JobResult:
     released: list[str] = field(default_factory=list)
     #: relaunches after infrastructure loss (spot reclaim, lost node), oldest first
     recoveries: list[Recovery] = field(default_factory=list)
+    #: ranks named as stragglers (:mod:`prefect_sgpu.stragglers`), in the order they were named
+    stragglers: list[Any] = field(default_factory=list)
 
 
 #: how cold node agents start their ranks: spawn (the default), auto (fork where ranks use no GPU), or fork
@@ -191,6 +194,9 @@ class Job:
         self._prepared: tuple[Request, bytes, str] | None = None
         self._secrets: dict[str, str] | None = None
         self.recoveries: list[Recovery] = []
+        self.stragglers: list[Any] = []
+        #: called with each straggler as it is named (the task runner's event and artifact)
+        self.straggler_listeners: list[Any] = []
         self._released: list[Released] = []
         self._reprovision_started: float | None = None
         self.relay: Any = None
@@ -345,6 +351,7 @@ class Job:
         result.cost = _total_cost([r.cost for r in every])
         result.released = [g for r in every for g in r.gone]
         result.recoveries = list(self.recoveries)
+        result.stragglers = list(self.stragglers)
         return result
 
     def _run_gangs(self, request: Request, folder: JobFolder, deadline: float, tailer: LogTailer) -> _GangEnd:
@@ -424,6 +431,7 @@ class Job:
             self.recoveries[-1].reprovision_s = time.monotonic() - self._reprovision_started
             self._reprovision_started = None
         outage = Outage(self.run_id, self._node_ttl())
+        watch = progress_watch.for_job(self)  # this gang's: a relaunched gang's steps start over
         while True:
             now = time.monotonic()
             events: list[Any] = []
@@ -464,6 +472,8 @@ class Job:
                 raise LaunchTimeout(self.run_id, self.spec.timeout)
             if self.relay is not None:
                 self.relay.poll(every=RELAY_INTERVAL_S)
+            for straggler in watch.poll() if watch is not None else ():
+                progress_watch.name(self, straggler)
             self.cancel_event.wait(POLL_INTERVAL_S)
 
     def _node_ttl(self) -> float:

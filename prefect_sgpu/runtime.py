@@ -196,5 +196,6 @@ def progress(step: int | None = None, *, total: int | None = None, force: bool =
     if step is None:
         tmp.write_text(f"{os.getpid()}\n")
     else:
-        tmp.write_text(f"{os.getpid()} {int(step)}{'' if total is None else f' {int(total)}'}\n")
+        # "pid step total time" (total 0: not given); the time is what the driver's step rates follow
+        tmp.write_text(f"{os.getpid()} {int(step)} {int(total or 0)} {now:.3f}\n")
     os.replace(tmp, path)

@@ -403,8 +403,13 @@ class NodeBootstrap(LeaseServing):
             for path in sorted(folder.glob("rank-*.bin")):
                 self._upload_if_changed(path, f"{RESULTS}/{path.name}")
         self._append_new_bytes(self.job_dir / agent_output_key(self.index), agent_output_key(self.index))
-        # rank 0's step (a few bytes): what the driver's progress report follows
-        self._upload_if_changed(self.job_dir / PROGRESS_DIR / "rank-0", f"{PROGRESS_DIR}/rank-0")
+        # each rank's step (a few bytes): rank 0's is what the driver's progress report follows,
+        # every rank's what its straggler watch reads
+        folder = self.job_dir / PROGRESS_DIR
+        if folder.is_dir():
+            for path in sorted(folder.glob("rank-*")):
+                if path.name[len("rank-"):].isdigit():
+                    self._upload_if_changed(path, f"{PROGRESS_DIR}/{path.name}")
 
     def finish(self, code: int | None, reason: str | None = None) -> None:
         """Final sync, then the node's status, re-sealed bound to this instance (last: the driver
