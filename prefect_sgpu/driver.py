@@ -111,6 +111,8 @@ class JobResult:
     recoveries: list[Recovery] = field(default_factory=list)
     #: ranks named as stragglers (:mod:`prefect_sgpu.stragglers`), in the order they were named
     stragglers: list[Any] = field(default_factory=list)
+    #: each rank's latest step rate (steps per second) as the straggler watch measured it, where it did
+    step_rates: dict[int, float] = field(default_factory=dict)
 
 
 #: how cold node agents start their ranks: spawn (the default), auto (fork where ranks use no GPU), or fork
@@ -197,6 +199,7 @@ class Job:
         self.stragglers: list[Any] = []
         #: called with each straggler as it is named (the task runner's event and artifact)
         self.straggler_listeners: list[Any] = []
+        self.straggler_watch: progress_watch.StragglerWatch | None = None
         self._released: list[Released] = []
         self._reprovision_started: float | None = None
         self.relay: Any = None
@@ -352,6 +355,7 @@ class Job:
         result.released = [g for r in every for g in r.gone]
         result.recoveries = list(self.recoveries)
         result.stragglers = list(self.stragglers)
+        result.step_rates = self.straggler_watch.detector.rates() if self.straggler_watch is not None else {}
         return result
 
     def _run_gangs(self, request: Request, folder: JobFolder, deadline: float, tailer: LogTailer) -> _GangEnd:
@@ -431,7 +435,8 @@ class Job:
             self.recoveries[-1].reprovision_s = time.monotonic() - self._reprovision_started
             self._reprovision_started = None
         outage = Outage(self.run_id, self._node_ttl())
-        watch = progress_watch.for_job(self)  # this gang's: a relaunched gang's steps start over
+        # this gang's: a relaunched gang's steps start over
+        watch = self.straggler_watch = progress_watch.for_job(self)
         while True:
             now = time.monotonic()
             events: list[Any] = []

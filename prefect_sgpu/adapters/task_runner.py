@@ -391,9 +391,10 @@ def _report(job: Job, result: JobResult) -> None:
     rows = "\n".join(
         f"| {r.rank} | {r.node} | {r.host} | {r.exit_code} | {r.duration_s:.1f} |" for r in result.ranks
     )
+    rates = {rank: {"steps/s": round(rate, 3)} for rank, rate in result.step_rates.items()}
     create_table_artifact(
         table=[{"rank": r.rank, "node": r.node, "host": r.host, "exit code": r.exit_code,
-                "duration (s)": round(r.duration_s, 1)} for r in result.ranks],
+                "duration (s)": round(r.duration_s, 1), **rates.get(r.rank, {})} for r in result.ranks],
         key=f"{key}-ranks", description=f"ranks of prefect-sgpu job {result.run_id}")
     mlflow_line = "MLflow: off"
     if result.mlflow_run_id and job.tracked and result.mlflow_tracking_uri:
