@@ -21,7 +21,7 @@ logger = logging.getLogger("prefect_sgpu.progress_watch")
 
 #: seconds between reads of the ranks' progress: a local folder, and a remote store (S3)
 LOCAL_INTERVAL_S = 1.0
-REMOTE_INTERVAL_S = 5.0
+REMOTE_INTERVAL_S = 2.0
 
 
 def parse_progress(data: bytes | None, read_at: float) -> tuple[int, float] | None:
