@@ -18,7 +18,7 @@ def _rank_1_sleeps_each_step() -> int:
 
     runtime.init_process_group()
     dist.barrier()  # both ranks start their steps together
-    period, count = (0.5, 16) if runtime.rank() == 1 else (0.05, 160)
+    period, count = (0.5, 20) if runtime.rank() == 1 else (0.05, 200)
     for step in range(1, count + 1):
         t.sleep(period)
         runtime.progress(step, total=count, force=True)
