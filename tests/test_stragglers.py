@@ -152,3 +152,20 @@ def test_the_watch_reads_every_ranks_progress_file_and_places_the_straggler(tmp_
     assert named[0].rate == pytest.approx(1.0) and named[0].median_rate == pytest.approx(10.0)
     line = describe("train", named[0], 2.0, 2)
     assert "rank 2 (node 1, host host-1) is a straggler: 1 steps/s against a median of 10 steps/s" in line
+
+
+def test_straggler_settings_are_job_variables_of_the_sgpu_pool_checked_and_handed_to_the_flow_run() -> None:
+    from prefect_sgpu.adapters import pool_variables as pv
+    from prefect_sgpu.adapters.worker import SGPUWorker
+
+    properties = SGPUWorker.get_default_base_job_template()["variables"]["properties"]
+    assert {"exclusiveMinimum": 1, "type": "number"} in properties["straggler_factor"]["anyOf"]
+    assert {"minimum": 1, "type": "integer"} in properties["straggler_steps"]["anyOf"]
+    defaults = pv.gpu_defaults({"straggler_factor": 3, "straggler_steps": 4})
+    env = pv.gpu_defaults_env(defaults)
+    assert env == {"PREFECT_SGPU_STRAGGLER_FACTOR": "3.0", "PREFECT_SGPU_STRAGGLER_STEPS": "4"}
+    spec = spec_mod.build(environ=env)
+    assert (spec.straggler_factor, spec.straggler_steps) == (3.0, 4)
+    with pytest.raises(SGPUConfigError) as info:
+        pv.gpu_defaults({"straggler_factor": 0.9})
+    assert info.value.field == "job variable straggler_factor" and "greater than 1" in str(info.value)
