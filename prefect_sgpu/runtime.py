@@ -174,7 +174,9 @@ def progress(step: int | None = None, *, total: int | None = None, force: bool =
 
     ``Checkpointer.due``/``save`` call it at every step; output a rank prints counts too.
     With ``total`` (the steps the rank will run), rank 0's ``step / total`` is what a GPU
-    task's progress artifact shows in the Prefect UI.
+    task's progress artifact shows in the Prefect UI. Every rank's steps, with the time it
+    reported them, are what the driver's straggler watch measures step rates from
+    (``straggler_factor``); ``force=True`` writes every call.
     """
     import time
 
