@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefect_sgpu import payload as payload_mod
+from prefect_sgpu import progress_watch
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
                                        NodeUp, Released, Request, rank_prefect_environment)
 from prefect_sgpu.errors import (EnvironmentMismatch, InfrastructureLost, JobCancelled, JobHung, LaunchTimeout,
@@ -108,6 +109,10 @@ class JobResult:
     released: list[str] = field(default_factory=list)
     #: relaunches after infrastructure loss (spot reclaim, lost node), oldest first
     recoveries: list[Recovery] = field(default_factory=list)
+    #: ranks named as stragglers (:mod:`prefect_sgpu.stragglers`), in the order they were named
+    stragglers: list[Any] = field(default_factory=list)
+    #: each rank's latest step rate (steps per second) as the straggler watch measured it, where it did
+    step_rates: dict[int, float] = field(default_factory=dict)
 
 
 #: how cold node agents start their ranks: auto (the default: fork where ranks use no GPU), spawn or fork
@@ -186,6 +191,10 @@ class Job:
         self._prepared: tuple[Request, bytes, str] | None = None
         self._secrets: dict[str, str] | None = None
         self.recoveries: list[Recovery] = []
+        self.stragglers: list[Any] = []
+        #: called with each straggler as it is named (the task runner's event and artifact)
+        self.straggler_listeners: list[Any] = []
+        self.straggler_watch: progress_watch.StragglerWatch | None = None
         self._released: list[Released] = []
         self._reprovision_started: float | None = None
         self.relay: Any = None
@@ -340,6 +349,8 @@ class Job:
         result.cost = _total_cost([r.cost for r in every])
         result.released = [g for r in every for g in r.gone]
         result.recoveries = list(self.recoveries)
+        result.stragglers = list(self.stragglers)
+        result.step_rates = self.straggler_watch.detector.rates() if self.straggler_watch is not None else {}
         return result
 
     def _run_gangs(self, request: Request, folder: JobFolder, deadline: float, tailer: LogTailer) -> _GangEnd:
@@ -419,6 +430,8 @@ class Job:
             self.recoveries[-1].reprovision_s = time.monotonic() - self._reprovision_started
             self._reprovision_started = None
         outage = Outage(self.run_id, self._node_ttl())
+        # this gang's: a relaunched gang's steps start over
+        watch = self.straggler_watch = progress_watch.for_job(self)
         while True:
             now = time.monotonic()
             events: list[Any] = []
@@ -459,6 +472,8 @@ class Job:
                 raise LaunchTimeout(self.run_id, self.spec.timeout)
             if self.relay is not None:
                 self.relay.poll(every=RELAY_INTERVAL_S)
+            for straggler in watch.poll() if watch is not None else ():
+                progress_watch.name(self, straggler)
             self.cancel_event.wait(POLL_INTERVAL_S)
 
     def _node_ttl(self) -> float:

@@ -174,7 +174,9 @@ def progress(step: int | None = None, *, total: int | None = None, force: bool =
 
     ``Checkpointer.due``/``save`` call it at every step; output a rank prints counts too.
     With ``total`` (the steps the rank will run), rank 0's ``step / total`` is what a GPU
-    task's progress artifact shows in the Prefect UI.
+    task's progress artifact shows in the Prefect UI. Every rank's steps, with the time it
+    reported them, are what the driver's straggler watch measures step rates from
+    (``straggler_factor``); ``force=True`` writes every call.
     """
     import time
 
@@ -196,5 +198,6 @@ def progress(step: int | None = None, *, total: int | None = None, force: bool =
     if step is None:
         tmp.write_text(f"{os.getpid()}\n")
     else:
-        tmp.write_text(f"{os.getpid()} {int(step)}{'' if total is None else f' {int(total)}'}\n")
+        # "pid step total time" (total 0: not given); the time is what the driver's step rates follow
+        tmp.write_text(f"{os.getpid()} {int(step)} {int(total or 0)} {now:.3f}\n")
     os.replace(tmp, path)

@@ -38,6 +38,8 @@ from prefect_sgpu.errors import SGPUConfigError
 DEFAULT_TIMEOUT_S = 3 * 60 * 60.0
 DEFAULT_HANG_TIMEOUT_S = 15 * 60.0
 DEFAULT_MAX_RECOVERIES = 3
+DEFAULT_STRAGGLER_FACTOR = 2.0
+DEFAULT_STRAGGLER_STEPS = 5
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
 ENV_PREFIX = "PREFECT_SGPU_"
 
@@ -85,6 +87,10 @@ Recoveries = Annotated[int, Field(ge=0, description="Relaunches after infrastruc
 HangTimeout = Annotated[float | None, BeforeValidator(_seconds),
                         Field(gt=0, description="Seconds without progress from a rank before the job fails; "
                                                 "None turns the watchdog off.")]
+StragglerFactor = Annotated[float | None, Field(gt=1, description=(
+    "A rank whose step rate stays below the median rate divided by this factor is named a straggler; "
+    "None turns straggler naming off."))]
+StragglerSteps = Annotated[int, Field(ge=1, description="Steps a rank must stay that slow before it is named.")]
 Strategy = Literal["ddp", "fsdp", "deepspeed"] | None
 EnvironmentField = Annotated[Any, BeforeValidator(environment_mod.parse_option),
                              Field(description="What the nodes need (prefect_sgpu.environment): 'driver', 'image', "
@@ -105,6 +111,8 @@ class JobArgs(TypedDict, total=False):
     mlflow: bool
     max_recoveries: int
     hang_timeout: float | _dt.timedelta | None
+    straggler_factor: float | None
+    straggler_steps: int
     environment: Any
 
 
@@ -117,7 +125,8 @@ class TaskArgs(JobArgs, total=False):
 
 #: every field of a job spec, in the order users meet them
 FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "secrets", "mlflow",
-          "max_recoveries", "hang_timeout", "environment", "strategy", "return_all")
+          "max_recoveries", "hang_timeout", "straggler_factor", "straggler_steps", "environment", "strategy",
+          "return_all")
 
 
 def _check_shape(gpus: int | None, nodes: int | None) -> None:
@@ -144,6 +153,8 @@ class SpecLayer(BaseModel):
     mlflow: bool | None = None
     max_recoveries: Recoveries | None = None
     hang_timeout: HangTimeout = None
+    straggler_factor: StragglerFactor = None
+    straggler_steps: StragglerSteps | None = None
     environment: EnvironmentField = None
     strategy: Strategy = None
     return_all: bool | None = None
@@ -174,6 +185,8 @@ class JobSpec(BaseModel):
     mlflow: bool = Field(True, description="Open one MLflow run per call and hand it to every rank.")
     max_recoveries: Recoveries = DEFAULT_MAX_RECOVERIES
     hang_timeout: HangTimeout = DEFAULT_HANG_TIMEOUT_S
+    straggler_factor: StragglerFactor = DEFAULT_STRAGGLER_FACTOR
+    straggler_steps: StragglerSteps = DEFAULT_STRAGGLER_STEPS
     environment: EnvironmentField = None
     strategy: Strategy = Field(None, description="Training strategy handed to ranks as SGPU_STRATEGY.")
     return_all: bool = Field(False, description="A GPU task returns every rank's value, not rank 0's.")
@@ -192,6 +205,14 @@ class JobSpec(BaseModel):
         return merge(layer("call", **changes), layer("base", **{name: getattr(self, name) for name in FIELDS}))
 
 
+#: what a field allows, in words, where pydantic's message alone would not say it
+_ALLOWED = {
+    "straggler_factor": "a number greater than 1 (a rank slower than the median rate divided by it is a "
+                        "straggler), or None to turn straggler naming off",
+    "straggler_steps": "a whole number of at least 1 (the steps a rank stays that slow before it is named)",
+}
+
+
 def _config_error(exc: ValidationError) -> SGPUConfigError:
     err = exc.errors()[0]
     cause = err.get("ctx", {}).get("error")
@@ -201,6 +222,8 @@ def _config_error(exc: ValidationError) -> SGPUConfigError:
     allowed = err.get("msg", "invalid value")
     if field == "strategy":
         allowed = "one of " + ", ".join(STRATEGIES) + " or None"
+    elif field in _ALLOWED:
+        allowed = f"{_ALLOWED[field]} ({allowed})"
     return SGPUConfigError(field, err.get("input"), allowed)
 
 
@@ -232,7 +255,7 @@ def environment_layer(environ: Mapping[str, str] | None = None) -> SpecLayer:
                 raise SGPUConfigError(ENV_PREFIX + name.upper(), raw, "a JSON object of strings") from None
         elif name in ("gpu_type", "strategy"):
             given[name] = None if raw.lower() == "none" else raw
-        elif name == "hang_timeout" and raw.lower() in ("none", "off"):
+        elif name in ("hang_timeout", "straggler_factor") and raw.lower() in ("none", "off"):
             given[name] = None
         elif name == "nodes" and raw.lower() in ("none", "auto"):
             given[name] = None

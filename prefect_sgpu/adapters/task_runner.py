@@ -185,6 +185,7 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
         started = time.time()
         _emit(job, "started")
         progress = _Progress(job)
+        job.straggler_listeners.append(functools.partial(_report_straggler, job))
         try:
             with LiveStatus(job):
                 result = job.run()
@@ -312,8 +313,9 @@ def gpu_quota(spec: JobSpec) -> Iterator[str | None]:
         yield name
 
 
-def _emit(job: Job, phase: str, **payload: Any) -> None:
-    """A Prefect event ``prefect-sgpu.job.<phase>`` about ``job`` (never fails the task)."""
+def _emit(job: Job, phase: str, labels: dict[str, str] | None = None, **payload: Any) -> None:
+    """A Prefect event ``prefect-sgpu.job.<phase>`` about ``job`` (never fails the task); ``labels``
+    go on its resource (``prefect-sgpu.rank``, ...), where automations can match them."""
     from prefect.events import emit_event
 
     spec = job.spec
@@ -321,12 +323,30 @@ def _emit(job: Job, phase: str, **payload: Any) -> None:
         emit_event(
             event=f"prefect-sgpu.job.{phase}",
             resource={"prefect.resource.id": f"prefect-sgpu.job.{job.run_id}",
-                      "prefect.resource.name": job.call.name, "prefect-sgpu.run-id": job.run_id},
+                      "prefect.resource.name": job.call.name, "prefect-sgpu.run-id": job.run_id, **(labels or {})},
             payload={"gpus": spec.gpus, "gpu_type": spec.gpu_type, "nodes": spec.nodes,
                      "compute": type(job.compute).__name__, **payload},
         )
     except Exception:  # noqa: BLE001 - events are a report, not part of the job
         logger.debug("could not emit prefect-sgpu.job.%s for %s", phase, job.run_id, exc_info=True)
+
+
+def _report_straggler(job: Job, straggler: Any) -> None:
+    """A straggler named while the job runs: the event ``prefect-sgpu.job.straggler`` and a new
+    version of the task's ``sgpu-<task>-stragglers`` table (every straggler named so far)."""
+    from prefect.artifacts import create_table_artifact
+
+    where = {"node": straggler.node, "host": straggler.host, "instance_id": straggler.instance_id}
+    labels = {"prefect-sgpu.rank": str(straggler.rank),
+              **{f"prefect-sgpu.{k.replace('_', '-')}": str(v) for k, v in where.items() if v is not None}}
+    _emit(job, "straggler", labels=labels, rank=straggler.rank, **where, step=straggler.step,
+          rate=round(straggler.rate, 4), median_rate=round(straggler.median_rate, 4),
+          straggler_factor=job.spec.straggler_factor, straggler_steps=job.spec.straggler_steps)
+    try:
+        create_table_artifact(table=[s.as_row() for s in job.stragglers], key=f"sgpu-{_slug(job.call.name)}-stragglers",
+                              description=f"ranks named as stragglers in prefect-sgpu job {job.run_id}")
+    except Exception:  # noqa: BLE001 - a report, never the job's failure
+        logger.debug("could not write the stragglers table of %s", job.run_id, exc_info=True)
 
 
 def mlflow_reference(tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -371,9 +391,10 @@ def _report(job: Job, result: JobResult) -> None:
     rows = "\n".join(
         f"| {r.rank} | {r.node} | {r.host} | {r.exit_code} | {r.duration_s:.1f} |" for r in result.ranks
     )
+    rates = {rank: {"steps/s": round(rate, 3)} for rank, rate in result.step_rates.items()}
     create_table_artifact(
         table=[{"rank": r.rank, "node": r.node, "host": r.host, "exit code": r.exit_code,
-                "duration (s)": round(r.duration_s, 1)} for r in result.ranks],
+                "duration (s)": round(r.duration_s, 1), **rates.get(r.rank, {})} for r in result.ranks],
         key=f"{key}-ranks", description=f"ranks of prefect-sgpu job {result.run_id}")
     mlflow_line = "MLflow: off"
     if result.mlflow_run_id and job.tracked and result.mlflow_tracking_uri:
@@ -402,12 +423,20 @@ def _report(job: Job, result: JobResult) -> None:
         recoveries = ("**Recovered from infrastructure loss** (relaunched on new capacity):\n\n"
                       "| relaunch | what was lost | resumed from step | re-provisioning (s) | work redone (s) |\n"
                       f"| --- | --- | --- | --- | --- |\n{lines}\n\n")
+    stragglers = ""
+    if result.stragglers:
+        lines = "\n".join(f"| {s.rank} | {s.where()} | {s.step} | {s.rate:.3g} | {s.median_rate:.3g} |"
+                          for s in result.stragglers)
+        stragglers = ("**Stragglers** (step rate below the median's "
+                      f"1/{job.spec.straggler_factor:g} for {job.spec.straggler_steps} step(s)):\n\n"
+                      "| rank | where | named at step | rate (steps/s) | median rate (steps/s) |\n"
+                      f"| --- | --- | --- | --- | --- |\n{lines}\n\n")
     create_markdown_artifact(
         markdown=(
             f"### {job.call.name}: {result.plan.world_size} rank(s) on {result.plan.nodes} node(s)\n\n"
             f"Job `{result.run_id}` finished in {result.duration_s:.1f} s on {result.plan.device}.\n\n"
             "| rank | node | host | exit code | duration (s) |\n| --- | --- | --- | --- | --- |\n"
-            f"{rows}\n\n{recoveries}{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
+            f"{rows}\n\n{recoveries}{stragglers}{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
         ),
         key=f"{key}-job", description=f"prefect-sgpu job {result.run_id}",
     )

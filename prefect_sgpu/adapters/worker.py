@@ -50,6 +50,8 @@ class SGPUJobConfiguration(ProcessJobConfiguration):
     strategy: Optional[Any] = Field(default=None, description=_gpu_description("Default strategy"))
     max_recoveries: Optional[Any] = Field(default=None, description=_gpu_description("Default recoveries"))
     hang_timeout: Optional[Any] = Field(default=None, description=_gpu_description("Default hang timeout"))
+    straggler_factor: Optional[Any] = Field(default=None, description=_gpu_description("Default straggler factor"))
+    straggler_steps: Optional[Any] = Field(default=None, description=_gpu_description("Default straggler steps"))
     environment: Optional[Any] = Field(default=None, description=_gpu_description("Default environment"))
 
     @classmethod
@@ -117,6 +119,13 @@ class SGPUVariables(ProcessVariables):
     hang_timeout: Optional[float] = Field(
         default=None, gt=0, title="Hang Timeout",
         description=_gpu_description("Default seconds without progress from a rank before a job fails"))
+    straggler_factor: Optional[float] = Field(
+        default=None, gt=1, title="Straggler Factor",
+        description=_gpu_description("Default factor: a rank slower than the median step rate divided by it "
+                                     "is named a straggler"))
+    straggler_steps: Optional[int] = Field(
+        default=None, ge=1, title="Straggler Steps",
+        description=_gpu_description("Default steps a rank stays that slow before it is named a straggler"))
     environment: Optional[Union[str, dict[str, Any]]] = Field(
         default=None, title="Environment",
         description=_gpu_description("What remote nodes need: 'driver' (default: the driver's Python, pinned "

@@ -66,6 +66,9 @@ from prefect_sgpu.versions import runtime_versions
 
 NODE_DIR_ENV = "PREFECT_SGPU_NODE_DIR"
 KEY_ENV = "SGPU_PAYLOAD_KEY"
+#: seconds between uploads of the other ranks' steps (rank 0's follows every sync): what the driver's
+#: straggler watch reads; the ranks' own times are in the files, so a late upload skews no rate
+PROGRESS_UPLOAD_S = 3.0
 
 
 # --- the node ------------------------------------------------------------------------
@@ -125,6 +128,7 @@ class NodeBootstrap(LeaseServing):
         self.folder: JobFolder | None = None
         self.local: JobFolder | None = None
         self._uploaded: dict[str, tuple[int, int]] = {}
+        self._progress_sent = 0.0
         #: growing files shipped as appended pieces: key -> (local path, bytes shipped so far)
         self._appended: dict[str, tuple[Path, int]] = {}
         self._beat_seq = -1
@@ -388,7 +392,7 @@ class NodeBootstrap(LeaseServing):
             self.store.seal_appended(self.run_id, key, data)
             self._appended[key] = (path, len(data))
 
-    def sync_up(self) -> None:
+    def sync_up(self, final: bool = False) -> None:
         """Logs first, then envelopes (sealed by their ranks): a reader that sees an envelope sees its log.
 
         Logs, metrics and the agent's output grow while the job runs: each sync ships only their
@@ -403,14 +407,22 @@ class NodeBootstrap(LeaseServing):
             for path in sorted(folder.glob("rank-*.bin")):
                 self._upload_if_changed(path, f"{RESULTS}/{path.name}")
         self._append_new_bytes(self.job_dir / agent_output_key(self.index), agent_output_key(self.index))
-        # rank 0's step (a few bytes): what the driver's progress report follows
-        self._upload_if_changed(self.job_dir / PROGRESS_DIR / "rank-0", f"{PROGRESS_DIR}/rank-0")
+        # each rank's step (a few bytes): rank 0's is what the driver's progress report follows,
+        # every rank's what its straggler watch reads
+        folder = self.job_dir / PROGRESS_DIR
+        every_rank = time.monotonic() - self._progress_sent >= PROGRESS_UPLOAD_S or final
+        if every_rank:
+            self._progress_sent = time.monotonic()
+        if folder.is_dir():
+            for path in sorted(folder.glob("rank-*")):
+                if path.name == "rank-0" or (every_rank and path.name[len("rank-"):].isdigit()):
+                    self._upload_if_changed(path, f"{PROGRESS_DIR}/{path.name}")
 
     def finish(self, code: int | None, reason: str | None = None) -> None:
         """Final sync, then the node's status, re-sealed bound to this instance (last: the driver
         reads results once it sees it)."""
         assert self.folder is not None and self.local is not None
-        self.sync_up()
+        self.sync_up(final=True)
         self.seal_appended()
         status = self.local.status(self.index) if (self.job_dir / "nodes").is_dir() else None
         if status is None:

@@ -82,7 +82,7 @@ def _silent_ranks(job_dir: Path, timeout: float, mine: set[int]) -> dict[int, tu
     silent: dict[int, tuple[int, float, str]] = {}
     for path in (job_dir / PROGRESS_DIR).glob("rank-*"):
         try:
-            fields = path.read_text().split()  # "pid [step [total]]"
+            fields = path.read_text().split()  # "pid [step total time]"
             rank, pid = int(path.name[len("rank-"):]), int(fields[0])
             step = fields[1] if len(fields) > 1 else ""
             last = path.stat().st_mtime

@@ -1,0 +1,112 @@
+"""The driver's view of every rank's steps: read ``progress/rank-N`` from the job folder, feed the
+straggler detector, name what it finds where the job's user looks.
+
+A rank's progress file holds ``pid step total time`` (:func:`prefect_sgpu.runtime.progress`; older
+ranks wrote ``pid [step [total]]``, then the driver's own clock stands in for the rank's). On EC2
+each node ships its ranks' files with its logs, so the rates follow their own clocks, not the
+upload's delay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from prefect_sgpu.runtime import PROGRESS_DIR
+from prefect_sgpu.store import Store
+from prefect_sgpu.stragglers import Straggler, StragglerDetector
+
+logger = logging.getLogger("prefect_sgpu.progress_watch")
+
+#: seconds between reads of the ranks' progress: a local folder, and a remote store (S3)
+LOCAL_INTERVAL_S = 1.0
+REMOTE_INTERVAL_S = 2.0
+
+
+def parse_progress(data: bytes | None, read_at: float) -> tuple[int, float] | None:
+    """``(step, time)`` from a progress file, or None (no step reported yet, or half a file)."""
+    try:
+        fields = (data or b"").decode().split()
+        if len(fields) < 2:
+            return None
+        return int(fields[1]), (float(fields[3]) if len(fields) > 3 else read_at)
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+class StragglerWatch:
+    """One gang's stragglers: ``poll()`` every loop of the driver; reads at most every ``interval`` s."""
+
+    def __init__(self, store: Store, run_id: str, world_size: int, factor: float, steps: int, *,
+                 interval: float = LOCAL_INTERVAL_S, where: Callable[[int], dict[str, Any]] | None = None) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.world_size = world_size
+        self.interval = interval
+        self.where = where or (lambda rank: {})
+        self.detector = StragglerDetector(factor, steps)
+        self._last_read = 0.0
+
+    def poll(self, now: float | None = None) -> list[Straggler]:
+        """The stragglers named since the last poll (each with its node, host and instance where known)."""
+        now = time.monotonic() if now is None else now
+        if now - self._last_read < self.interval:
+            return []
+        self._last_read = now
+        found: list[Straggler] = []
+        for rank in range(self.world_size):
+            try:
+                seen = parse_progress(self.store.get(self.run_id, f"{PROGRESS_DIR}/rank-{rank}"), time.time())
+            except Exception:  # noqa: BLE001 - the store will answer next time; the job's outcome matters more
+                logger.debug("could not read the progress of rank %d of job %s", rank, self.run_id, exc_info=True)
+                continue
+            if seen is not None:
+                found.extend(self.detector.observe(rank, *seen))
+        return [self._placed(s) for s in found]
+
+    def _placed(self, straggler: Straggler) -> Straggler:
+        from dataclasses import replace
+
+        try:
+            where = self.where(straggler.rank)
+        except Exception:  # noqa: BLE001 - named without its node rather than not at all
+            where = {}
+        return replace(straggler, **{k: v for k, v in where.items() if k in ("node", "host", "instance_id")})
+
+
+def describe(job_name: str, straggler: Straggler, factor: float, steps: int) -> str:
+    """The log line that names a straggler."""
+    return (f"{job_name}: rank {straggler.rank} ({straggler.where()}) is a straggler: "
+            f"{straggler.rate:.3g} steps/s against a median of {straggler.median_rate:.3g} steps/s "
+            f"(slower than 1/{factor:g} of it for {steps} step(s), at step {straggler.step})")
+
+
+def for_job(job: Any) -> StragglerWatch | None:
+    """The straggler watch of a job's current gang, or None: turned off (``straggler_factor=None``),
+    one rank, or a compute whose ranks report their steps elsewhere (Ray)."""
+    plan, allocation, spec = job.plan, job.allocation, job.spec
+    if (spec.straggler_factor is None or plan is None or allocation is None or plan.world_size < 2
+            or not job.compute.runs_node_agents):
+        return None
+
+    def where(rank: int) -> dict[str, Any]:
+        index = job.compute.node_of_rank(allocation, rank)
+        node = next((n for n in allocation.nodes if n.index == index), None)
+        return {"node": index, "host": node.host if node else None,
+                "instance_id": node.instance_id if node else None}
+
+    return StragglerWatch(job.store, job.run_id, plan.world_size, spec.straggler_factor, spec.straggler_steps,
+                          interval=REMOTE_INTERVAL_S if job.compute.remote else LOCAL_INTERVAL_S, where=where)
+
+
+def name(job: Any, straggler: Straggler) -> None:
+    """Name a straggler: kept on the job, a warning in its log (the Prefect run's, in a flow), then
+    every listener of the job (the task runner's event and artifact)."""
+    job.stragglers.append(straggler)
+    job.sink.warning(describe(job.call.name, straggler, job.spec.straggler_factor or 0.0, job.spec.straggler_steps))
+    for listener in list(job.straggler_listeners):
+        try:
+            listener(straggler)
+        except Exception:  # noqa: BLE001 - a report, never the job's failure
+            logger.warning("could not report straggler rank %d of job %s", straggler.rank, job.run_id, exc_info=True)
