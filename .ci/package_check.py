@@ -13,6 +13,9 @@
    undeclared dependency), and ``prefect-sgpu --help``, ``--version`` and ``gpus --json`` run.
 4. The same environment with ``[aws]``: every module imports, and ``prefect-sgpu gc --help``
    and a dry-run ``gc`` of a local store run.
+5. The oldest Python pyproject's ``requires-python`` allows, when this machine has it
+   (``python3.10`` on PATH; otherwise the step says it did not run): the wheel with ``[aws]``,
+   every module imports, ``--version`` and a TOML environment file read.
 
 Installs go through uv with its cache (``--offline`` first: cached wheels only, no index
 round trips; the package index only when something is not cached). Each step prints its
@@ -31,9 +34,10 @@ import sys
 import tarfile
 import tempfile
 import time
-import tomllib
 import zipfile
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SLUGS = {"sgpu-local-compute", "sgpu-ec2-compute", "sgpu-ray-compute", "sgpu-store"}
@@ -95,7 +99,7 @@ class Checker:
                         PREFECT_SERVER_ANALYTICS_ENABLED="false")
 
     def run(self, *argv: str | Path, cwd: Path | None = None) -> str:
-        done = subprocess.run([str(a) for a in argv], cwd=cwd or self.work, env=self.env, text=True,
+        done = subprocess.run([str(a) for a in argv], check=False, cwd=cwd or self.work, env=self.env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             raise CheckFailed(f"{' '.join(map(str, argv))} exited {done.returncode}:\n{done.stdout[-6000:]}")
@@ -201,7 +205,22 @@ def check_core(checker: Checker, wheel: Path, version: str) -> Path:
         _check(said == f"prefect-sgpu {version}", f"prefect-sgpu --version said {said!r}")
         catalog = json.loads(checker.run(command, "gpus", "--json"))
         _check(any(g["name"] == "H100" for g in catalog["gpu_types"]), "prefect-sgpu gpus lists no H100")
+        check_toml_options(checker, python)
     return venv
+
+
+READ_TOML_OPTIONS = """
+import sys
+from prefect_sgpu.environment import parse_option
+options = parse_option(sys.argv[1])
+assert options.mode == "driver" and options.max_bytes == 12345, options
+"""
+
+
+def check_toml_options(checker: Checker, python: Path) -> None:
+    options = checker.work / "environment.toml"
+    options.write_text('mode = "driver"\nmax_bytes = 12345\n')
+    checker.run(python, "-c", READ_TOML_OPTIONS, options)
 
 
 def import_all(checker: Checker, python: Path, venv: Path) -> dict[str, str]:
@@ -226,11 +245,48 @@ def check_aws(checker: Checker, venv: Path, wheel: Path) -> None:
         _check(f"store {store}" in swept and "dry run" in swept, f"prefect-sgpu gc --dry-run said:\n{swept}")
 
 
+def find_python(minor: str) -> str | None:
+    """An interpreter of Python ``minor`` (e.g. "3.10") that runs: on PATH, else a pyenv install
+    (whose shim on PATH fails unless that version is selected)."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates = [shutil.which(f"python{minor}"), *sorted(map(str, pyenv.glob(f"{minor}.*/bin/python{minor}")))]
+    for candidate in filter(None, candidates):
+        done = subprocess.run([candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              check=False, capture_output=True, text=True)
+        if done.returncode == 0 and done.stdout.strip() == minor:
+            return candidate
+    return None
+
+
+def check_oldest_python(checker: Checker, wheel: Path, version: str, requires_python: str) -> None:
+    floor = requires_python.strip().removeprefix(">=").strip()
+    if ".".join(map(str, sys.version_info[:2])) == floor:
+        print(f"-- the oldest supported Python ({floor}) is the one checked above")
+        return
+    found = find_python(floor)
+    if found is None:
+        print(f"-- NOT RUN: the oldest supported Python, {floor}, is not on this machine "
+              f"(python{floor} on PATH or under $PYENV_ROOT/versions)")
+        return
+    venv = checker.work / f"venv-{floor}"
+    with checker.step(f"a clean venv on Python {floor} (requires-python {requires_python}) with [aws]"):
+        checker.run(checker.uv, "venv", "-q", "--python", found, venv)
+        checker.install(venv, f"prefect-sgpu[aws] @ {wheel.as_uri()}")
+    python = venv / "bin" / "python"
+    with checker.step(f"Python {floor}: every module imports, --version, a TOML environment file"):
+        failed = import_all(checker, python, venv)
+        _check(not failed, f"modules that fail to import on Python {floor}: {failed}")
+        said = checker.run(venv / "bin" / "prefect-sgpu", "--version").strip()
+        _check(said == f"prefect-sgpu {version}", f"prefect-sgpu --version said {said!r} on Python {floor}")
+        check_toml_options(checker, python)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./dev package", description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="keep the built wheel, sdist and venv in this folder")
     args = parser.parse_args(argv)
-    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    version = project["version"]
     uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
     if uv is None:
         print("package check: uv is not installed (pip install uv)", file=sys.stderr)
@@ -245,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         check_contents(checker, wheel, sdist, version)
         venv = check_core(checker, wheel, version)
         check_aws(checker, venv, wheel)
+        check_oldest_python(checker, wheel, version, project["requires-python"])
     except CheckFailed as exc:
         print(f"package check FAILED: {exc}", file=sys.stderr)
         return 1
