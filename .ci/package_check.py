@@ -26,6 +26,7 @@ its command's output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import tomllib
@@ -91,7 +93,6 @@ class Checker:
         self.work = work
         self.python = python
         self.uv = uv
-        self.timings: list[tuple[str, float]] = []
         # the user's view: no checkout on sys.path, Prefect's home and the job store in the scratch folder
         self.env = {k: v for k, v in os.environ.items()
                     if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PREFECT_API_URL", "PREFECT_PROFILES_PATH")}
@@ -105,21 +106,12 @@ class Checker:
             raise CheckFailed(f"{' '.join(map(str, argv))} exited {done.returncode}:\n{done.stdout[-6000:]}")
         return done.stdout
 
-    def step(self, name: str):
-        checker = self
-
-        class _Step:
-            def __enter__(self) -> None:
-                self.start = time.monotonic()
-                print(f"-- {name}", flush=True)
-
-            def __exit__(self, kind, *_: object) -> None:
-                if kind is None:
-                    seconds = time.monotonic() - self.start
-                    checker.timings.append((name, seconds))
-                    print(f"   ok ({seconds:.1f} s)", flush=True)
-
-        return _Step()
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        print(f"-- {name}", flush=True)
+        start = time.monotonic()
+        yield
+        print(f"   ok ({time.monotonic() - start:.1f} s)", flush=True)
 
     def install(self, venv: Path, *requirements: str) -> None:
         """uv from its cache alone first; the index only when something is not cached."""
