@@ -21,9 +21,8 @@ from prefect_sgpu.errors import (
     SGPUError,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "DistributedFunction",
     "EnvironmentMismatch",
     "JobCancelled",
@@ -77,7 +76,17 @@ def _register_blocks() -> None:
     globals()["SGPUWorker"] = SGPUWorker
 
 
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source. A checkout on
+    ``sys.path`` without an install has no metadata and says so."""
+    from prefect_sgpu.versions import distribution_version
+
+    return distribution_version("prefect-sgpu") or "0+unknown"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on first use: ranks import this package and never ask
+        return _version()
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'prefect_sgpu' has no attribute {name!r}")

@@ -3,15 +3,20 @@
 It is the single place that knows how many GPUs a node of each type has, so that
 ``gpus=16, gpu_type="H100"`` can be turned into ``2 x p5.48xlarge`` before anything
 is provisioned, and so that cost estimates use one price table.
-Prices are approximate on-demand list prices (USD per hour, us-east-1); a compute
-block may override them.
+Prices are approximate on-demand list prices (USD per hour) of one region,
+:data:`PRICE_REGION`; the catalog has none for other regions. ``prefect-sgpu gpus``
+prints the whole catalog (:func:`describe`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from prefect_sgpu.errors import SGPUConfigError
+
+#: the region whose on-demand prices ``InstanceType.price_per_hour`` holds
+PRICE_REGION = "us-east-1"
 
 
 @dataclass(frozen=True)
@@ -23,6 +28,10 @@ class InstanceType:
     gpu_memory_gib: int
     price_per_hour: float
     efa_interfaces: int = 0
+
+    def price_in(self, region: str) -> float | None:
+        """USD per hour in ``region``; None where the catalog has no price for it."""
+        return self.price_per_hour if region == PRICE_REGION else None
 
 
 @dataclass(frozen=True)
@@ -130,3 +139,21 @@ def plan_nodes(gpu_type: str, gpus: int, nodes: int | None) -> tuple[int, Instan
         f"{acc.name} nodes have {list(options)} GPUs; gpus must be a multiple of {smallest} "
         f"(e.g. {smallest}, {2 * smallest}, {4 * smallest})",
     )
+
+
+def describe(region: str = PRICE_REGION) -> dict[str, Any]:
+    """The catalog as plain data: every GPU type, its instance types and their prices in ``region``
+    (``usd_per_hour`` None where the catalog has no price there)."""
+    gpu_types = []
+    for acc in CATALOG.values():
+        instances = []
+        for it in acc.instance_types:
+            row = asdict(it)
+            del row["price_per_hour"]
+            price = it.price_in(region)
+            row["usd_per_hour"] = price
+            row["usd_per_gpu_hour"] = None if price is None else round(price / it.gpus, 3)
+            instances.append(row)
+        gpu_types.append({"name": acc.name, "aliases": list(acc.aliases),
+                          "gpus_per_node": list(acc.gpus_per_node_options), "instance_types": instances})
+    return {"region": region, "priced_regions": [PRICE_REGION], "gpu_types": gpu_types}

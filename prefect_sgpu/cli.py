@@ -1,6 +1,12 @@
 """``prefect-sgpu``: the command line.
 
+    prefect-sgpu --version
+    prefect-sgpu gpus [--region REGION] [--json]
     prefect-sgpu gc [--dry-run] [--compute-block SLUG/NAME | --store URI] [options]
+
+``gpus`` prints the accelerator catalog (:mod:`prefect_sgpu.catalog`): each GPU type, the
+instance types that carry it, their GPUs per node and on-demand price per hour where the
+catalog has one for ``--region``.
 
 ``gc`` removes what dead drivers left behind (:mod:`prefect_sgpu.compute.remote.sweep`): with
 ``--compute-block`` the store, region and credentials of a saved compute block; with
@@ -21,8 +27,16 @@ EC2_DEFAULT_TTL_S = 15 * 60.0
 
 
 def _parser() -> argparse.ArgumentParser:
+    from prefect_sgpu import __version__
+
     parser = argparse.ArgumentParser(prog="prefect-sgpu", description="prefect-sgpu command line")
+    parser.add_argument("--version", action="version", version=f"prefect-sgpu {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    gpus = commands.add_parser("gpus", help="the GPU catalog: GPU types, instance types, GPUs per node, "
+                                            "hourly prices")
+    gpus.add_argument("--region", default=None,
+                      help="AWS region of the prices (default: the one the catalog has prices for)")
+    gpus.add_argument("--json", action="store_true", help="print the catalog as JSON")
     gc = commands.add_parser("gc", help="remove what dead drivers left: instances, groups, SSM keys, control "
                                         "files, RUNNING MLflow runs")
     where = gc.add_mutually_exclusive_group()
@@ -87,14 +101,45 @@ def _default_region() -> str:
     return boto3.session.Session().region_name or "us-east-1"
 
 
+def _gpus(args: argparse.Namespace) -> int:
+    from prefect_sgpu import catalog
+    from prefect_sgpu.compute.ec2.settings import check_region
+
+    region = catalog.PRICE_REGION if args.region is None else check_region(args.region)
+    described = catalog.describe(region)
+    if args.json:
+        print(json.dumps(described, indent=2))
+        return 0
+    priced = region in described["priced_regions"]
+    print(f"GPU types and the EC2 instances that carry them; on-demand USD per hour in {region}" if priced else
+          f"GPU types and the EC2 instances that carry them; the catalog has no prices for {region} "
+          f"(it has {', '.join(described['priced_regions'])})")
+    header = ("GPU", "instance type", "GPUs/node", "vCPUs", "memory GiB", "GPU memory GiB", "EFA",
+              "USD/hour", "USD/GPU-hour")
+    rows = [header]
+    for gpu in described["gpu_types"]:
+        label = gpu["name"] + (f" ({', '.join(gpu['aliases'])})" if gpu["aliases"] else "")
+        for it in gpu["instance_types"]:
+            rows.append((label, it["name"], str(it["gpus"]), str(it["vcpus"]), str(it["memory_gib"]),
+                         str(it["gpu_memory_gib"]), str(it["efa_interfaces"]),
+                         "-" if it["usd_per_hour"] is None else f"{it['usd_per_hour']:.3f}",
+                         "-" if it["usd_per_gpu_hour"] is None else f"{it['usd_per_gpu_hour']:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from prefect_sgpu.errors import SGPUConfigError
 
     try:
+        if args.command == "gpus":
+            return _gpus(args)
         made = _sweeper(args)
     except SGPUConfigError as exc:
-        print(f"prefect-sgpu gc: {exc}", file=sys.stderr)
+        print(f"prefect-sgpu {args.command}: {exc}", file=sys.stderr)
         return 2
     report = made.sweep(dry_run=args.dry_run)
     if args.json:

@@ -425,7 +425,10 @@ Option = EnvironmentOptions | Environment
 def _load_file(path: Path, field: str) -> dict[str, Any]:
     try:
         if path.suffix == ".toml":
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # the same parser, before it joined the standard library
+                import tomli as tomllib
 
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         else:

@@ -27,7 +27,8 @@ _WHY = {
 }
 
 
-def _distribution(name: str) -> str:
+def distribution_version(name: str) -> str:
+    """The installed version of distribution ``name``; "" when it is not installed."""
     from importlib import metadata
 
     try:
@@ -45,7 +46,7 @@ def runtime_versions() -> dict[str, str]:
              "python_implementation": platform.python_implementation()}
     for name in MUST_AGREE:
         if name != "python":
-            found[name] = _distribution(name)
+            found[name] = distribution_version(name)
     return found
 
 

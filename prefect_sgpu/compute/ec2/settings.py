@@ -54,6 +54,11 @@ def _check(field: str, value: str) -> str:
     return value
 
 
+def check_region(value: str) -> str:
+    """``value`` when it is an AWS region name; else SGPUConfigError naming ``region``."""
+    return _check("region", value)
+
+
 def reservation_skipped() -> bool:
     return os.environ.get(SKIP_RESERVATION_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
