@@ -2,7 +2,7 @@
 
 A driver that is SIGKILLed, loses its machine or its network never runs its cleanup.
 Its EC2 nodes stop themselves once its heartbeat is older than their TTL (and the
-user-data backstop powers off a node whose bootstrap never started), but what a node
+user-data powers off a node whose bootstrap never started, or ended without it), but what a node
 cannot remove stays: the run's security and placement groups, its SSM key parameter
 when node 0 never got to delete it, the control files in the job store, and its MLflow
 run, left RUNNING. The sweeper removes those, and terminates any instance still up.
