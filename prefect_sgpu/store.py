@@ -121,7 +121,8 @@ class LocalStore(Store):
             return []
 
     def clock(self) -> float:
-        """This machine's clock: the one that stamps the folder's modification times."""
+        """This machine's clock: the one that stamps the folder's modification times (unless the folder
+        is on a network file system whose server stamps them)."""
         return time.time()
 
     def top(self, run_id: str) -> tuple[dict[str, float], set[str]]:
