@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -77,6 +78,14 @@ class Store(ABC):
         """One job folder's top level: its files with their modification times (seconds since
         the epoch, as the store's own clock has them) and its sub-folder names."""
 
+    @abstractmethod
+    def clock(self) -> float:
+        """Now, in seconds since the epoch, on the clock that stamps :meth:`top`'s modification times.
+
+        Ages of what is in the store (a driver's heartbeat, for the sweeper) are judged on this
+        clock alone: a reader whose own clock runs ahead or behind the store's must not take a
+        fresh heartbeat for an old one."""
+
     def local_dir(self, run_id: str) -> Path | None:
         """A folder nodes on this machine may write into directly, if any."""
         return None
@@ -110,6 +119,11 @@ class LocalStore(Store):
             return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
         except FileNotFoundError:
             return []
+
+    def clock(self) -> float:
+        """This machine's clock: the one that stamps the folder's modification times (unless the folder
+        is on a network file system whose server stamps them)."""
+        return time.time()
 
     def top(self, run_id: str) -> tuple[dict[str, float], set[str]]:
         files: dict[str, float] = {}

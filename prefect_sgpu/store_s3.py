@@ -10,13 +10,14 @@ bytes of a rank log with a ranged GET.
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 from urllib.parse import urlparse
 
 from prefect_sgpu import aws
 from prefect_sgpu.aws import error_code as _error_code
-from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.errors import SGPUConfigError, SGPUError
 from prefect_sgpu.store import Store
 
 BODY_ATTEMPTS = 3
@@ -36,6 +37,21 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     if parsed.scheme != "s3" or not parsed.netloc:
         raise SGPUConfigError("store_uri", uri, "an s3://bucket[/prefix] URI")
     return parsed.netloc, parsed.path.strip("/")
+
+
+#: an HTTP date (RFC 7231's IMF-fixdate), as S3 writes its ``Date`` header
+_HTTP_DATE = re.compile(r"[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT")
+
+
+def http_date(value: str, whose: str) -> float:
+    """Seconds since the epoch of a ``Date`` header. A header repeated on the way (a proxy adding
+    its own) reads as its earliest date: ages judged on it can only come out shorter."""
+    from email.utils import parsedate_to_datetime
+
+    found = [parsedate_to_datetime(text).timestamp() for text in _HTTP_DATE.findall(value or "")]
+    if not found:
+        raise SGPUError(f"{whose} answered without a Date header ({value!r}): its clock cannot be read")
+    return min(found)
 
 
 class S3Store(Store):
@@ -109,6 +125,17 @@ class S3Store(Store):
                     files[name] = obj["LastModified"].timestamp()
             folders.update(p["Prefix"][len(base):].rstrip("/") for p in page.get("CommonPrefixes", []))
         return files, folders
+
+    def clock(self) -> float:
+        """S3's own clock: the ``Date`` of its answer to a one-key listing of the store (the service
+        that stamps ``LastModified``). Whole seconds, rounded down, so an age judged on it is never
+        longer than the object's real age; a listing writes nothing (a dry run stays a dry run).
+
+        Raises :class:`~prefect_sgpu.errors.SGPUError` when the endpoint's answer has no date."""
+        base = f"{self.prefix}/" if self.prefix else ""
+        answer = self.client.list_objects_v2(Bucket=self.bucket, Prefix=base, MaxKeys=1, **self.owner_args())
+        headers = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        return http_date(headers.get("date", ""), f"the store {self.root_uri}")
 
     def _key(self, run_id: str, key: str = "") -> str:
         parts = [p for p in (self.prefix, run_id, key.lstrip("/")) if p]

@@ -195,9 +195,13 @@ class IAMGate:
         if service.startswith("json:"):
             prefix = {"AmazonSSM": "ssm", "TrentService": "kms"}.get(service[5:], service[5:].lower())
             name = params.get("Name", "")
+            if prefix == "ssm" and not name and params.get("ResourceType") == "Parameter":
+                name = params.get("ResourceId", "")  # tagging calls name the parameter so
             if prefix == "ssm" and name:
                 owner = "" if name.startswith("/aws/") else ACCOUNT
                 arn = self._arn("ssm", "parameter" + (name if name.startswith("/") else "/" + name), account=owner)
+                if action == "PutParameter" and params.get("Tags"):  # tags at creation need the tagging right too
+                    return [(f"ssm:{action}", arn, {}), ("ssm:AddTagsToResource", arn, {})]
                 return [(f"ssm:{action}", arn, {})]
             return [(f"{prefix}:{action}", "*", {})]
         if service == "rest":

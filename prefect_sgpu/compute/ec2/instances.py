@@ -156,10 +156,26 @@ class EC2Provisioner:
         return states
 
     def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:
-        """An SSM SecureString (under ``kms_key_id`` when set), overwritten if it exists."""
+        """An SSM SecureString (under ``kms_key_id`` when set), overwritten if it exists, tagged with the
+        run's store (:attr:`run_tags`) from the moment it exists: a sweeper lists only its own store's
+        parameters by that tag. SSM takes tags with a new parameter only, so one that exists already
+        (a retried write) is overwritten, then tagged."""
+        ssm = self.client("ssm")
         extra = {"KeyId": kms_key_id} if kms_key_id else {}
-        self.client("ssm").put_parameter(Name=name, Value=value, Type="SecureString", Overwrite=True,
-                                         Description=description, **extra)
+        tags = [{"Key": k, "Value": v} for k, v in self.run_tags.items()]
+        if not tags:
+            ssm.put_parameter(Name=name, Value=value, Type="SecureString", Overwrite=True,
+                              Description=description, **extra)
+            return
+        try:
+            ssm.put_parameter(Name=name, Value=value, Type="SecureString", Description=description, Tags=tags,
+                              **extra)
+        except Exception as exc:  # noqa: BLE001 - only "already there" is answered here
+            if aws.error_code(exc) != "ParameterAlreadyExists":
+                raise
+            ssm.put_parameter(Name=name, Value=value, Type="SecureString", Overwrite=True,
+                              Description=description, **extra)
+            ssm.add_tags_to_resource(ResourceType="Parameter", ResourceId=name, Tags=tags)
 
     def delete_secret(self, name: str) -> bool:
         """Delete the SSM parameter ``name`` (a job's or a lease's key); False when it was not

@@ -301,7 +301,10 @@ def render_user_data(
     reports its console output. When the bootstrap has not taken over within ``backstop_s``
     seconds (default: the heartbeat TTL) either (setup hung), it powers off too. Once the
     bootstrap runs it marks that it took over, and its own watch (and its own termination on
-    any fatal error) applies.
+    any fatal error) applies. Whenever the bootstrap ends, however (its own termination done,
+    or killed: SIGKILL, the OOM killer, a crash below Python), the script powers the machine off
+    as it exits: the bootstrap never ends while its machine should live on, and with the driver
+    gone nothing else would end it.
     """
     argv = [python, "-m", "prefect_sgpu.launch.bootstrap", f"--store={store_uri}", f"--run-id={run_id}",
             f"--region={region}", f"--heartbeat-ttl={heartbeat_ttl:g}"]
@@ -324,8 +327,9 @@ def render_user_data(
         f'marker="{marker}"',
         "# backstop: power off (which terminates this instance) unless the bootstrap takes over in time",
         f'( sleep {backstop:.0f}; [ -e "$marker" ] || shutdown -h now ) </dev/null >/dev/null 2>&1 &',
-        "# setup failed, or the bootstrap ended before it took over: power off now",
-        """trap '[ -e "$marker" ] || shutdown -h now' EXIT""",
+        "# setup failed, or the bootstrap ended (before it took over, or after: killed, crashed,"
+        "# or done with its own termination): power off now",
+        "trap 'shutdown -h now' EXIT",
         "set -euo pipefail",
         *([setup.strip()] if setup.strip() else []),
     ]

@@ -2,23 +2,32 @@
 
 A driver that is SIGKILLed, loses its machine or its network never runs its cleanup.
 Its EC2 nodes stop themselves once its heartbeat is older than their TTL (and the
-user-data backstop powers off a node whose bootstrap never started), but what a node
+user-data powers off a node whose bootstrap never started, or ended without it), but what a node
 cannot remove stays: the run's security and placement groups, its SSM key parameter
 when node 0 never got to delete it, the control files in the job store, and its MLflow
 run, left RUNNING. The sweeper removes those, and terminates any instance still up.
 
 **Which runs are dead.** A run counts as dead only on the evidence its nodes use: the
-driver's heartbeat in the job store, by the store's own clock (S3's ``LastModified``,
-a file's mtime), older than the run's heartbeat TTL (the ``sgpu:heartbeat-ttl`` tag,
-else the sweeper's own) plus a grace for clock skew. A run whose folder holds no
-heartbeat and no payload has ended (the driver deletes them last), so whatever is left
-of it is a leftover. A run of another store is never judged: EC2 resources carry
-``sgpu:store``, MLflow runs ``sgpu.store``, and an SSM parameter counts only when this
-store holds the run's folder. A long healthy job outlives its launch-time ``sgpu:ttl``
-tag, which is therefore not used to decide.
+driver's heartbeat in the job store older than the run's heartbeat TTL (the
+``sgpu:heartbeat-ttl`` tag, else the sweeper's own) plus a grace for a slow heartbeat write.
+Both ends of that age are read on the store's own clock: the heartbeat's time as the store
+stamped it (S3's ``LastModified``, a file's mtime) and "now" as the store tells it
+(:meth:`Store.clock`: S3's ``Date``), read once a pass and carried forward on this machine's
+monotonic clock. The sweeper's own wall clock is never used, so a sweeper whose clock runs
+hours ahead takes no live run for dead. A run whose folder holds no heartbeat and no payload
+has ended (the driver deletes them last), so whatever is left of it is a leftover.
+
+**Whose runs.** A run of another store is never judged: EC2 resources and IAM roles carry
+``sgpu:store``, MLflow runs ``sgpu.store``, and SSM parameters the ``sgpu:store`` tag the
+driver gives them when it writes them; only parameters tagged with this store are listed at
+all. A folder in this store named like another store's run (anyone who can write this store
+can make one) therefore reaches none of that run's parameters. A parameter of this store whose
+run has no folder here yet (a lease's key is written just before its first heartbeat) is left
+for a later pass. A long healthy job outlives its launch-time ``sgpu:ttl`` tag, which is
+therefore not used to decide.
 
 **What is removed.** Instances (terminated), the run's tagged security and placement
-groups, ``/prefect-sgpu/<run>/payload-key``, the run's control files (payload, results,
+groups, ``/prefect-sgpu/<run>/payload-key`` and ``.../secrets``, the run's control files (payload, results,
 node documents, stop, heartbeat, relayed metrics; logs and checkpoints stay), and the
 MLflow run, ended KILLED with the tag ``sgpu.swept`` saying why.
 
@@ -124,6 +133,8 @@ class Sweeper:
         self.store, self.tracking_uri = store, tracking_uri
         self.ec2, self.ssm, self.iam = ec2, ssm, iam  # the cloud's side; None for a local store
         self.ttl_s, self.grace_s, self.exclude = ttl_s, grace_s, set(exclude)
+        #: (the store's clock, this machine's monotonic clock) when the pass first read the store's
+        self._store_clock: tuple[float, float] | None = None
 
     # -- the pass -------------------------------------------------------------------
 
@@ -133,6 +144,7 @@ class Sweeper:
         run); ``wait=False`` never waits for instances to terminate."""
         report = SweepReport(dry_run=dry_run)
         runs: dict[str, _Run] = {}
+        self._store_clock = None
 
         def run(run_id: str) -> _Run:
             return runs.setdefault(run_id, _Run(run_id))
@@ -166,11 +178,11 @@ class Sweeper:
         if not (found.cloud or found.ssm or found.mlflow_runs or control):
             return  # an ended job's logs and checkpoints: nothing to do
         if found.ssm and not found.cloud and not found.mlflow_runs and not (files or folders):
-            report.live[found.run_id] = "an SSM key parameter of a job this store does not hold (another store's)"
+            report.live[found.run_id] = "an SSM parameter of a job with no folder in this store (yet)"
             return
         if live_files:
             ttl = found.tagged_ttl if found.tagged_ttl is not None else self.ttl_s
-            age = time.time() - max(live_files.values())
+            age = self.store_now() - max(live_files.values())
             grace = self.grace_s if self.grace_s is not None else min(DEFAULT_GRACE_S, ttl / 2)
             if age <= ttl + grace:
                 report.live[found.run_id] = f"heartbeat {age:.0f}s old, TTL {ttl:g}s"
@@ -212,6 +224,14 @@ class Sweeper:
             if self._kill_mlflow_run(mlflow_run, why):
                 removed.add(("MLflow run", mlflow_run))
         report.removed += [x for x in leftovers if (x.kind, x.name) in removed]
+
+    def store_now(self) -> float:
+        """Now on the store's clock (:meth:`Store.clock`), read from the store once a pass and carried
+        forward on this machine's monotonic clock, which measures only how long the pass has run."""
+        if self._store_clock is None:
+            self._store_clock = (self.store.clock(), time.monotonic())
+        at, then = self._store_clock
+        return at + (time.monotonic() - then)
 
     # -- finding ----------------------------------------------------------------------
 
@@ -265,9 +285,15 @@ class Sweeper:
                         pass
 
     def _find_ssm(self, run: Any) -> None:
+        """The job parameters tagged with this store (the driver tags them as it writes them): a
+        parameter's name says its run, never its store, and a run's folder name can be made in any
+        store by whoever writes it. Untagged parameters are never listed."""
         if self.ssm is None:
             return
-        filters = [{"Key": "Name", "Option": "BeginsWith", "Values": [SSM_ROOT]}]
+        from prefect_sgpu.compute.ec2 import request as rq
+
+        filters = [{"Key": "Name", "Option": "BeginsWith", "Values": [SSM_ROOT]},
+                   {"Key": f"tag:{rq.STORE_TAG}", "Values": [self.store.root_uri]}]
         for page in self.ssm.get_paginator("describe_parameters").paginate(ParameterFilters=filters):
             for parameter in page.get("Parameters", []):
                 match = _SSM_NAME.match(parameter["Name"])
