@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import sys
 import textwrap
 import threading
@@ -157,11 +158,13 @@ def test_a_job_installs_from_an_index_that_needs_its_token_and_the_token_shows_n
         capfd: pytest.CaptureFixture[str]) -> None:
     import importlib
 
-    token = "idx-tok-" + base64.b32encode(__import__("os").urandom(10)).decode().lower()
+    token = "idx-tok-" + base64.b32encode(os.urandom(10)).decode().lower()
     monkeypatch.setenv(TOKEN_ENV, token)
     wheel = build_wheel(tmp_path, "sgpu-index-demo", "0.1", "VALUE = 4217\n")
-    # the index is online for this image (the pins still come from uv's cache or the default index)
-    bare.simulator.env_overrides = {"UV_OFFLINE": None}
+    # this image is online (the other bare-node tests install offline from uv's cache): the private
+    # index is a server, and uv checks the pins' pages on the default index (this machine's CA bundle)
+    bare.simulator.env_overrides = {"UV_OFFLINE": None, **{name: os.environ[name] for name in
+                                                           ("SSL_CERT_FILE", "SSL_CERT_DIR") if name in os.environ}}
     train = importlib.import_module(USER_MODULE).train
     seen: dict[str, str] = {}
     parameters: dict[str, str] = {}
