@@ -153,10 +153,15 @@ def _scan(bare: EC2Env, run_id: str, seen: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("keep_warm", [0.0, 60.0], ids=["cold", "warm-lease"])
 def test_a_job_installs_from_an_index_that_needs_its_token_and_the_token_shows_nowhere(
         bare: EC2Env, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capfd: pytest.CaptureFixture[str]) -> None:
+        capfd: pytest.CaptureFixture[str], keep_warm: float) -> None:
+    """Cold: the job's machines read the job's SecureString at boot. A warm lease's machines boot for
+    the lease (its own SecureString, deleted when the lease ends) and serve the job after."""
     import importlib
+
+    from prefect_sgpu.compute.remote.lease import lease_id
 
     token = "idx-tok-" + base64.b32encode(os.urandom(10)).decode().lower()
     monkeypatch.setenv(TOKEN_ENV, token)
@@ -190,7 +195,8 @@ def test_a_job_installs_from_an_index_that_needs_its_token_and_the_token_shows_n
             time.sleep(0.3)
 
     with AuthIndex([wheel], "bob", token) as index:
-        fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=bare.compute(agent_timeout_s=600.0),
+        compute = bare.compute(agent_timeout_s=600.0, keep_warm=keep_warm)
+        fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute,
                          mlflow=False, timeout=600,
                          environment={"working_dir": str(project), "requirements": ["sgpu-index-demo==0.1"],
                                       "extra_index_urls": [index.url(f"bob:${{{TOKEN_ENV}}}")]})(train)
@@ -199,17 +205,19 @@ def test_a_job_installs_from_an_index_that_needs_its_token_and_the_token_shows_n
         watcher.start()
         try:
             result = job.run()
+            compute.close()  # a warm lease ends with its compute
         finally:
             done.set()
             watcher.join(timeout=60)
+    launch = lease_id(job.run_id) if keep_warm else job.run_id  # what the machines were launched for
     assert [v["rank"] for v in result.values] == [0, 1]
     assert all(v["value"] == 4217 for v in result.values), result.values
     assert all(Path(v["file"]).is_relative_to(bare.simulator.env_root) for v in result.values), result.values
     assert any(p.startswith("/files/sgpu_index_demo") for p in index.authorized), index.authorized
-    own = ssm_secrets_parameter(job.run_id)
-    assert token in parameters.get(own, ""), sorted(parameters)  # delivered, and only there
-    places = _scan(bare, job.run_id, seen)
-    places.update({f"ssm {name}": value for name, value in parameters.items() if name != own})
+    own = {ssm_secrets_parameter(job.run_id), ssm_secrets_parameter(launch)}
+    assert token in parameters.get(ssm_secrets_parameter(launch), ""), sorted(parameters)  # what the nodes read
+    places = _scan(bare, launch, seen)
+    places.update({f"ssm {name}": value for name, value in parameters.items() if name not in own})
     out = capfd.readouterr()
     places["driver output"] = out.out + out.err
     assert any("installing the extra requirements" in v for k, v in places.items() if k.startswith("console"))
@@ -217,4 +225,7 @@ def test_a_job_installs_from_an_index_that_needs_its_token_and_the_token_shows_n
     assert manifests and all('"credentials":true' in m and "${" + TOKEN_ENV + "}" in m for m in manifests)
     leaked = sorted(k for k, v in places.items() if token in v)
     assert leaked == [], leaked
-    assert bare.leftovers(job.run_id) == []
+    assert bare.leftovers(job.run_id) == [] and bare.leftovers(launch) == []
+    left = [p["Name"] for page in bare.aws.client("ssm").get_paginator("describe_parameters").paginate()
+            for p in page.get("Parameters", []) if p["Name"] in own]
+    assert left == [], left
