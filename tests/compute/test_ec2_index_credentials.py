@@ -51,10 +51,13 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root.mkdir()
     (root / f"{USER_MODULE}.py").write_text(textwrap.dedent("""
         def train():
+            import os
+
             import sgpu_index_demo
             from prefect_sgpu import runtime
 
-            return {"rank": runtime.rank(), "value": sgpu_index_demo.VALUE, "file": sgpu_index_demo.__file__}
+            return {"rank": runtime.rank(), "value": sgpu_index_demo.VALUE, "file": sgpu_index_demo.__file__,
+                    "index_env": sorted(k for k in os.environ if "INDEX" in k)}
     """))
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.delitem(sys.modules, USER_MODULE, raising=False)
@@ -212,6 +215,7 @@ def test_a_job_installs_from_an_index_that_needs_its_token_and_the_token_shows_n
     launch = lease_id(job.run_id) if keep_warm else job.run_id  # what the machines were launched for
     assert [v["rank"] for v in result.values] == [0, 1]
     assert all(v["value"] == 4217 for v in result.values), result.values
+    assert all(v["index_env"] == [] for v in result.values), result.values  # the stage's, not the ranks'
     assert all(Path(v["file"]).is_relative_to(bare.simulator.env_root) for v in result.values), result.values
     assert any(p.startswith("/files/sgpu_index_demo") for p in index.authorized), index.authorized
     own = {ssm_secrets_parameter(job.run_id), ssm_secrets_parameter(launch)}
