@@ -224,7 +224,7 @@ class Job:
         commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
                     for i, address in enumerate(addresses)]
         return JobLaunch(env=env, commands=commands, rendezvous=endpoint,
-                         secrets={**self.secret_values(), **self._checkpoint_key()})
+                         secrets={**self.secret_values(), **self._checkpoint_key(), **self._index_secret()})
 
     def secret_values(self) -> dict[str, str]:
         """The ``secrets=`` of the spec, read from their Prefect Secret blocks once (in memory only);
@@ -279,6 +279,15 @@ class Job:
         uri = env.get(URI_ENV) or env.get(DIR_ENV)
         return {KEY_ENV: location_key(uri)} if uri else {}
 
+    def _index_secret(self) -> dict[str, str]:
+        """The environment's index URLs with their credentials, for a compute whose nodes build it: they
+        travel as ``secrets=`` do (the manifest shows them masked), and are never a rank's variable."""
+        from prefect_sgpu import environment_ship
+
+        if not getattr(self.compute, "ships_environment", False):
+            return {}
+        return environment_ship.index_secret(self.spec.environment)
+
     def dry_run(self) -> dict[str, Any]:
         """The request and each node's command, without starting anything."""
         request, _body, _key = self.prepare()
@@ -299,7 +308,7 @@ class Job:
     def _run(self) -> JobResult:
         request, body, key = self.prepare()
         # unreadable or undeliverable: fails before spending; sized as they travel (the checkpoint key too)
-        self.compute.check_secrets({**self.secret_values(), **self._checkpoint_key()})
+        self.compute.check_secrets({**self.secret_values(), **self._checkpoint_key(), **self._index_secret()})
         plan = self.plan = request.plan
         self.started_at = time.monotonic()
         deadline = self.started_at + self.spec.timeout

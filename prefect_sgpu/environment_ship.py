@@ -40,6 +40,8 @@ IMAGE_TOOLS = frozenset({"pip", "uv"})
 THIS_PROJECT = "prefect-sgpu"
 #: EC2 refuses user-data over 16 KiB
 USER_DATA_LIMIT = 16 * 1024
+#: the name, in a job's ``secrets=`` SecureString, of the revealed index settings (never a rank's variable)
+INDEX_SECRET = "PREFECT_SGPU_INDEX_URLS"
 
 
 def builds_on_node(environment: "Environment | None") -> bool:
@@ -56,14 +58,36 @@ def environment_key(environment: "Environment | None") -> str:
     return environment.digest if builds_on_node(environment) else environment.mode
 
 
+def has_index_credentials(environment: "Environment | None") -> bool:
+    """Whether a node-built environment's index settings carry credentials (literal or ``${VAR}``)."""
+    if not builds_on_node(environment):
+        return False
+    assert environment is not None
+    urls = [environment.index_url] if environment.index_url else []
+    return any(u.has_secret or "${" in u.shown for u in [*urls, *environment.extra_index_urls,
+                                                           *environment.find_links])
+
+
+def index_secret(environment: "Environment | None", environ: Any = None) -> dict[str, str]:
+    """What travels beside ``secrets=`` (one SSM SecureString per job) when the index settings carry
+    credentials: ``{INDEX_SECRET: JSON of the revealed index settings}``; empty otherwise. Raises
+    ``SGPUConfigError`` (masked) when a ``${VAR}`` is not set or literal credentials were lost in a pickle."""
+    if not has_index_credentials(environment):
+        return {}
+    assert environment is not None
+    revealed = {
+        "index_url": environment.index_url.reveal(environ) if environment.index_url else None,
+        "extra_index_urls": [u.reveal(environ) for u in environment.extra_index_urls],
+        "find_links": [u.reveal(environ) for u in environment.find_links],
+    }
+    return {INDEX_SECRET: json.dumps(revealed, separators=(",", ":"))}
+
+
 def _index(environment: "Environment") -> dict[str, Any]:
-    """The index settings as the node uses them: only URLs it can reach and that hold no secret."""
+    """The index settings as the manifest shows them: URLs the nodes can reach, credentials masked (the
+    node reads the real URLs from the job's SecureString when ``credentials`` says so)."""
     def url(value: Any, field: str) -> str:
         shown = value.shown
-        if value.has_secret or "${" in shown:
-            raise SGPUConfigError(f"environment.{field}", shown, "an index URL without credentials on bare EC2 "
-                                  "nodes (a credential-free mirror), or environment='image'",
-                                  "credentialed indexes are not delivered to nodes yet")
         if not shown.startswith(("http://", "https://")):
             raise SGPUConfigError(f"environment.{field}", shown, "an http(s):// URL the nodes can reach "
                                   "(a local path or file:// URL names this machine)")
@@ -73,6 +97,7 @@ def _index(environment: "Environment") -> dict[str, Any]:
         "index_url": url(environment.index_url, "index_url") if environment.index_url else None,
         "extra_index_urls": [url(u, "extra_index_urls") for u in environment.extra_index_urls],
         "find_links": [url(u, "find_links") for u in environment.find_links],
+        **({"credentials": True} if has_index_credentials(environment) else {}),
     }
 
 

@@ -340,8 +340,11 @@ class NodeBootstrap(LeaseServing):
         """The job's ``secrets=`` from their SecureString, when the (sealed) launch document says it has some."""
         if not doc.secrets:
             return {}
+        from prefect_sgpu.environment_ship import INDEX_SECRET
+
         values = json.loads(self.host.read_secret(ssm_secrets_parameter(self.run_id)))
-        return {str(k): str(v) for k, v in values.items()}
+        # the index credentials beside them are the environment stage's, not the ranks'
+        return {str(k): str(v) for k, v in values.items() if k != INDEX_SECRET}
 
     def start_agent(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         out = self.job_dir / agent_output_key(self.index)

@@ -13,7 +13,11 @@ it installed. It is the node half of :mod:`prefect_sgpu.environment_ship`:
    those pins) from the manifest's index settings (the image's uv settings, ``UV_OFFLINE`` and
    ``UV_CACHE_DIR`` included, apply); every shipped file (local packages, this project, the
    user's ``working_dir`` and ``py_modules``) fetched by sha256, checked, and laid out; then the
-   marker;
+   marker. When the manifest's index settings carry credentials (it shows them masked), the real
+   URLs come from the job's SSM SecureString (``/prefect-sgpu/<run id>/secrets``, GetParameter
+   signed like S3) and reach uv only through its environment (``UV_INDEX_URL``,
+   ``UV_EXTRA_INDEX_URL``, ``UV_FIND_LINKS``), never a command line; every line this stage
+   prints or uploads has them masked;
 4. ``exec`` the bootstrap with the venv's Python.
 
 S3 is read with Signature V4 from the standard library (credentials from the environment or the
@@ -56,12 +60,50 @@ class SetupError(Exception):
     """A step of the environment build failed: ``step`` and the output that says why."""
 
     def __init__(self, step: str, output: str = "") -> None:
+        output = mask(output)
         super().__init__(f"environment setup failed at {step}" + (f":\n{output.strip()}" if output.strip() else ""))
         self.step = step
 
 
+#: (secret text, what shows instead) of the index credentials this stage holds: masked in all it prints or uploads
+_MASKS: list[tuple[str, str]] = []
+#: the name of the revealed index settings in a job's secrets SecureString (environment_ship.INDEX_SECRET)
+INDEX_SECRET = "PREFECT_SGPU_INDEX_URLS"
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its user info and query replaced by ``***`` (as the driver shows it)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    netloc = f"***@{netloc}" if "@" in parts.netloc else netloc
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
+
+
+def hide(url: str) -> None:
+    """Mask ``url``, and each credential in it, in everything this stage prints or uploads from now on."""
+    parts = urllib.parse.urlsplit(url)
+    found = [(url, masked_url(url))]
+    if "@" in parts.netloc:
+        userinfo = parts.netloc.rsplit("@", 1)[0]
+        secret = userinfo.partition(":")[2] or userinfo  # the password, or a token given as the user
+        found += [(userinfo, "***"), (secret, "***"), (urllib.parse.unquote(secret), "***")]
+    if parts.query:
+        found.append((parts.query, "***"))
+        found += [(value, "***") for _name, value in urllib.parse.parse_qsl(parts.query)]
+    for text, shown in found:
+        if len(text) >= 4 and (text, shown) not in _MASKS:
+            _MASKS.append((text, shown))
+    _MASKS.sort(key=lambda m: -len(m[0]))  # the whole URL before its parts
+
+
+def mask(text: str) -> str:
+    for secret, shown in _MASKS:
+        text = text.replace(secret, shown)
+    return text
+
+
 def log(message: str) -> None:
-    print(f"[prefect-sgpu env] {message}", flush=True)
+    print(mask(f"[prefect-sgpu env] {message}"), flush=True)
 
 
 # --- S3 with Signature V4, standard library only ------------------------------------------------
@@ -93,6 +135,46 @@ def instance_id() -> str:
         return "unknown-instance"
 
 
+def signed(method: str, url: str, service: str, region: str, creds: tuple[str, str, str | None],
+           body: bytes = b"", extra: dict[str, str] | None = None) -> urllib.request.Request:
+    """A request signed with Signature V4 (``url`` already quoted, no query string)."""
+    parts = urllib.parse.urlsplit(url)
+    now = _dt.datetime.now(_dt.timezone.utc)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    payload = hashlib.sha256(body).hexdigest()
+    headers = {"host": parts.netloc, "x-amz-content-sha256": payload, "x-amz-date": stamp, **(extra or {})}
+    access, secret, token = creds
+    if token:
+        headers["x-amz-security-token"] = token
+    names = sorted(headers)
+    canonical = "\n".join([method, parts.path or "/", "", *(f"{n}:{headers[n].strip()}" for n in names), "",
+                           ";".join(names), payload])
+    scope = f"{day}/{region}/{service}/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    key_bytes = ("AWS4" + secret).encode()
+    for part in (day, region, service, "aws4_request"):
+        key_bytes = hmac.new(key_bytes, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key_bytes, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access}/{scope}, "
+                                f"SignedHeaders={';'.join(names)}, Signature={signature}")
+    del headers["host"]
+    return urllib.request.Request(url, data=body if method in ("PUT", "POST") else None, method=method,
+                                  headers=headers)
+
+
+def read_parameter(name: str, region: str, endpoint_url: str | None, creds: tuple[str, str, str | None]) -> str:
+    """An SSM SecureString's value (GetParameter WithDecryption), signed with the node's credentials."""
+    base = endpoint_url.rstrip("/") + "/" if endpoint_url else f"https://ssm.{region}.amazonaws.com/"
+    body = json.dumps({"Name": name, "WithDecryption": True}).encode()
+    req = signed("POST", base, "ssm", region, creds, body,
+                 {"content-type": "application/x-amz-json-1.1", "x-amz-target": "AmazonSSM.GetParameter"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())["Parameter"]["Value"]
+    except urllib.error.HTTPError as exc:
+        raise SetupError(f"reading the SSM parameter {name}", f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
+
+
 class S3:
     """GET and PUT of one bucket's objects, signed (SigV4) with the node's credentials."""
 
@@ -106,32 +188,10 @@ class S3:
 
     def _request(self, method: str, key: str, body: bytes = b"") -> urllib.request.Request:
         path = self.path_prefix + "/" + urllib.parse.quote(key, safe="/" + _UNRESERVED)
-        url = urllib.parse.urlsplit(self.base + path)
-        now = _dt.datetime.now(_dt.timezone.utc)
-        stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-        payload = hashlib.sha256(body).hexdigest()
-        headers = {"host": url.netloc, "x-amz-content-sha256": payload, "x-amz-date": stamp}
-        if method == "PUT":  # else urllib says form data, which a server may parse away
-            headers["content-type"] = "text/plain; charset=utf-8"
-        access, secret, token = self.creds
-        if token:
-            headers["x-amz-security-token"] = token
-        if self.owner:
+        headers = {"content-type": "text/plain; charset=utf-8"} if method == "PUT" else {}  # else urllib says
+        if self.owner:                                                                   # form data
             headers["x-amz-expected-bucket-owner"] = self.owner
-        names = sorted(headers)
-        canonical = "\n".join([method, url.path, "", *(f"{n}:{headers[n].strip()}" for n in names), "",
-                               ";".join(names), payload])
-        scope = f"{day}/{self.region}/s3/aws4_request"
-        to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-        key_bytes = ("AWS4" + secret).encode()
-        for part in (day, self.region, "s3", "aws4_request"):
-            key_bytes = hmac.new(key_bytes, part.encode(), hashlib.sha256).digest()
-        signature = hmac.new(key_bytes, to_sign.encode(), hashlib.sha256).hexdigest()
-        headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access}/{scope}, "
-                                    f"SignedHeaders={';'.join(names)}, Signature={signature}")
-        del headers["host"]
-        return urllib.request.Request(url.geturl(), data=body if method == "PUT" else None, method=method,
-                                      headers=headers)
+        return signed(method, self.base + path, "s3", self.region, self.creds, body, headers)
 
     def get(self, key: str) -> bytes:
         try:
@@ -178,11 +238,14 @@ def check_manifest(data: bytes, sha256: str) -> dict:
 # --- building -----------------------------------------------------------------------------------
 
 
-def run(step: str, argv: list[str]) -> None:
+def run(step: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    """``argv`` with ``env`` added to this process's environment (index credentials travel only there,
+    never in a command line); its output printed masked."""
     log(f"{step}: {' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''}")
-    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, **env} if env else None)
     if done.stdout.strip():
-        print(done.stdout.rstrip(), flush=True)
+        print(mask(done.stdout.rstrip()), flush=True)
     if done.returncode != 0:
         raise SetupError(step, "\n".join(done.stdout.strip().splitlines()[-30:]))
 
@@ -250,7 +313,37 @@ def index_args(index: dict) -> list[str]:
     return args
 
 
-def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path) -> None:
+def index_env(index: dict) -> dict[str, str]:
+    """The revealed index settings as uv's environment variables: what a process list never shows."""
+    env = {}
+    if index.get("index_url"):
+        env["UV_INDEX_URL"] = index["index_url"]
+    if index.get("extra_index_urls"):
+        env["UV_EXTRA_INDEX_URL"] = " ".join(index["extra_index_urls"])
+    if index.get("find_links"):
+        env["UV_FIND_LINKS"] = ",".join(index["find_links"])
+    return env
+
+
+def revealed_index(manifest: dict, read_secret) -> dict | None:
+    """The manifest's index settings with their credentials, from the job's SecureString (``read_secret``),
+    when the manifest says they have some; None when the manifest's own (credential-free) settings do."""
+    if not manifest["index"].get("credentials"):
+        return None
+    try:
+        values = json.loads(read_secret())
+        index = json.loads(values[INDEX_SECRET])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SetupError("reading the index credentials", f"the job's secrets hold no index settings "
+                         f"({type(exc).__name__})") from None
+    for url in [index.get("index_url") or "", *index.get("extra_index_urls", ()), *index.get("find_links", ())]:
+        if url:
+            hide(url)
+    return index
+
+
+def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index: dict | None = None) -> None:
+    """``index``: the revealed index settings (credentials only in uv's environment), else the manifest's."""
     tool = uv()
     if venv.exists():  # an earlier build that did not finish
         shutil.rmtree(venv)
@@ -260,13 +353,14 @@ def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path) -> No
     work.mkdir()
     pins = work / "pins.txt"
     pins.write_text("\n".join(manifest["pins"]) + "\n")
-    common = [tool, "pip", "install", "-q", "--python", str(python), *index_args(manifest["index"])]
+    args, env = (index_args(manifest["index"]), None) if index is None else ([], index_env(index))
+    common = [tool, "pip", "install", "-q", "--python", str(python), *args]
     if manifest["requirements"]:  # first: resolved against the pins, a bad one fails before the big install
         extra = work / "requirements.txt"
         extra.write_text("\n".join(manifest["requirements"]) + "\n")
-        run("installing the extra requirements", [*common, "-c", str(pins), "-r", str(extra)])
+        run("installing the extra requirements", [*common, "-c", str(pins), "-r", str(extra)], env)
     if manifest["pins"]:  # exactly the driver's set: nothing to resolve
-        run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(pins)])
+        run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(pins)], env)
     shas = sorted({sha for tree in manifest["trees"] for _p, _s, sha in tree["files"]})
     log(f"fetching {len(shas)} shipped file(s)")
     with ThreadPoolExecutor(8) as pool:
@@ -290,8 +384,9 @@ def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path) -> No
     (venv / COMPLETE).write_text(manifest["digest"] + "\n")
 
 
-def ensure(manifest: dict, s3: S3, files_key: str) -> tuple[Path, bool]:
-    """The venv of this manifest's digest on this node: (its folder, whether it was built now)."""
+def ensure(manifest: dict, s3: S3, files_key: str, read_secret=None) -> tuple[Path, bool]:
+    """The venv of this manifest's digest on this node: (its folder, whether it was built now).
+    ``read_secret``: the job's secrets SecureString, read only when there is something to build."""
     root = env_root()
     key = f"{manifest['digest']}-{sys.platform}-{platform.machine()}"
     venv = root / key
@@ -303,7 +398,8 @@ def ensure(manifest: dict, s3: S3, files_key: str) -> tuple[Path, bool]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second boot beside this one waits, then reuses
         if (venv / COMPLETE).exists():
             return venv, False
-        build(venv, manifest, s3, files_key, cache)
+        index = revealed_index(manifest, read_secret) if read_secret is not None else None
+        build(venv, manifest, s3, files_key, cache, index)
     return venv, True
 
 
@@ -337,9 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         if manifest["digest"] != args.environment:
             raise SetupError("checking the manifest", f"it describes {manifest['digest']}, the user-data names "
                              f"{args.environment}")
-        venv, built = ensure(manifest, s3, f"{base}/files")
+        secrets = f"/prefect-sgpu/{args.run_id}/secrets"  # jobfolder.ssm_secrets_parameter
+        venv, built = ensure(manifest, s3, f"{base}/files",
+                             lambda: read_parameter(secrets, args.region, args.endpoint_url, s3.creds))
     except Exception as exc:  # noqa: BLE001 - every failure ends this node, with its reason where the driver reads
         text = str(exc) if isinstance(exc, SetupError) else f"environment setup failed: {type(exc).__name__}: {exc}"
+        text = mask(text)
         log(text)
         if s3 is not None:
             key = "/".join(p for p in (prefix, args.run_id, "setup", f"{instance_id()}.log") if p)

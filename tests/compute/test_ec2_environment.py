@@ -105,10 +105,12 @@ def test_the_user_data_names_the_manifest_and_carries_the_stage(project: Path) -
 
 
 def test_an_index_with_credentials_never_reaches_the_user_data(project: Path) -> None:
-    env = capture(working_dir=project, index_url="https://user:s3cret@pypi.example.com/simple")
-    with pytest.raises(SGPUConfigError) as info:
-        render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env)
-    assert info.value.field == "environment.index_url" and "s3cret" not in str(info.value)
+    """Planned (the credentials travel in the job's SecureString: tests/compute/test_ec2_index_credentials.py),
+    masked in the manifest the user-data names; a path of this machine is still refused."""
+    env = capture(working_dir=project, index_url="https://user:s3cret-tok@pypi.example.com/simple")
+    script = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env)
+    assert "s3cret-tok" not in script and environment_ship.manifest_sha256(env) in script
+    assert "s3cret-tok" not in environment_ship.manifest_bytes(env).decode()
     local = capture(find_links=[str(project)])
     with pytest.raises(SGPUConfigError, match="environment.find_links"):
         environment_ship.manifest(local)

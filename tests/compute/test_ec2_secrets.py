@@ -50,3 +50,25 @@ def test_secrets_over_ssms_limit_fail_before_any_instance_is_launched(ec2: EC2En
     assert "s3cr3t" not in str(err.value) and "tok-" not in str(err.value), "a secret value in the message"
     assert ec2.proxy is not None and ec2.proxy.calls("RunInstances") == []
     assert ec2.instances(job.run_id) == [] and ec2.objects(job.run_id) == {}
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_index_credentials_count_with_secrets_and_fail_before_any_instance_is_launched(
+        ec2: EC2Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index credentials of an environment built on the nodes travel in the same parameter."""
+    from prefect.blocks.system import Secret
+
+    Secret(value="s3cr3t-" * 300).save("sgpu-mid-cert", overwrite=True)  # 2100 bytes: fine alone
+    token = "idx-" * 500  # 2000 bytes: fine alone
+    monkeypatch.setenv("SGPU_TEST_BIG_INDEX_TOKEN", token)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=300,
+                     secrets={"CERT": "sgpu-mid-cert"},
+                     environment={"mode": "driver", "extra_index_urls": [
+                         "https://bob:${SGPU_TEST_BIG_INDEX_TOKEN}@pypi.example.com/simple"]})(_never_runs)
+    job = fn.job()
+    with pytest.raises(SGPUConfigError, match=r"secrets=.*\d+ bytes.*CERT: 2102, PREFECT_SGPU_INDEX_URLS: \d+.*"
+                                              r"index URLs with their credentials.*at most 4096 bytes") as err:
+        job.run()
+    assert "s3cr3t" not in str(err.value) and "idx-idx" not in str(err.value), "a secret value in the message"
+    assert ec2.proxy is not None and ec2.proxy.calls("RunInstances") == []
+    assert ec2.instances(job.run_id) == [] and ec2.objects(job.run_id) == {}

@@ -184,6 +184,8 @@ class EC2Simulator:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
+        #: variables of every node booted from now on (None: unset), as an image's own settings would be
+        self.env_overrides: dict[str, str | None] = {}
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -275,6 +277,11 @@ class EC2Simulator:
         }
         if self.bare:
             env.pop("PYTHONPATH")
+        for name, value in self.env_overrides.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
         if role_credentials:  # the instance profile's role, from IMDS, as on EC2: no keys in the environment
             for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
                 env.pop(name, None)

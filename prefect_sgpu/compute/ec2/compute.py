@@ -156,7 +156,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
     def check_secrets(self, secrets: dict[str, str]) -> None:
         """``secrets=`` reach the nodes as one SSM SecureString holding their JSON (``start`` writes
-        ``json.dumps(launch.secrets)``), and SSM's standard tier refuses a value over 4096 bytes:
+        ``json.dumps(launch.secrets)``, the environment's index credentials included), and SSM's
+        standard tier refuses a value over 4096 bytes:
         refused here, before any instance is paid for. Names and sizes only in the message."""
         import json
 
@@ -165,6 +166,10 @@ class EC2InstanceCompute(RemoteNodeCompute):
         if size > limit:
             sizes = ", ".join(f"{name}: {len(json.dumps(value).encode())}"
                               for name, value in sorted(secrets.items()))
+            from prefect_sgpu.environment_ship import INDEX_SECRET
+
+            if INDEX_SECRET in secrets:
+                sizes += f"; {INDEX_SECRET} is the environment's index URLs with their credentials"
             raise SGPUConfigError("secrets", f"{size} bytes as the JSON EC2 nodes read ({sizes})",
                                   f"at most {limit} bytes in all (one SSM standard-tier parameter per job)",
                                   "Keep large values (files, certificates) in S3 or a mounted secret "

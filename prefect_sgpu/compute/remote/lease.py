@@ -75,6 +75,8 @@ class WarmLease(Pooled):
     unfit: str | None = None
     #: the lease's key parameter, once written (deleted on close)
     key_parameter: str | None = None
+    #: the lease's SecureString of index credentials its machines build with, once written (deleted on close)
+    secrets_parameter: str | None = None
     _done: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _alive: dict[int, tuple[str | None, float]] = field(default_factory=dict)
@@ -158,8 +160,9 @@ class WarmLease(Pooled):
             gone += self.provisioner.terminate(self.lease_id)
         finally:
             self._done.set()
-            if self.key_parameter and self.provisioner.delete_secret(self.key_parameter):
-                gone.append(f"SSM parameter {self.key_parameter}")
+            for name in (self.key_parameter, self.secrets_parameter):
+                if name and self.provisioner.delete_secret(name):
+                    gone.append(f"SSM parameter {name}")
             try:
                 self.folder.delete_control_files()
             except Exception:  # noqa: BLE001 - the sweeper removes them later

@@ -184,6 +184,7 @@ class RemoteNodeCompute(Compute):
         try:
             self._sweep(request)
             self._put_key(allocation)  # before any machine exists: nodes verify from their first read
+            self._put_index_secret(allocation, allocation.run_id, request)  # read by the environment stage at boot
             self._prepare(allocation)
             self._ship_environment(allocation)
             allocation.instances = self._provision(allocation, request.run_id, deadline, cancel)
@@ -279,6 +280,7 @@ class RemoteNodeCompute(Compute):
         self._put_secret(lease, ssm_key_parameter(lease.lease_id), lease.folder.key,
                          "prefect-sgpu key of one warm lease (deleted when the lease ends)", "key_parameter")
         lease.start_beating()
+        self._put_index_secret(lease, lease.lease_id, request)
         self._ship_environment(allocation)
         lease.instances = self._provision(allocation, lease.lease_id, deadline, cancel)
         allocation.progress("running", f"lease {lease.lease_id}: " +
@@ -379,6 +381,18 @@ class RemoteNodeCompute(Compute):
                            allocation.instance_id(command.node))
             for command in launch.commands})
         allocation.launched = True
+
+    def _put_index_secret(self, owner: Any, launch_id: str, request: RemoteRequest) -> None:
+        """The environment's index URLs with their credentials, in the SecureString the machines of
+        ``launch_id`` read at boot (before the job's ``secrets=`` exist: ``start`` writes both later)."""
+        from prefect_sgpu import environment_ship
+
+        if not self.ships_environment:
+            return
+        values = environment_ship.index_secret(request.spec.environment)
+        if values:
+            self._put_secret(owner, ssm_secrets_parameter(launch_id), json.dumps(values),
+                             "prefect-sgpu secrets= of one job (deleted when the job ends)", "secrets_parameter")
 
     def _put_key(self, allocation: RemoteAllocation) -> None:
         self._put_secret(allocation, ssm_key_parameter(allocation.run_id), allocation.folder.key,
