@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from prefect import flow
@@ -14,18 +13,9 @@ from prefect import flow
 from prefect_sgpu import GPUTaskRunner, SGPUConfigError, gpu_task
 from prefect_sgpu.adapters.task_runner import mlflow_reference, quota_name
 
+from support.polling import poll as _poll
+
 pytestmark = pytest.mark.e2e
-
-
-def _poll(read: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = read()
-        if ok(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not appear within {timeout:g}s; last read: {got!r}"[:3000])
-        time.sleep(0.5)
 
 
 @gpu_task(gpus=2)

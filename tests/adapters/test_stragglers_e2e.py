@@ -5,26 +5,16 @@ the task run's logs, its stragglers table and the job summary, and the event
 from __future__ import annotations
 
 import json
-import time
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from prefect import flow
 
 from prefect_sgpu import GPUTaskRunner, gpu_task
 
+from support.polling import poll as _poll
+
 pytestmark = pytest.mark.e2e
-
-
-def _poll(read: Callable[[], Any], ok: Callable[[Any], bool], what: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = read()
-        if ok(got):
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not appear within {timeout:g}s; last read: {got!r}"[:3000])
-        time.sleep(0.5)
 
 
 @gpu_task(gpus=2, mlflow=False, straggler_factor=2.0, straggler_steps=3)

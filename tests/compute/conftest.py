@@ -116,3 +116,14 @@ def ec2(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iter
 
     with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
         yield env
+
+
+@pytest.fixture
+def bare(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Env]":
+    """Offline AWS whose instances boot a bare image (`docs/environment.md`); one venv folder for
+    every node of the test, as one instance's disk keeps it across boots."""
+    from support.conformance_ec2 import ec2_environment
+
+    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults, bare=True,
+                         env_root=tmp_path / "node-envs") as env:
+        yield env

@@ -15,7 +15,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -27,17 +27,6 @@ from prefect_sgpu.launch import node_env
 from support.conformance_ec2 import EC2Env
 
 USER_MODULE = "sgpu_user_project_train"
-
-
-@pytest.fixture
-def bare(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Path) -> Iterator[EC2Env]:
-    """Offline AWS whose instances boot a bare image (see the module doc); one venv folder for
-    every node of the test, as one instance's disk keeps it across boots."""
-    from support.conformance_ec2 import ec2_environment
-
-    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults, bare=True,
-                         env_root=tmp_path / "node-envs") as env:
-        yield env
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
 
 import pytest
 
@@ -33,15 +32,6 @@ from support.conformance_ec2 import EC2Env
 
 USER_MODULE = "sgpu_index_user_train"
 TOKEN_ENV = "SGPU_TEST_INDEX_TOKEN"
-
-
-@pytest.fixture
-def bare(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Path) -> Iterator[EC2Env]:
-    from support.conformance_ec2 import ec2_environment
-
-    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults, bare=True,
-                         env_root=tmp_path / "node-envs") as env:
-        yield env
 
 
 @pytest.fixture
