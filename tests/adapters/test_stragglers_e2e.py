@@ -19,7 +19,10 @@ pytestmark = pytest.mark.e2e
 
 @gpu_task(gpus=2, mlflow=False, straggler_factor=2.0, straggler_steps=3)
 def steps(slow_rank: int | None) -> int:
-    """Every rank runs a few seconds of steps; ``slow_rank`` sleeps ten times longer each step."""
+    """Every rank runs a few seconds of steps; ``slow_rank`` sleeps ten times longer each step.
+
+    Without a slow rank the ranks step together, as data-parallel training does (a barrier each
+    step), so a loaded machine that holds one rank back a moment does not make it look slow."""
     import time as t
 
     import torch.distributed as dist
@@ -32,6 +35,8 @@ def steps(slow_rank: int | None) -> int:
     period, count = (0.4, 15) if slow else ((0.04, 150) if slow_rank is not None else (0.1, 40))
     for step in range(1, count + 1):
         t.sleep(period)
+        if slow_rank is None:
+            dist.barrier()
         runtime.progress(step, total=count, force=True)
     dist.barrier()
     return runtime.rank()
