@@ -25,10 +25,10 @@ from prefect_sgpu import payload as payload_mod
 from prefect_sgpu import progress_watch
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
                                        NodeUp, Released, Request, rank_prefect_environment)
-from prefect_sgpu.errors import (EnvironmentMismatch, InfrastructureLost, JobCancelled, JobHung, LaunchTimeout,
-                                 RankFailedError, SGPUConfigError, SGPUError)
-from prefect_sgpu.heartbeat import DriverHeartbeat, Outage
-from prefect_sgpu.jobfolder import GANG_ENV, JobFolder, NodeStatus, new_key
+from prefect_sgpu.errors import (EnvironmentMismatch, HeartbeatExpired, InfrastructureLost, JobCancelled, JobHung,
+                                 LaunchTimeout, RankFailedError, SGPUConfigError, SGPUError)
+from prefect_sgpu.heartbeat import HEARTBEAT_INTERVAL_S, DriverHeartbeat, Outage
+from prefect_sgpu.jobfolder import GANG_ENV, HEARTBEAT_STOP, JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
 from prefect_sgpu.spec import JobSpec, Plan
 from prefect_sgpu.store import Store
@@ -89,6 +89,11 @@ class _GangEnd:
             if status.notice and node not in found:
                 found[node] = f"reclaim notice: {status.notice}"
         return found
+
+
+def _stopped_for_heartbeat(statuses: dict[int, NodeStatus]) -> dict[int, NodeStatus]:
+    """The nodes that stopped themselves because no new driver heartbeat reached them."""
+    return {i: s for i, s in sorted(statuses.items()) if (s.stopped or "").startswith(HEARTBEAT_STOP)}
 
 
 @dataclass
@@ -375,8 +380,8 @@ class Job:
             gang_started = time.monotonic()
             end = self._wait(deadline)
             lost = end.infrastructure() if not end.ok else {}
-            if not lost:
-                return end
+            if not lost or _stopped_for_heartbeat(end.statuses):
+                return end  # a node that stopped itself for a stale heartbeat was not lost: it is the error
             hosts = {n.index: n.instance_id or n.host for n in allocation.nodes}
             reason = "; ".join(f"node {i} ({hosts.get(i, '?')}): {why}" for i, why in sorted(lost.items()))
             if len(self.recoveries) >= self.spec.max_recoveries:
@@ -535,6 +540,9 @@ class Job:
         if hung:
             return JobHung(self.run_id, self.spec.hang_timeout or 0.0, hung)
         failed = sorted((e for e in self._envelopes().values() if not e.ok), key=lambda e: e.finished)
+        expired = self._heartbeat_expired(statuses, failed)
+        if expired is not None:
+            return expired
         if failed:
             first = failed[0]
             info = RankFailedError(first.rank, first.host, first.exit_code, first.traceback,
@@ -566,6 +574,27 @@ class Job:
             return RankFailedError(None, (status.host if status else None) or hosts.get(index), code, None, why,
                                    node=index)
         return RankFailedError(None, None, None, None, "the job failed without a report")
+
+    def _heartbeat_expired(self, statuses: dict[int, NodeStatus],
+                           failed: list[payload_mod.Envelope]) -> HeartbeatExpired | None:
+        """A node that stopped itself for want of a new driver heartbeat is the cause; the errors its
+        peers raised afterwards (a collective whose peer vanished) are collateral, named as such."""
+        stale = _stopped_for_heartbeat(statuses)
+        if not stale:
+            return None
+        index, status = next(iter(stale.items()))
+        nodes = ", ".join(f"node {i}" for i in stale)
+        message = (f"{nodes} stopped {'itself' if len(stale) == 1 else 'themselves'}: {status.stopped}, while "
+                   f"the driver of job {self.run_id} still ran. Its heartbeat (written every "
+                   f"{HEARTBEAT_INTERVAL_S:g}s) did not reach the node within the TTL: the driver's process was "
+                   "too busy to write it, or the node could not read the job store. A longer heartbeat TTL "
+                   "(ttl_minutes on EC2) rides such stalls out.")
+        collateral = None
+        if failed:
+            first = failed[0]
+            collateral = f"rank {first.rank} (node {first.node}): {first.exc_type}: {first.exc_message}"
+            message += f" What the ranks raised after it is collateral; the first: {collateral}"
+        return HeartbeatExpired(None, status.host, status.exit_code, None, message, node=index, collateral=collateral)
 
     def _agent_output_tail(self, index: int, lines: int = 12, limit: int = 3000) -> str:
         """The last lines a node agent printed (its import error, its own traceback), for a node

@@ -153,6 +153,22 @@ class InfrastructureLost(RankFailedError):
                              self.node, self.recoveries))
 
 
+class HeartbeatExpired(RankFailedError):
+    """A node stopped its ranks itself because no new driver heartbeat reached it within its TTL, while
+    the driver still ran: the driver's process was too loaded to write the heartbeat, or the node could
+    not read the store. Whatever the other ranks raised afterwards (a collective whose peer vanished)
+    is collateral and is kept in ``collateral``."""
+
+    def __init__(self, rank: int | None, host: str | None, exit_code: int | None, remote_traceback: str | None,
+                 message: str | None = None, node: int | None = None, collateral: str | None = None) -> None:
+        super().__init__(rank, host, exit_code, remote_traceback, message, node)
+        self.collateral = collateral
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.host, self.exit_code, self.remote_traceback, self.message,
+                             self.node, self.collateral))
+
+
 class CheckpointRefused(SGPUError):
     """A checkpoint file that could run code when loaded (or is not what ``Checkpointer`` writes):
     refused before it is unpickled. Whoever can write the checkpoint location can stop a resume,

@@ -240,6 +240,10 @@ class HungRank(_Doc):
     stack: str = ""
 
 
+#: how a node's ``stopped`` reason starts when it stopped itself for want of a new driver heartbeat
+HEARTBEAT_STOP = "no new driver heartbeat"
+
+
 class NodeStatus(_Doc):
     """How a node's agent ended: its exit code and every failed rank's."""
 

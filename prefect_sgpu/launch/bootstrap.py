@@ -55,8 +55,9 @@ from pathlib import Path
 from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
-from prefect_sgpu.jobfolder import (HEARTBEAT, LOGS, PAYLOAD, RESULTS, Alive, JobFolder, LaunchDocument, NodeStatus,
-                                    Notice, agent_output_key, ssm_key_parameter, ssm_secrets_parameter, unseal)
+from prefect_sgpu.jobfolder import (HEARTBEAT, HEARTBEAT_STOP, LOGS, PAYLOAD, RESULTS, Alive, JobFolder,
+                                    LaunchDocument, NodeStatus, Notice, agent_output_key, ssm_key_parameter,
+                                    ssm_secrets_parameter, unseal)
 from prefect_sgpu.launch.node_host import NodeHost, NodeIdentity
 from prefect_sgpu.launch.lease_node import ForkedAgent, LeaseServing
 from prefect_sgpu.launch.processes import kill_and_reap, node_log as _log
@@ -431,6 +432,8 @@ class NodeBootstrap(LeaseServing):
         if status is None:
             status = NodeStatus(node=self.index, host=socket.gethostname(), exit_code=code or 1,
                                 error=reason or f"node agent exited with code {code} and no status")
+        if reason and reason.startswith(HEARTBEAT_STOP) and not (status.stopped or "").startswith(HEARTBEAT_STOP):
+            status = status.model_copy(update={"stopped": reason})  # why this node stopped its agent
         self.quiet()  # after its status a node writes nothing more to the folder
         try:
             self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
@@ -603,7 +606,7 @@ class NodeBootstrap(LeaseServing):
             if self.heartbeat_stale():
                 self.stop_agent(proc)
                 try:  # what the ranks left, for whoever looks later
-                    self.finish(proc.poll(), "driver heartbeat went stale")
+                    self.finish(proc.poll(), f"{HEARTBEAT_STOP} for {self.heartbeat_ttl:g}s (the node's TTL)")
                 except Exception as exc:  # noqa: BLE001
                     self._store_error("uploading the node's outcome", exc)
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")

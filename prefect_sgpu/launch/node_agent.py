@@ -51,13 +51,16 @@ def _install_early_signal_handlers() -> None:
         signal.signal(sig, handler)
 
 
-def _watch_heartbeat(folder: "JobFolder", ttl: float) -> None:
-    """Stop this node when the driver's heartbeat has not advanced for ``ttl`` seconds.
+def _watch_heartbeat(folder: "JobFolder", ttl: float, why: dict[str, str]) -> None:
+    """Stop this node when the driver's heartbeat has not advanced for ``ttl`` seconds (the reason
+    goes into ``why`` for the node's status: the driver names it instead of the ranks' collateral errors).
 
     Measured on this node's monotonic clock from the last *new* sealed heartbeat (its
     sequence number grew), so clock skew does not matter and a forged or replayed
     heartbeat cannot keep a node alive past its driver.
     """
+    from prefect_sgpu.jobfolder import HEARTBEAT_STOP
+
     last_seq = -1
     seen = time.monotonic()
     while True:
@@ -67,8 +70,8 @@ def _watch_heartbeat(folder: "JobFolder", ttl: float) -> None:
         if beat is not None and beat.seq > last_seq:
             last_seq, seen = beat.seq, now
         elif now - seen > ttl:
-            print(f"[sgpu-agent] no new driver heartbeat for {now - seen:.0f}s (ttl {ttl:.0f}s): "
-                  "stopping this node", file=sys.stderr, flush=True)
+            why["stopped"] = f"{HEARTBEAT_STOP} for {now - seen:.0f}s (ttl {ttl:g}s)"
+            print(f"[sgpu-agent] {why['stopped']}: stopping this node", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
             return
 
@@ -234,9 +237,10 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
     prefect_home.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.environ["PREFECT_HOME"] = str(prefect_home)
     os.environ["PREFECT_PROFILES_PATH"] = str(prefect_home / "profiles.toml")
+    why: dict[str, str] = {}  # set by a watchdog that stopped this node
     if args.heartbeat_ttl > 0:
         threading.Thread(
-            target=_watch_heartbeat, args=(folder, args.heartbeat_ttl), daemon=True
+            target=_watch_heartbeat, args=(folder, args.heartbeat_ttl, why), daemon=True
         ).start()
 
     hung: dict[str, dict[str, Any]] = {}
@@ -311,6 +315,8 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
 
     if hung:
         status["hung"] = dict(hung)
+    if why.get("stopped"):
+        status["stopped"] = why["stopped"]
     try:
         status["notice"] = (job_dir / PREEMPT_FILE).read_text().strip() or "reclaim notice"
     except OSError:

@@ -212,7 +212,8 @@ def _kill_a_driver_mid_run(ec2: EC2Env, tmp_path: Path,
     env = {**os.environ, **ec2.aws.env, "PREFECT_SGPU_HOME": str(tmp_path / "home"),
            "MLFLOW_TRACKING_URI": _mlflow_uri(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
-    driver = subprocess.Popen([sys.executable, str(script), json.dumps(ec2.settings)], env=env,
+    settings = {**ec2.settings, "heartbeat_ttl_s": HEARTBEAT_TTL_S}  # the nodes outlive it by this TTL
+    driver = subprocess.Popen([sys.executable, str(script), json.dumps(settings)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     s3 = ec2.aws.client("s3")
     run_id = None
@@ -283,7 +284,8 @@ def test_killed_driver_nodes_terminate_themselves_and_the_next_job_sweeps_the_re
     # the next job of the same store sweeps it all before it launches (TTL + half the TTL after the kill)
     time.sleep(max(0.0, died + HEARTBEAT_TTL_S * 1.5 + 1 - time.monotonic()))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", _mlflow_uri(tmp_path))
-    job = distributed(gpus=1, gpu_type="A10", remote=True, compute=ec2.compute())(_hello).job(5)
+    job = distributed(gpus=1, gpu_type="A10", remote=True,
+                      compute=ec2.compute(heartbeat_ttl_s=HEARTBEAT_TTL_S))(_hello).job(5)
     assert job.run().values == [5]
     assert ec2.leftovers(run_id) == [] and ec2.leftovers(job.run_id) == []
     swept = _mlflow_run(tmp_path, run_id)

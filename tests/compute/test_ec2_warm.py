@@ -204,9 +204,9 @@ def test_a_killed_driver_s_idle_lease_terminates_itself(ec2: EC2Env, tmp_path: P
     script.write_text(_DRIVER)
     env = {**os.environ, **ec2.aws.env, "PREFECT_SGPU_HOME": str(tmp_path / "home"),
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
-    driver = subprocess.Popen([sys.executable, str(script), json.dumps({**ec2.settings, "keep_warm": 600})],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    settings = {**ec2.settings, "keep_warm": 600, "heartbeat_ttl_s": HEARTBEAT_TTL_S}
+    driver = subprocess.Popen([sys.executable, str(script), json.dumps(settings)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         assert driver.stdout is not None
         line = driver.stdout.readline()

@@ -26,12 +26,15 @@ from prefect_sgpu.jobfolder import LOGS
 
 pytestmark = pytest.mark.e2e
 
-def _when(condition: Callable[[], bool], timeout: float, what: str, while_alive: threading.Thread) -> None:
+def _when(condition: Callable[[], bool], timeout: float, what: str, while_alive: threading.Thread,
+          outcome: dict[str, Any] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and while_alive.is_alive():
         if condition():
             return
         time.sleep(0.5)
+    if not while_alive.is_alive():
+        raise AssertionError(f"the job ended before {what}: {outcome!r}")
     raise AssertionError(f"{what} did not happen within {timeout:g}s")
 
 
@@ -84,7 +87,7 @@ def test_spot_notice_checkpoints_at_once_and_the_job_resumes_on_new_instances(ec
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
     job = fn.job(step_s=0.5)  # 40 steps left after the notice: longer than the 8 s to termination
     thread, outcome = _drive(job)
-    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread)
+    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
     node1 = _node_instance(ec2, job.run_id, 1)
     ec2.simulator.reclaim(node1, after=8.0)  # two minutes on AWS
     thread.join(timeout=400)
@@ -99,7 +102,7 @@ def test_a_terminated_instance_is_replaced_and_the_job_resumes(ec2: EC2Env) -> N
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
     job = fn.job()
     thread, outcome = _drive(job)
-    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread)
+    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
     node1 = _node_instance(ec2, job.run_id, 1)
     ec2.aws.client("ec2").terminate_instances(InstanceIds=[node1])
     thread.join(timeout=400)
@@ -145,11 +148,11 @@ def test_a_lost_gangs_stop_written_back_does_not_stop_the_relaunched_gang(fake_c
     job = fn.job()
     thread, outcome = _drive(job)
     machines = lambda: [m for m in provider.machines.values() if m.launch_id == job.run_id]  # noqa: E731
-    _when(lambda: b"gang 0 is up" in (store.get(job.run_id, log_key(0)) or b""), 120, "gang 0's rank", thread)
+    _when(lambda: b"gang 0 is up" in (store.get(job.run_id, log_key(0)) or b""), 120, "gang 0's rank", thread, outcome)
     (first,) = machines()
     os.killpg(first.proc.pid, signal.SIGKILL)  # the machine is lost
     kept: list[bytes] = []
-    _when(lambda: bool(kept.append(store.get(job.run_id, STOP) or b"") or kept[-1]), 60, "gang 0's stop", thread)
+    _when(lambda: bool(kept.append(store.get(job.run_id, STOP) or b"") or kept[-1]), 60, "gang 0's stop", thread, outcome)
     stop = kept[-1]
     replays = 0
     while thread.is_alive():  # the store writer: gang 0's stop in gang 1's folder, again whenever it goes
@@ -176,7 +179,7 @@ def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path,
     job = fn.job()
     thread, outcome = _drive(job)
     checkpoint = lambda: (job.store.local_dir_root() / job.run_id / "checkpoints" / "step-00000020" / "COMPLETE").exists()  # noqa: E731
-    _when(checkpoint, 300, "the step-20 checkpoint", thread)
+    _when(checkpoint, 300, "the step-20 checkpoint", thread, outcome)
     agent = job.allocation.processes[1]
     os.killpg(agent.pid, signal.SIGKILL)  # the node is gone: no status, no cleanup of its own
     thread.join(timeout=300)
@@ -227,3 +230,37 @@ def test_a_silent_rank_fails_the_job_as_hung_naming_it_with_its_stack(tmp_path: 
     assert "in _sleeps_forever_on_rank_1" in error.ranks[1]["stack"], error.ranks[1]
     assert "rank(s) 1 made no progress for 5s" in str(error)
     assert not job_processes(job.run_id), "every rank was stopped"
+
+
+def _all_reduce_for_a_minute() -> int:
+    import torch
+    import torch.distributed as dist
+
+    from prefect_sgpu import runtime
+
+    runtime.init_process_group()
+    t = torch.ones(1)
+    for _ in range(600):
+        dist.all_reduce(t)
+        time.sleep(0.1)
+    return runtime.rank()
+
+
+def test_nodes_that_stop_for_a_stalled_driver_heartbeat_fail_the_job_saying_so_not_relaunch_it(
+        ec2: EC2Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver runs but its heartbeat stops advancing: each node stops its ranks and its instance at its
+    TTL. That is no loss of capacity to recover from: the job fails with HeartbeatExpired naming it, not
+    with the collective error a peer raised afterwards, and nothing is left behind."""
+    from prefect_sgpu import heartbeat
+    from prefect_sgpu.errors import HeartbeatExpired
+
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_INTERVAL_S", 3600.0)  # the first beat, then none
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(heartbeat_ttl_s=6.0), mlflow=False,
+                     timeout=300, max_recoveries=1)(_all_reduce_for_a_minute)
+    job = fn.job()
+    with pytest.raises(HeartbeatExpired) as info:
+        job.run()
+    assert "no new driver heartbeat for" in str(info.value) and "still ran" in str(info.value), str(info.value)
+    assert len(ec2.instances(job.run_id)) == 2, "no relaunch"
+    assert all(i["State"]["Name"] == "terminated" for i in ec2.instances(job.run_id))
+    assert ec2.leftovers(job.run_id) == []

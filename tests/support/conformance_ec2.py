@@ -28,7 +28,11 @@ from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
 from prefect_sgpu.environment import ENVIRONMENT_ENV
 from prefect_sgpu.store_s3 import S3Store
 
+#: the driver-heartbeat TTL of tests that wait for nodes to outlive a dead driver (they ask for it)
 HEARTBEAT_TTL_S = 10.0
+#: every other job's: long enough that a driver thread starved on a loaded machine (moto, the simulator
+#: and the driver share one test process) is not taken for a dead driver by its nodes
+JOB_HEARTBEAT_TTL_S = 30.0
 
 
 @dataclass
@@ -120,7 +124,7 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
         "ami_id": aws_env.image_id(),
         "store_uri": f"s3://{bucket}/jobs",
         "endpoint_url": aws_env.endpoint_url,
-        "heartbeat_ttl_s": HEARTBEAT_TTL_S,
+        "heartbeat_ttl_s": JOB_HEARTBEAT_TTL_S,
         "agent_timeout_s": 90.0,
         "rendezvous_port": free_port(),
         "running_timeout_s": 60.0,
