@@ -2,11 +2,17 @@
 
     prefect-sgpu --version
     prefect-sgpu gpus [--region REGION] [--json]
+    prefect-sgpu run [--gpus N] [--nodes N] [--gpu-type TYPE] [--remote --compute-block SLUG/NAME] SCRIPT [ARGS]
     prefect-sgpu gc [--dry-run] [--compute-block SLUG/NAME | --store URI] [options]
 
 ``gpus`` prints the accelerator catalog (:mod:`prefect_sgpu.catalog`): each GPU type, the
 instance types that carry it, their GPUs per node and on-demand price per hour where the
 catalog has one for ``--region``.
+
+``run`` launches a script on every rank as torchrun does, inside a Prefect flow run named
+``prefect-sgpu-run`` (:mod:`prefect_sgpu.adapters.script_run`): GPU quota, events, artifacts and
+rank logs are those of a ``@gpu_task``. Exit status 0 when every rank exited 0, 1 when the job
+failed, 2 for bad arguments (nothing was started).
 
 ``gc`` removes what dead drivers left behind (:mod:`prefect_sgpu.compute.remote.sweep`): with
 ``--compute-block`` the store, region and credentials of a saved compute block; with
@@ -37,6 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     gpus.add_argument("--region", default=None,
                       help="AWS region of the prices (default: the one the catalog has prices for)")
     gpus.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    run = commands.add_parser(
+        "run", help="run a Python script on every rank, as torchrun does, inside a Prefect flow run",
+        description="Options of prefect-sgpu come before the script; everything after it is the script's own.")
+    run.add_argument("--gpus", type=int, default=None, help="ranks in all (one per GPU; CPU processes on a "
+                                                            "machine without GPUs); default 1")
+    run.add_argument("--nodes", type=int, default=None, help="machines the ranks are spread over (default: "
+                                                             "as few as hold them)")
+    run.add_argument("--timeout", type=float, default=None, help="seconds the whole job may take")
+    run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                     help="an environment variable of every rank (repeatable)")
+    add_gpu_arguments(run)
+    run.add_argument("script", help="the Python script (*.py)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     gc = commands.add_parser("gc", help="remove what dead drivers left: instances, groups, SSM keys, control "
                                         "files, RUNNING MLflow runs")
     where = gc.add_mutually_exclusive_group()
@@ -95,6 +114,34 @@ def _sweeper(args: argparse.Namespace) -> Any:
     return sweeper(None, LocalStore(args.store) if args.store else None, tracking_uri, **options)
 
 
+def _run(args: argparse.Namespace) -> int:
+    """The script's job in a flow run: 0 when every rank exited 0, 1 when the job failed (its error
+    printed), 2 for bad arguments (SGPUConfigError, raised to :func:`main` before anything starts)."""
+    from prefect_sgpu.errors import SGPUConfigError
+
+    given: dict[str, Any] = {k: v for k, v in (("gpus", args.gpus), ("nodes", args.nodes),
+                                               ("timeout", args.timeout)) if v is not None}
+    env = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SGPUConfigError("--env", item, "KEY=VALUE")
+        env[key] = value
+    if env:
+        given["env"] = env
+    given.update({k: v for k, v in gpu_options(args).items() if v})
+    from prefect_sgpu.adapters import script_run
+
+    try:
+        script_run.run(args.script, args.script_args, given)
+    except SGPUConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the job failed: the flow run and the rank logs say how
+        print(f"prefect-sgpu run: {args.script} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _default_region() -> str:
     import boto3
 
@@ -137,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "gpus":
             return _gpus(args)
+        if args.command == "run":
+            return _run(args)
         made = _sweeper(args)
     except SGPUConfigError as exc:
         print(f"prefect-sgpu {args.command}: {exc}", file=sys.stderr)
@@ -149,10 +198,6 @@ def main(argv: list[str] | None = None) -> int:
         for line in report.lines():
             print(f"  {line}")
     return 1 if report.errors else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # --- the example flows' command lines ---------------------------------------------------
@@ -197,3 +242,7 @@ def gpu_options(args: argparse.Namespace) -> dict[str, Any]:
         raise SGPUConfigError("--remote", True, "only with a remote compute",
                               f"pass --compute-block SLUG/NAME or set {REMOTE_COMPUTE_ENV}")
     return {"gpu_type": args.gpu_type, "remote": bool(args.remote)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

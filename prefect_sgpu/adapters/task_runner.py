@@ -39,7 +39,7 @@ from prefect_sgpu.store import LocalStore, Store
 R = TypeVar("R")
 logger = logging.getLogger("prefect_sgpu.task_runner")
 
-__all__ = ["COMPUTE_ENV", "STORE_ENV", "GPUTask", "GPUTaskRunner", "gpu_task", "run_gpu_job"]
+__all__ = ["COMPUTE_ENV", "STORE_ENV", "GPUTask", "GPUTaskRunner", "gpu_task", "run_gpu_call", "run_gpu_job"]
 
 
 class GPUTask(Task):  # type: ignore[type-arg]
@@ -155,6 +155,14 @@ def task_spec(layer: SpecLayer | None, runner: "GPUTaskRunner | None") -> JobSpe
 def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                 layer: SpecLayer | None) -> Any:
     """Launch ``fn`` on the task's resources (merged over the runner's defaults) and wait."""
+    return run_gpu_call(payload_mod.FunctionCall(fn, args, kwargs), layer, _digest(args, kwargs),
+                        getattr(fn, "__name__", "task"))
+
+
+def run_gpu_call(call: "payload_mod.FunctionCall | payload_mod.ScriptCall", layer: SpecLayer | None,
+                 digest: str, name: str) -> Any:
+    """Run ``call`` (a function or a script) as this task run's job, with the GPU quota, the events, the
+    progress and the artifacts of a ``@gpu_task``; ``digest`` keys its checkpoint location."""
     from prefect.context import FlowRunContext, TaskRunContext
 
     from prefect_sgpu.adapters import run_logs
@@ -164,7 +172,7 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     spec = task_spec(layer, runner)
     compute, store = runner.compute_and_store(spec) if runner else resolve(spec)
     spec = spec_mod.for_compute(compute, layer, runner.layer if runner else None)
-    checkpoint = _checkpoint_dir(store, spec.env, _digest(args, kwargs))
+    checkpoint = _checkpoint_dir(store, spec.env, digest)
     if checkpoint:
         spec = spec.replace(env={**spec.env, **checkpoint})
 
@@ -176,8 +184,7 @@ def run_gpu_job(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     if flow_ctx is not None and flow_ctx.flow_run is not None:
         tags["prefect.flow_run_id"] = str(flow_ctx.flow_run.id)
     cancel = threading.Event()
-    job = Job(payload_mod.FunctionCall(fn, args, kwargs), spec, compute, store,
-              sink=RankLogSink(getattr(fn, "__name__", "task")), cancel_event=cancel, tags=tags)
+    job = Job(call, spec, compute, store, sink=RankLogSink(name), cancel_event=cancel, tags=tags)
     job.prepare()  # bad resources or payload fail here, before a quota slot is taken
     with gpu_quota(spec):
         if runner is not None:
