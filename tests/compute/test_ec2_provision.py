@@ -521,6 +521,45 @@ def test_spot_capacity_falls_back_to_on_demand(
         prov.terminate("r-fallback")
 
 
+VCPU_LIMIT = ("You have requested more vCPU capacity than your current vCPU limit of 0 allows for the instance "
+              "bucket that the specified instance type belongs to.")
+
+
+def test_a_vcpu_quota_error_names_the_quota_and_skips_the_other_zones_of_that_market(
+    settings: dict[str, Any], aws_env: Any, aws_faults: Any
+) -> None:
+    """The quota is regional: one VcpuLimitExceeded per market, never one per zone; spot's own quota
+    full, the on-demand one still takes the launch."""
+    first, _ = settings["subnet_ids"]
+    aws_faults.fail("RunInstances", "VcpuLimitExceeded", message=VCPU_LIMIT, status=400,
+                    where=lambda p: p.get("InstanceMarketOptions.MarketType") == "spot")
+    prov = provisioner(settings, market="spot", fallback_to_on_demand=True)
+    messages: list[str] = []
+    try:
+        instances = prov.provision("r-quota", make_plan(2, "A10"), USER_DATA, progress=messages.append)
+        assert {i.market for i in instances} == {"on-demand"} and {i.subnet_id for i in instances} == {first}
+        markets = [c.get("InstanceMarketOptions.MarketType", "on-demand") for c in run_instances_calls(aws_faults)]
+        assert markets == ["spot", "on-demand"], "the second zone's spot launch was not tried"
+        assert any('"All G and VT Spot Instance Requests" (L-3819A6DF)' in m for m in messages), messages
+    finally:
+        prov.terminate("r-quota")
+    assert_cleaned(aws_env, "r-quota")
+
+
+def test_every_market_over_its_vcpu_quota_fails_naming_the_quotas_to_raise(
+    settings: dict[str, Any], aws_env: Any, aws_faults: Any
+) -> None:
+    aws_faults.fail("RunInstances", "VcpuLimitExceeded", message=VCPU_LIMIT, status=400)
+    prov = provisioner(settings, market="spot", fallback_to_on_demand=True)
+    with pytest.raises(ProvisioningError) as info:
+        prov.provision("r-noquota", make_plan(2, "A10"), USER_DATA)
+    text = str(info.value)
+    assert "(L-3819A6DF)" in text and '"Running On-Demand G and VT instances" (L-DB2E81BA)' in text, text
+    assert "2 x g5.xlarge" in text and "raise it in Service Quotas" in text, text
+    assert len(run_instances_calls(aws_faults)) == 2, "one try per market"
+    assert_cleaned(aws_env, "r-noquota")
+
+
 def test_spot_failure_without_fallback_raises(
     settings: dict[str, Any], aws_env: Any, aws_faults: Any
 ) -> None:

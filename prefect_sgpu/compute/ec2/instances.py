@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,13 @@ CAPACITY_ERRORS = frozenset(
         "Unsupported",  # the instance type is not offered in this availability zone
     }
 )
+#: the regional vCPU quota of an instance family and market: run_instances says VcpuLimitExceeded when a
+#: launch would pass it (Service Quotas, service "ec2"); the other zones of the region share it
+VCPU_QUOTAS = {
+    ("G and VT", "on-demand"): "L-DB2E81BA", ("G and VT", "spot"): "L-3819A6DF",
+    ("P", "on-demand"): "L-417A185B", ("P", "spot"): "L-7212CCBC",
+    ("Standard", "on-demand"): "L-1216C47A", ("Standard", "spot"): "L-34B43A08",
+}
 SG_DELETE_TIMEOUT_S = 180.0
 #: instance states of an instance that will not run a job again
 DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
@@ -94,6 +102,18 @@ class Attempt:
         return (
             f"{self.subnet_id} ({self.availability_zone}, {self.market}): {self.error_code}: {self.message}"
         )
+
+
+def vcpu_quota(instance_type: str, market: str) -> str:
+    """The Service Quotas quota an ``instance_type`` launch in ``market`` counts against, by name and code."""
+    prefix = re.match(r"[a-z]+", instance_type.lower())
+    family = prefix.group(0) if prefix else ""
+    kind = {"g": "G and VT", "vt": "G and VT", "p": "P", "trn": "Trn", "inf": "Inf", "dl": "DL", "f": "F",
+            "x": "X"}.get(family, "Standard")
+    spot = market == "spot"
+    name = f"All {kind} Spot Instance Requests" if spot else f"Running On-Demand {kind} instances"
+    code = VCPU_QUOTAS.get((kind, "spot" if spot else "on-demand"))
+    return f"EC2 quota \"{name}\"" + (f" ({code})" if code else "")
 
 
 class EC2Provisioner:
@@ -261,10 +281,13 @@ class EC2Provisioner:
             sg = self.settings.security_group_id or self._create_security_group(run_id, subnets)
             self._create_placement_group(run_id)
             tried: list[Attempt] = []
+            over_quota: set[str] = set()  # markets whose regional vCPU quota this launch would pass
             for launch in todo:
                 if stop():
                     raise JobCancelled(f"run {run_id} was cancelled while provisioning")
                 market, subnet_id = launch.market, launch.subnet_id or ""
+                if market in over_quota:
+                    continue  # every zone of the region counts against the same quota
                 zone = subnets[subnet_id]["AvailabilityZone"]
                 request = launch.resolved(image_id, sg, root_device)
                 if sent is not None:
@@ -274,6 +297,14 @@ class EC2Provisioner:
                     response = self._run_instances(request, stop, deadline)
                 except ClientError as exc:
                     code, message = _error_of(exc)
+                    if code == "VcpuLimitExceeded":
+                        quota = vcpu_quota(itype, "spot" if market == "spot" else "on-demand")
+                        message = (f"{message} {plan.nodes} x {itype} needs more vCPUs than the {quota} in "
+                                   f"{self.settings.region} leaves: raise it in Service Quotas")
+                        tried.append(Attempt(subnet_id, zone, market, code, message))
+                        over_quota.add(market)
+                        say(f"over the vCPU quota for {market} {itype}: {quota}")
+                        continue
                     if code not in CAPACITY_ERRORS:
                         raise ProvisioningError(
                             f"run_instances failed in {subnet_id} ({zone}, {market}) with "
