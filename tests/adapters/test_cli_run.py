@@ -30,6 +30,15 @@ if rank == 1 and "--fail" in sys.argv:
 """
 
 
+def _script(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """The script, and the folder its ranks write to (its first argument)."""
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(SCRIPT))
+    out = tmp_path / "out"
+    out.mkdir()
+    return script, out
+
+
 def _cli(*argv: str, api_url: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != REMOTE_COMPUTE_ENV}
     if api_url is None:
@@ -62,10 +71,7 @@ def _flow_run(name: str) -> tuple[str, list[str], list[str]]:
 
 def test_the_script_runs_on_every_rank_with_its_arguments_inside_a_flow_run(prefect_server: None,
                                                                            tmp_path: Path) -> None:
-    script = tmp_path / "train_cli.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    out = tmp_path / "out"
-    out.mkdir()
+    script, out = _script(tmp_path, "train_cli.py")
     done = _cli("--gpus", "2", "--env", "GREETING=hi", str(script), str(out), "--lr", "3e-4")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
@@ -79,10 +85,7 @@ def test_the_script_runs_on_every_rank_with_its_arguments_inside_a_flow_run(pref
 
 def test_a_rank_that_exits_non_zero_fails_the_command_and_its_flow_run(prefect_server: None,
                                                                        tmp_path: Path) -> None:
-    script = tmp_path / "fails_cli.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    out = tmp_path / "out"
-    out.mkdir()
+    script, out = _script(tmp_path, "fails_cli.py")
     done = _cli("--gpus", "2", str(script), str(out), "--fail")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "prefect-sgpu run:" in done.stderr and "rank 1" in done.stderr and "exit code 3" in done.stderr, \

@@ -362,29 +362,19 @@ def test_nodes_stop_themselves_when_the_driver_dies(tmp_path: Path) -> None:
         time.sleep(0.5)
 
 
-def _all_reduce_for_a_minute() -> int:
-    import torch
-    import torch.distributed as dist
-
-    runtime.init_process_group()
-    t = torch.ones(1)
-    for _ in range(600):
-        dist.all_reduce(t)
-        time.sleep(0.1)
-    return runtime.rank()
-
-
 def test_nodes_that_stop_for_a_stalled_heartbeat_are_named_as_the_cause_not_their_peers_errors(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver still runs but its heartbeat stops advancing (a driver process too loaded to write it):
     the nodes stop themselves at their TTL, and the job's error says so, with what the ranks raised
     afterwards (a collective whose peer vanished) named as collateral, not as the cause."""
+    from support.training import all_reduce_for_a_minute
+
     from prefect_sgpu import heartbeat
     from prefect_sgpu.errors import HeartbeatExpired
 
     monkeypatch.setattr(heartbeat, "HEARTBEAT_INTERVAL_S", 3600.0)  # the first beat, then none
     monkeypatch.setenv("PREFECT_SGPU_HEARTBEAT_TTL", "3")
-    job = distributed(gpus=2, nodes=2, mlflow=False, timeout=120)(_all_reduce_for_a_minute).job()
+    job = distributed(gpus=2, nodes=2, mlflow=False, timeout=120)(all_reduce_for_a_minute).job()
     with pytest.raises(HeartbeatExpired) as info:
         job.run()
     text = str(info.value)

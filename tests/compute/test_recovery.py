@@ -19,7 +19,7 @@ from typing import Any, Callable
 import pytest
 
 from support.conformance_ec2 import EC2Env
-from support.training import STEPS, train_with_checkpoints as _train
+from support.training import STEPS, all_reduce_for_a_minute, train_with_checkpoints as _train
 from prefect_sgpu import distributed
 from prefect_sgpu.errors import JobHung
 from prefect_sgpu.jobfolder import LOGS
@@ -232,20 +232,6 @@ def test_a_silent_rank_fails_the_job_as_hung_naming_it_with_its_stack(tmp_path: 
     assert not job_processes(job.run_id), "every rank was stopped"
 
 
-def _all_reduce_for_a_minute() -> int:
-    import torch
-    import torch.distributed as dist
-
-    from prefect_sgpu import runtime
-
-    runtime.init_process_group()
-    t = torch.ones(1)
-    for _ in range(600):
-        dist.all_reduce(t)
-        time.sleep(0.1)
-    return runtime.rank()
-
-
 def test_nodes_that_stop_for_a_stalled_driver_heartbeat_fail_the_job_saying_so_not_relaunch_it(
         ec2: EC2Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver runs but its heartbeat stops advancing: each node stops its ranks and its instance at its
@@ -256,7 +242,7 @@ def test_nodes_that_stop_for_a_stalled_driver_heartbeat_fail_the_job_saying_so_n
 
     monkeypatch.setattr(heartbeat, "HEARTBEAT_INTERVAL_S", 3600.0)  # the first beat, then none
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(heartbeat_ttl_s=6.0), mlflow=False,
-                     timeout=300, max_recoveries=1)(_all_reduce_for_a_minute)
+                     timeout=300, max_recoveries=1)(all_reduce_for_a_minute)
     job = fn.job()
     with pytest.raises(HeartbeatExpired) as info:
         job.run()

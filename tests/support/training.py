@@ -71,3 +71,19 @@ def train_with_checkpoints(step_s: float = 0.25, strategy: str = "ddp", stop_at:
         steps = int(first.full_tensor().item() if hasattr(first, "full_tensor") else first.item())
     return {"start": start, "ran": ran, "optimizer_steps": steps, "restored": restored, "final": weights(),
             "host": socket.gethostname(), "instance": runtime.instance_id()}
+
+
+def all_reduce_for_a_minute() -> int:
+    """Ranks in lockstep for about a minute (an all-reduce every 0.1 s): a job whose ranks all die together
+    when any one of them goes."""
+    import torch
+    import torch.distributed as dist
+
+    from prefect_sgpu import runtime
+
+    runtime.init_process_group()
+    t = torch.ones(1)
+    for _ in range(600):
+        dist.all_reduce(t)
+        time.sleep(0.1)
+    return runtime.rank()
