@@ -153,6 +153,30 @@ def test_a_peer_failure_explained_by_a_lost_node_is_infrastructure(tmp_path: Pat
         _job(_fails_after_peer_loss, compute, tmp_path, gpus=2, max_recoveries=0).run()
 
 
+class _StaleHeartbeatCompute(FakeCompute):
+    """In the first gang node 0 stops itself for a stale driver heartbeat (its status says so) while
+    node 1's machine goes too (its own watchdog terminated it): a loss, on its face."""
+
+    def _node(self, allocation, node):  # type: ignore[no-untyped-def]
+        if node == 0 and self.acquired == 1:
+            stopped = f"{jobfolder.HEARTBEAT_STOP} for 12s (ttl 10s)"
+            allocation.folder.put_status(0, jobfolder.NodeStatus(node=0, host="fake", exit_code=143,
+                                                                 stopped=stopped))
+            allocation.codes[0] = 143
+            return
+        super()._node(allocation, node)
+
+
+def test_a_node_stopped_for_a_stale_heartbeat_fails_the_job_even_beside_a_lost_one(tmp_path: Path) -> None:
+    """No relaunch: a new gang of the same driver would stop the same way. The error names the cause."""
+    from prefect_sgpu.errors import HeartbeatExpired
+
+    compute = _StaleHeartbeatCompute(nodes=2, lose_node=1, lose_times=1)
+    with pytest.raises(HeartbeatExpired, match=r"node 0 stopped itself: no new driver heartbeat for 12s"):
+        _job(_identity, compute, tmp_path, 3, gpus=2, max_recoveries=1).run()
+    assert compute.acquired == 1 and compute.releases == 1
+
+
 def test_a_forged_result_is_ignored(tmp_path: Path) -> None:
     """A rank's place filled with an envelope sealed by someone else is not a result."""
 
