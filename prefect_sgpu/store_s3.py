@@ -23,6 +23,8 @@ from prefect_sgpu.store import Store
 BODY_ATTEMPTS = 3
 #: the folder beside an object that holds its appended pieces (``logs/rank-00000.log.parts/...``)
 PARTS = ".parts"
+#: the error codes of an object that is not there
+NOT_FOUND = ("NoSuchKey", "404", "NotFound")
 #: objects at least this large (payloads, results) go up in parts through boto3's transfer manager:
 #: one PUT holds at most 5 GB, and parts of a large object go up side by side
 MULTIPART_BYTES = 64 * 1024 * 1024
@@ -220,26 +222,41 @@ class S3Store(Store):
     def get(self, run_id: str, key: str) -> bytes | None:
         from botocore.exceptions import ClientError
 
-        try:
-            _response, data = self._read(Key=self._key(run_id, key))
-        except ClientError as exc:
-            if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
-                return self._read_parts(run_id, key, 0)
-            raise
-        return data
+        for sealing in (True, False):
+            try:
+                _response, data = self._read(Key=self._key(run_id, key))
+            except ClientError as exc:
+                if _error_code(exc) not in NOT_FOUND:
+                    raise
+                try:
+                    return self._read_parts(run_id, key, 0)
+                except ClientError as gone:  # a piece went between listing and reading: sealed meanwhile
+                    if not sealing or _error_code(gone) not in NOT_FOUND:
+                        raise
+                    continue
+            return data
+        raise AssertionError("unreachable")
 
     def read_from(self, run_id: str, key: str, offset: int) -> bytes:
         """Bytes from ``offset`` to the end (a ranged GET): what a log tailer has not seen yet."""
         from botocore.exceptions import ClientError
 
-        try:
-            response, data = self._read(Key=self._key(run_id, key), Range=f"bytes={max(offset, 0)}-")
-        except ClientError as exc:
-            if _error_code(exc) in ("NoSuchKey", "404", "NotFound"):
-                return self._read_parts(run_id, key, max(offset, 0)) or b""
-            if _error_code(exc) in ("InvalidRange", "416"):
-                return b""
-            raise
+        for sealing in (True, False):
+            try:
+                response, data = self._read(Key=self._key(run_id, key), Range=f"bytes={max(offset, 0)}-")
+                break
+            except ClientError as exc:
+                if _error_code(exc) in ("InvalidRange", "416"):
+                    return b""
+                if _error_code(exc) not in NOT_FOUND:
+                    raise
+                try:
+                    return self._read_parts(run_id, key, max(offset, 0)) or b""
+                except ClientError as gone:  # a piece went between listing and reading: sealed meanwhile
+                    if not sealing or _error_code(gone) not in NOT_FOUND:
+                        raise
+        else:
+            raise AssertionError("unreachable")
         # a store that ignores Range answers 200 with the whole object
         if response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and offset:
             data = data[offset:]

@@ -137,6 +137,30 @@ def test_an_appended_object_reads_as_one_until_sealed_and_ships_each_byte_once(s
     assert store.get("run", "metrics/rank-00000.jsonl") is None and store.list("run", "metrics") == []
 
 
+class _SealedWhileReading(S3Store):
+    """A store whose writer seals the appended object right after a reader listed its pieces."""
+
+    sealed_with: bytes = b""
+
+    def _parts(self, run_id: str, key: str, from_offset: int = 0) -> list[tuple[int, int, str]]:
+        listed = super()._parts(run_id, key, from_offset)
+        if self.sealed_with:
+            self.seal_appended(run_id, key, self.sealed_with)
+            self.sealed_with = b""
+        return listed
+
+
+@pytest.mark.parametrize("read", ["get", "read_from"])
+def test_a_reader_that_lists_pieces_just_before_they_are_sealed_reads_the_sealed_object(
+        aws_env: MotoAWS, store: S3Store, read: str) -> None:
+    racing = _SealedWhileReading(store.root_uri, session=aws_env.session(), endpoint_url=aws_env.endpoint_url)
+    key = "logs/rank-00001.log"
+    racing.append("run", key, 0, b"rank is up\n")
+    racing.sealed_with = b"rank is up\nand done\n"
+    data = racing.get("run", key) if read == "get" else racing.read_from("run", key, 0)
+    assert data == b"rank is up\nand done\n", "the piece it listed was gone: it read the object whole"
+
+
 def test_a_node_ships_a_growing_log_in_at_most_twice_its_size(store: S3Store, tmp_path: Any) -> None:
     from pathlib import Path
 
