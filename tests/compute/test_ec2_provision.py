@@ -8,6 +8,7 @@ Every test ends with no instance alive in moto (``no_leaked_instances``).
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 from typing import Any
 
@@ -666,7 +667,11 @@ def test_instances_never_running_time_out_and_are_cleaned(
     with pytest.raises(LaunchTimeout) as info:
         prov.provision("r-stuck", make_plan(2, "A10"), USER_DATA)
     assert info.value.phase == "provisioning"
-    assert [c.error for c in aws_faults.calls("DescribeInstances")][:5] == ["InvalidInstanceID.NotFound"] * 5
+    answers = [c.error for c in aws_faults.calls("DescribeInstances")]
+    polls = list(itertools.takewhile(lambda error: error == "InvalidInstanceID.NotFound", answers))
+    # the waiter polled as often as running_timeout_s allows (fewer on a loaded machine), each time
+    # told "unknown", and gave up; the cleanup's calls come after
+    assert 1 <= len(polls) <= 5, answers
     assert_cleaned(aws_env, "r-stuck")
 
 
