@@ -219,48 +219,45 @@ class S3Store(Store):
                 time.sleep(0.1 * (attempt + 1))
         raise AssertionError("unreachable")
 
-    def get(self, run_id: str, key: str) -> bytes | None:
+    def _whole_or_parts(self, whole: Any, parts: Any) -> Any:
+        """``whole()``; when the object is not there whole, ``parts()`` (its appended pieces). A piece
+        gone between listing and reading means the object was sealed meanwhile: ``whole()`` once more."""
         from botocore.exceptions import ClientError
 
         for sealing in (True, False):
             try:
-                _response, data = self._read(Key=self._key(run_id, key))
+                return whole()
             except ClientError as exc:
                 if _error_code(exc) not in NOT_FOUND:
                     raise
-                try:
-                    return self._read_parts(run_id, key, 0)
-                except ClientError as gone:  # a piece went between listing and reading: sealed meanwhile
-                    if not sealing or _error_code(gone) not in NOT_FOUND:
-                        raise
-                    continue
-            return data
+            try:
+                return parts()
+            except ClientError as gone:
+                if not sealing or _error_code(gone) not in NOT_FOUND:
+                    raise
         raise AssertionError("unreachable")
+
+    def get(self, run_id: str, key: str) -> bytes | None:
+        return self._whole_or_parts(lambda: self._read(Key=self._key(run_id, key))[1],
+                                    lambda: self._read_parts(run_id, key, 0))
 
     def read_from(self, run_id: str, key: str, offset: int) -> bytes:
         """Bytes from ``offset`` to the end (a ranged GET): what a log tailer has not seen yet."""
         from botocore.exceptions import ClientError
 
-        for sealing in (True, False):
+        def whole() -> bytes:
             try:
                 response, data = self._read(Key=self._key(run_id, key), Range=f"bytes={max(offset, 0)}-")
-                break
             except ClientError as exc:
                 if _error_code(exc) in ("InvalidRange", "416"):
                     return b""
-                if _error_code(exc) not in NOT_FOUND:
-                    raise
-                try:
-                    return self._read_parts(run_id, key, max(offset, 0)) or b""
-                except ClientError as gone:  # a piece went between listing and reading: sealed meanwhile
-                    if not sealing or _error_code(gone) not in NOT_FOUND:
-                        raise
-        else:
-            raise AssertionError("unreachable")
-        # a store that ignores Range answers 200 with the whole object
-        if response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and offset:
-            data = data[offset:]
-        return data
+                raise
+            # a store that ignores Range answers 200 with the whole object
+            if response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and offset:
+                data = data[offset:]
+            return data
+
+        return self._whole_or_parts(whole, lambda: self._read_parts(run_id, key, max(offset, 0)) or b"")
 
     def versions(self, run_id: str, prefix: str) -> dict[str, str]:
         """The objects directly under ``prefix`` with their ETags, an object still being appended
