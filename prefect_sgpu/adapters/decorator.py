@@ -31,7 +31,7 @@ from prefect_sgpu.store import Store
 P = ParamSpec("P")
 R = TypeVar("R")
 
-__all__ = ["REMOTE_COMPUTE_ENV", "DistributedFunction", "DistributedFuture", "distributed", "run_script"]
+__all__ = ["REMOTE_COMPUTE_ENV", "DistributedFunction", "DistributedFuture", "distributed", "run_job", "run_script"]
 
 
 class DistributedFuture(Generic[R]):
@@ -64,6 +64,22 @@ class DistributedFuture(Generic[R]):
         return self._future.exception(timeout)
 
 
+def run_job(job: Job, live: bool = True) -> JobResult:
+    """Run ``job`` and wait, with its live status line where ``live``. Inside a flow or task run it
+    counts as that run's GPU job (quota slots, ``prefect-sgpu.job.*`` events, progress and
+    artifacts: :mod:`prefect_sgpu.adapters.reports`)."""
+    from prefect_sgpu.adapters import reports
+
+    if reports.in_prefect_run():
+        return reports.run_reported(job, live=live)
+    if not live:
+        return job.run()
+    from prefect_sgpu.live import LiveStatus
+
+    with LiveStatus(job):
+        return job.run()
+
+
 def _start(job: Job) -> cf.Future[JobResult]:
     """Run ``job`` in a thread of its own: no pool cap that would queue a sweep's jobs unseen.
 
@@ -76,7 +92,7 @@ def _start(job: Job) -> cf.Future[JobResult]:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(job.run())
+            future.set_result(run_job(job, live=False))  # jobs side by side: no live line each
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
             future.set_exception(exc)
 
@@ -171,11 +187,7 @@ class DistributedFunction(Generic[P, R]):
 
     def run(self, *args: P.args, **kwargs: P.kwargs) -> JobResult:
         """Run on every rank and return the full report (values, ranks, MLflow run)."""
-        from prefect_sgpu.live import LiveStatus
-
-        job = self.job(*args, **kwargs)
-        with LiveStatus(job):
-            return job.run()
+        return run_job(self.job(*args, **kwargs))
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run on every rank; return each rank's value in rank order."""
@@ -247,4 +259,4 @@ def run_script(
     resolved, resolved_store = resolve(spec_mod.build(call_layer), compute, store)
     spec = spec_mod.for_compute(resolved, call_layer)
     call = payload_mod.ScriptCall(str(script.resolve()), script.read_bytes(), [str(a) for a in args])
-    return Job(call, spec, resolved, resolved_store).run()
+    return run_job(Job(call, spec, resolved, resolved_store))

@@ -5,7 +5,9 @@ Every logger of the library is a child of ``prefect_sgpu``. Inside a flow or tas
 :class:`RunLogHandler` — Prefect's own API log handler — sends its records to that run's
 logs, so the "no GPU on this machine" warning and every EC2 phase line show in the UI
 beside the rank output. Outside a run it passes records by (Prefect's handler would
-complain that there is no flow run). The terminal keeps printing them as before, through
+complain that there is no flow run), and where the user put Prefect's own handler on the
+library's loggers (``PREFECT_LOGGING_EXTRA_LOGGERS``) it leaves the records to that one, so no
+line reaches the run twice. The terminal keeps printing them as before, through
 whatever handlers the process has.
 """
 
@@ -26,11 +28,26 @@ def _in_run() -> bool:
     return TaskRunContext.get() is not None or FlowRunContext.get() is not None
 
 
+def _sent_by_prefect(name: str) -> bool:
+    """Whether Prefect's own API log handler is on logger ``name`` or a logger its records reach
+    (``PREFECT_LOGGING_EXTRA_LOGGERS=prefect_sgpu`` puts it on the library's logger): that one
+    sends the record to the run already."""
+    logger: logging.Logger | None = logging.getLogger(name)
+    while logger is not None:
+        if any(isinstance(h, APILogHandler) and not isinstance(h, RunLogHandler) for h in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
 class RunLogHandler(APILogHandler):
-    """Prefect's API log handler, for records logged inside a flow or task run only."""
+    """Prefect's API log handler, for records logged inside a flow or task run only, and only
+    those that Prefect's own handler does not send already."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if getattr(record, "flow_run_id", None) is None and not _in_run():
+            return
+        if _sent_by_prefect(record.name):
             return
         super().emit(record)
 

@@ -11,15 +11,12 @@ thread-pool runner does.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
 import os
-import re
 import threading
-import time
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 from typing_extensions import Unpack
 
@@ -28,9 +25,10 @@ from prefect.tasks import Task
 
 from prefect_sgpu import payload as payload_mod
 from prefect_sgpu import spec as spec_mod
-from prefect_sgpu.driver import Job, JobResult
+from prefect_sgpu.adapters import reports
+from prefect_sgpu.adapters.reports import slug
+from prefect_sgpu.driver import Job
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.live import LiveStatus
 from prefect_sgpu.logs import RankLogSink
 from prefect_sgpu.resolve import COMPUTE_ENV, STORE_ENV, as_compute, resolve
 from prefect_sgpu.spec import FIELDS, JobSpec, SpecLayer, TaskArgs
@@ -113,10 +111,6 @@ def _current_runner() -> "GPUTaskRunner | None":
     return runner if isinstance(runner, GPUTaskRunner) else None
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "task"
-
-
 def _checkpoint_dir(store: Store, spec_env: dict[str, str], call_digest: str) -> dict[str, str]:
     """A checkpoint location stable across retries of the same task in the same flow run.
 
@@ -135,7 +129,7 @@ def _checkpoint_dir(store: Store, spec_env: dict[str, str], call_digest: str) ->
     if task_ctx is None:
         return {}
     flow_run_id = str(flow_ctx.flow_run.id) if flow_ctx and flow_ctx.flow_run else "no-flow-run"
-    name = f"{_slug(task_ctx.task_run.task_key)}-{call_digest}"
+    name = f"{slug(task_ctx.task_run.task_key)}-{call_digest}"
     if isinstance(store, LocalStore):
         return {URI_ENV: str(store.root.parent / "checkpoints" / flow_run_id / name)}
     return {URI_ENV: store.uri("checkpoints", f"{flow_run_id}/{name}")}
@@ -185,268 +179,14 @@ def run_gpu_call(call: "payload_mod.FunctionCall | payload_mod.ScriptCall", laye
         tags["prefect.flow_run_id"] = str(flow_ctx.flow_run.id)
     cancel = threading.Event()
     job = Job(call, spec, compute, store, sink=RankLogSink(name), cancel_event=cancel, tags=tags)
-    job.prepare()  # bad resources or payload fail here, before a quota slot is taken
-    with gpu_quota(spec):
+    if runner is not None:
+        runner._track(cancel)
+    try:
+        result = reports.run_reported(job)
+    finally:
         if runner is not None:
-            runner._track(cancel)
-        started = time.time()
-        _emit(job, "started")
-        progress = _Progress(job)
-        job.straggler_listeners.append(functools.partial(_report_straggler, job))
-        try:
-            with LiveStatus(job):
-                result = job.run()
-        except BaseException as exc:
-            progress.stop(done=False)
-            _emit(job, "failed", duration_s=time.time() - started, error=f"{type(exc).__name__}: {exc}"[:500])
-            raise
-        finally:
-            if runner is not None:
-                runner._untrack(cancel)
-    progress.stop(done=True)
-    _emit(job, "finished", duration_s=result.duration_s, cost=result.cost, world_size=result.plan.world_size)
-    _report(job, result)
+            runner._untrack(cancel)
     return result.values if spec.return_all else result.values[0]
-
-
-# --- progress, GPU quotas and lifecycle events ----------------------------------
-
-
-class _Progress:
-    """The task run's progress artifact (``sgpu-<task>-progress``), following rank 0's steps.
-
-    Rank 0's ``runtime.progress(step, total=N)`` (the ``Checkpointer`` reports steps too) lands
-    in the job folder (an EC2 node ships it with the logs); a thread of the task run reads it
-    every ``every`` seconds and moves the artifact to ``step / total``. A job that finishes
-    well ends at 100 %; a failed one stays where it got to.
-    """
-
-    def __init__(self, job: Job, every: float = 2.0) -> None:
-        import contextvars
-
-        self.job = job
-        self.every = every
-        self._stop = threading.Event()
-        self._seen: tuple[int, int | None] | None = None
-        self._id: Any = None
-        try:
-            from prefect.artifacts import create_progress_artifact
-
-            self._id = create_progress_artifact(
-                progress=0.0, key=f"sgpu-{_slug(job.call.name)}-progress",
-                description=f"prefect-sgpu job {job.run_id}: starting")
-        except Exception:  # noqa: BLE001 - a report, never the job's failure
-            logger.debug("no progress artifact for %s", job.run_id, exc_info=True)
-            return
-        context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._follow,), daemon=True,
-                                        name=f"sgpu-progress-{job.run_id}")
-        self._thread.start()
-
-    def _read(self) -> tuple[int, int | None] | None:
-        from prefect_sgpu.live import read_step
-
-        return read_step(self.job.store, self.job.run_id)
-
-    def _update(self, progress: float, description: str) -> None:
-        from prefect.artifacts import update_progress_artifact
-
-        try:
-            update_progress_artifact(self._id, progress=progress, description=description)
-        except Exception:  # noqa: BLE001 - a report, never the job's failure
-            logger.debug("could not update the progress of %s", self.job.run_id, exc_info=True)
-
-    def _follow(self) -> None:
-        while not self._stop.wait(self.every):
-            seen = self._read()
-            if seen is None or seen == self._seen:
-                continue
-            self._seen = seen
-            step, total = seen
-            pct = min(100.0, 100.0 * step / total) if total else 0.0
-            self._update(pct, f"prefect-sgpu job {self.job.run_id}: step {step}" + (f" of {total}" if total else ""))
-
-    def stop(self, done: bool) -> None:
-        if self._id is None:
-            return
-        self._stop.set()
-        self._thread.join(timeout=self.every + 5)
-        seen = self._read() or self._seen
-        step = f"step {seen[0]}" + (f" of {seen[1]}" if seen and seen[1] else "") if seen else "no steps reported"
-        if done:
-            self._update(100.0, f"prefect-sgpu job {self.job.run_id}: finished ({step})")
-        else:
-            pct = min(100.0, 100.0 * seen[0] / seen[1]) if seen and seen[1] else 0.0
-            self._update(pct, f"prefect-sgpu job {self.job.run_id}: failed at {step}")
-
-
-def quota_name(gpu_type: str) -> str:
-    """The global concurrency limit that holds the GPUs of ``gpu_type`` (``gpu:A10``, ``gpu:H100``, ...)."""
-    from prefect_sgpu.catalog import lookup
-
-    return f"gpu:{lookup(gpu_type).name}"
-
-
-@contextlib.contextmanager
-def gpu_quota(spec: JobSpec) -> Iterator[str | None]:
-    """Hold ``spec.gpus`` slots of the gpu type's global concurrency limit while the job runs.
-
-    No gpu type, no such limit, or an inactive one: nothing to wait for. A job that needs
-    more GPUs than the limit has could never start, and is refused.
-    """
-    if not spec.gpu_type:
-        yield None
-        return
-    from prefect.client.orchestration import get_client
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectNotFound
-
-    name = quota_name(spec.gpu_type)
-    try:
-        with get_client(sync_client=True) as client:
-            limit = client.read_global_concurrency_limit_by_name(name)
-    except ObjectNotFound:
-        yield None
-        return
-    if not limit.active:
-        yield None
-        return
-    if spec.gpus > limit.limit:
-        raise SGPUConfigError("gpus", spec.gpus, f"at most {limit.limit}, the slots of the global concurrency "
-                              f"limit {name!r} (the {spec.gpu_type} GPUs this workspace may hold at once)")
-    logger.info("waiting for %d slot(s) of global concurrency limit %r", spec.gpus, name)
-    with concurrency(name, occupy=spec.gpus, strict=True, raise_on_lease_renewal_failure=False):
-        logger.info("holding %d slot(s) of global concurrency limit %r", spec.gpus, name)
-        yield name
-
-
-def _emit(job: Job, phase: str, labels: dict[str, str] | None = None, **payload: Any) -> None:
-    """A Prefect event ``prefect-sgpu.job.<phase>`` about ``job`` (never fails the task); ``labels``
-    go on its resource (``prefect-sgpu.rank``, ...), where automations can match them."""
-    from prefect.events import emit_event
-
-    spec = job.spec
-    try:
-        emit_event(
-            event=f"prefect-sgpu.job.{phase}",
-            resource={"prefect.resource.id": f"prefect-sgpu.job.{job.run_id}",
-                      "prefect.resource.name": job.call.name, "prefect-sgpu.run-id": job.run_id, **(labels or {})},
-            payload={"gpus": spec.gpus, "gpu_type": spec.gpu_type, "nodes": spec.nodes,
-                     "compute": type(job.compute).__name__, **payload},
-        )
-    except Exception:  # noqa: BLE001 - events are a report, not part of the job
-        logger.debug("could not emit prefect-sgpu.job.%s for %s", phase, job.run_id, exc_info=True)
-
-
-def _report_straggler(job: Job, straggler: Any) -> None:
-    """A straggler named while the job runs: the event ``prefect-sgpu.job.straggler`` and a new
-    version of the task's ``sgpu-<task>-stragglers`` table (every straggler named so far)."""
-    from prefect.artifacts import create_table_artifact
-
-    where = {"node": straggler.node, "host": straggler.host, "instance_id": straggler.instance_id}
-    labels = {"prefect-sgpu.rank": str(straggler.rank),
-              **{f"prefect-sgpu.{k.replace('_', '-')}": str(v) for k, v in where.items() if v is not None}}
-    _emit(job, "straggler", labels=labels, rank=straggler.rank, **where, step=straggler.step,
-          rate=round(straggler.rate, 4), median_rate=round(straggler.median_rate, 4),
-          straggler_factor=job.spec.straggler_factor, straggler_steps=job.spec.straggler_steps)
-    try:
-        create_table_artifact(table=[s.as_row() for s in job.stragglers], key=f"sgpu-{_slug(job.call.name)}-stragglers",
-                              description=f"ranks named as stragglers in prefect-sgpu job {job.run_id}")
-    except Exception:  # noqa: BLE001 - a report, never the job's failure
-        logger.debug("could not write the stragglers table of %s", job.run_id, exc_info=True)
-
-
-def mlflow_reference(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """Markdown that takes a reader to an MLflow run: a link for a tracking server, else the
-    exact ``mlflow ui`` command for the local store and the address to open once it runs."""
-    page = f"#/experiments/{experiment_id}/runs/{run_id}"
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"MLflow run `{run_id}`: [open]({tracking_uri.rstrip('/')}/{page})"
-    return (f"MLflow run `{run_id}` is in the local store `{tracking_uri}`. To open it, run\n\n"
-            f"```bash\nmlflow ui --backend-store-uri {tracking_uri}\n```\n\n"
-            f"and go to http://127.0.0.1:5000/{page}")
-
-
-#: rows of the loss table artifact at most (longer histories are thinned evenly, the last step kept)
-LOSS_ROWS = 100
-
-
-def loss_table(tracking_uri: str, run_id: str, rows: int = LOSS_ROWS) -> list[dict[str, Any]]:
-    """Every ``*loss*`` metric of an MLflow run by step (system metrics left out), at most ``rows`` rows."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    names = sorted(k for k in client.get_run(run_id).data.metrics if "loss" in k.lower()
-                   and not k.startswith("system/"))
-    by_step: dict[int, dict[str, Any]] = {}
-    for name in names:
-        for m in client.get_metric_history(run_id, name):
-            by_step.setdefault(int(m.step), {"step": int(m.step)})[name] = round(float(m.value), 6)
-    table = [by_step[s] for s in sorted(by_step)]
-    if len(table) > rows:
-        every = len(table) / rows
-        table = [table[int(i * every)] for i in range(rows - 1)] + [table[-1]]
-    return [{"step": r["step"], **{n: r.get(n) for n in names}} for r in table]
-
-
-def _report(job: Job, result: JobResult) -> None:
-    """Prefect artifacts for the task run, keyed by task (the latest is the key's newest version):
-    ``sgpu-<task>-job`` (summary), ``sgpu-<task>-ranks`` (table) and ``sgpu-<task>-mlflow``."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-    key = f"sgpu-{_slug(job.call.name)}"
-    rows = "\n".join(
-        f"| {r.rank} | {r.node} | {r.host} | {r.exit_code} | {r.duration_s:.1f} |" for r in result.ranks
-    )
-    rates = {rank: {"steps/s": round(rate, 3)} for rank, rate in result.step_rates.items()}
-    create_table_artifact(
-        table=[{"rank": r.rank, "node": r.node, "host": r.host, "exit code": r.exit_code,
-                "duration (s)": round(r.duration_s, 1), **rates.get(r.rank, {})} for r in result.ranks],
-        key=f"{key}-ranks", description=f"ranks of prefect-sgpu job {result.run_id}")
-    mlflow_line = "MLflow: off"
-    if result.mlflow_run_id and job.tracked and result.mlflow_tracking_uri:
-        mlflow_line = mlflow_reference(result.mlflow_tracking_uri, job.tracked.experiment_id, result.mlflow_run_id)
-        create_markdown_artifact(markdown=mlflow_line, key=f"{key}-mlflow",
-                                 description=f"MLflow run of prefect-sgpu job {result.run_id}")
-        try:
-            losses = loss_table(result.mlflow_tracking_uri, result.mlflow_run_id)
-        except Exception:  # noqa: BLE001 - a report, never the task's failure
-            logger.debug("could not read the loss curve of %s", result.mlflow_run_id, exc_info=True)
-            losses = []
-        if losses:
-            create_table_artifact(table=losses, key=f"{key}-loss",
-                                  description=f"loss by step, MLflow run {result.mlflow_run_id}")
-    cost = result.cost or {}
-    cost_line = (
-        f"Compute: {cost.get('instance_hours', 0):.4f} instance-hours, estimated "
-        f"${cost.get('usd', 0):.4f}\n\n" if cost else ""
-    )
-    recoveries = ""
-    if result.recoveries:
-        lines = "\n".join(
-            f"| {r.gang} | {r.reason} | {r.resumed_from_step if r.resumed_from_step is not None else 'start'} | "
-            f"{r.reprovision_s:.1f} | {'?' if r.lost_work_s is None else f'{r.lost_work_s:.1f}'} |"
-            for r in result.recoveries)
-        recoveries = ("**Recovered from infrastructure loss** (relaunched on new capacity):\n\n"
-                      "| relaunch | what was lost | resumed from step | re-provisioning (s) | work redone (s) |\n"
-                      f"| --- | --- | --- | --- | --- |\n{lines}\n\n")
-    stragglers = ""
-    if result.stragglers:
-        lines = "\n".join(f"| {s.rank} | {s.where()} | {s.step} | {s.rate:.3g} | {s.median_rate:.3g} |"
-                          for s in result.stragglers)
-        stragglers = ("**Stragglers** (step rate below the median's "
-                      f"1/{job.spec.straggler_factor:g} for {job.spec.straggler_steps} step(s)):\n\n"
-                      "| rank | where | named at step | rate (steps/s) | median rate (steps/s) |\n"
-                      f"| --- | --- | --- | --- | --- |\n{lines}\n\n")
-    create_markdown_artifact(
-        markdown=(
-            f"### {job.call.name}: {result.plan.world_size} rank(s) on {result.plan.nodes} node(s)\n\n"
-            f"Job `{result.run_id}` finished in {result.duration_s:.1f} s on {result.plan.device}.\n\n"
-            "| rank | node | host | exit code | duration (s) |\n| --- | --- | --- | --- | --- |\n"
-            f"{rows}\n\n{recoveries}{stragglers}{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
-        ),
-        key=f"{key}-job", description=f"prefect-sgpu job {result.run_id}",
-    )
 
 
 # --- the task runner -------------------------------------------------------------

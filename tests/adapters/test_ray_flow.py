@@ -19,7 +19,8 @@ def test_ray_digits_trains_logs_and_registers(prefect_server: None) -> None:
 
     import ray_digits
 
-    out = ray_digits.ray_digits(epochs=2, model_name="digits-cnn-test", min_accuracy=0.5)
+    state = ray_digits.ray_digits(epochs=2, model_name="digits-cnn-test", min_accuracy=0.5, return_state=True)
+    out = state.result()
     assert out["accuracy"] >= 0.5
     assert out["version"] >= 1
 
@@ -35,6 +36,17 @@ def test_ray_digits_trains_logs_and_registers(prefect_server: None) -> None:
 
     model = mlflow.pytorch.load_model(f"models:/digits-cnn-test/{out['version']}")
     assert model(torch.zeros(3, 1, 8, 8)).shape == (3, 10)
+
+    # the @ray_launch call inside a task counts as that run's GPU job, as a @gpu_task does
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, TaskRunFilter
+
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])),
+            flow_run_filter=FlowRunFilter(), task_run_filter=TaskRunFilter(), limit=50, offset=0)
+    keys = {a.key for a in artifacts}
+    assert {"sgpu-train-digits-job", "sgpu-train-digits-ranks", "sgpu-train-digits-progress"} <= keys, keys
 
 
 def test_flow_module_imports_light() -> None:

@@ -11,7 +11,7 @@ import pytest
 from prefect import flow
 
 from prefect_sgpu import GPUTaskRunner, SGPUConfigError, gpu_task
-from prefect_sgpu.adapters.task_runner import mlflow_reference, quota_name
+from prefect_sgpu.adapters.reports import mlflow_reference, quota_name
 
 from support.polling import poll as _poll
 
@@ -90,7 +90,7 @@ def test_library_lines_artifacts_and_events_of_a_gpu_task(prefect_server: None) 
 def test_a_long_loss_history_is_thinned_to_a_table_that_keeps_the_last_step(tmp_path: Any) -> None:
     from mlflow.tracking import MlflowClient
 
-    from prefect_sgpu.adapters.task_runner import loss_table
+    from prefect_sgpu.adapters.reports import loss_table
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
