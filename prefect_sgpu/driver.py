@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefect_sgpu import interrupts
 from prefect_sgpu import payload as payload_mod
 from prefect_sgpu import progress_watch
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
@@ -304,8 +305,6 @@ class Job:
 
     def run(self) -> JobResult:
         """Run the job to its end; Ctrl-C, SIGTERM/SIGHUP and interpreter exit stop it cleanly."""
-        from prefect_sgpu import interrupts
-
         interrupts.install()
         with interrupts.running(self.cancel_event):
             return self._run()
@@ -357,7 +356,8 @@ class Job:
             outcome = "FAILED" if getattr(exc, "sgpu_failure", None) is not None else "KILLED"
             raise
         finally:
-            released = self._cleanup(outcome, tailer)
+            # to its end even when an exception is raised into this thread meanwhile (Prefect's task timeout)
+            released = interrupts.shielded(self._cleanup, outcome, tailer)
         assert result is not None
         every = [*self._released, *([released] if released is not None else [])]
         result.cost = _total_cost([r.cost for r in every])

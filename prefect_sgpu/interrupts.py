@@ -14,11 +14,14 @@ a job starts in, or is submitted from, the main thread, and only over the defaul
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 logger = logging.getLogger("prefect_sgpu.interrupts")
 
@@ -72,3 +75,55 @@ def install() -> None:
     for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _interrupt)
+
+
+def shielded(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` run to its end whatever is raised into the calling thread meanwhile.
+
+    Cleanup (stop every rank, release the compute, end the MLflow run) must not be cut short
+    by an exception raised into the thread that runs it: Prefect's ``timeout_seconds`` raises
+    one into a task's thread when the timeout passes (``PyThreadState_SetAsyncExc``), and
+    Ctrl-C raises ``KeyboardInterrupt`` in the main thread. ``fn`` runs in a thread of its own
+    (with the caller's context, so its log lines reach the same run), and the caller waits for
+    it to end; what was raised into the caller meanwhile is raised after, else what ``fn``
+    raised, else its value is returned. Such an exception can land anywhere in the caller,
+    even while the thread is being started: a start that may not have happened is made again,
+    and a lock lets only the first thread to get there run ``fn``.
+    """
+    box: dict[str, Any] = {}
+    claim = threading.Lock()
+    done = threading.Event()
+
+    def target() -> None:
+        if not claim.acquire(blocking=False):
+            return  # an earlier start of this call runs fn
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    raised: BaseException | None = None
+    start = True
+    while True:
+        try:
+            if start:
+                threading.Thread(target=contextvars.copy_context().run, args=(target,),
+                                 name=f"sgpu-shielded-{getattr(fn, '__name__', 'call')}").start()
+                start = False
+            done.wait()
+            break
+        except BaseException as exc:  # noqa: BLE001 - kept, raised once fn has ended
+            if raised is None:
+                raised = exc
+                logger.warning("%s raised while cleaning up: the cleanup goes on, then it is raised",
+                               type(exc).__name__)
+            start = not claim.locked() and not done.is_set()
+    if raised is not None:
+        if "error" in box:
+            raise raised from box["error"]
+        raise raised
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
