@@ -31,6 +31,7 @@ QUICK = [
     ("ec2_warm", ["--quick"]),
     ("log_shipping", []),
     ("capture", ["--quick"]),
+    ("checkpoint_stall", ["--quick"]),
 ]
 
 

@@ -265,6 +265,7 @@ def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> t
             value = None
         else:
             value = call.fn(*call.args, **call.kwargs)
+        _finish_background_checkpoints()
         base["finished"] = time.time()
         envelope = payload.success_envelope(base, value)
         if not envelope.ok:
@@ -386,6 +387,16 @@ def forked_rank() -> None:
         sys.stderr.flush()
     if code:
         os._exit(code)
+
+
+def _finish_background_checkpoints() -> None:
+    """A ``Checkpointer(async_save=True)`` save still under way when the function returned ends
+    before the rank does (its failure fails the rank): the last checkpoint is complete, not lost
+    with the process."""
+    if "prefect_sgpu.pipeline.async_save" in sys.modules:
+        from prefect_sgpu.pipeline import async_save
+
+        async_save.wait_all()
 
 
 def _default_stop_signals() -> None:

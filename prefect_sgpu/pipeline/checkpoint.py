@@ -42,6 +42,7 @@ from prefect_sgpu import runtime
 from prefect_sgpu.checkpoint_manifest import FileEntry, check_name
 from prefect_sgpu.checkpoints import MARKER, Location, step_dir_name
 from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
+from prefect_sgpu.pipeline import async_save as async_save_mod
 
 if TYPE_CHECKING:
     from prefect_sgpu.pipeline.strategies import Wrapped
@@ -72,11 +73,11 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if _dist_ready():
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _from_rank_zero(value: Any) -> Any:
@@ -312,10 +313,18 @@ class Checkpointer:
                 ckpt.save(step + 1, {"loader": loader.state_dict()})
 
     ``save``/``maybe_save``/``restore`` are collective: every rank must call them.
+
+    ``async_save=True``: ``save`` copies the state to CPU memory (FSDP2: torch DCP's
+    ``async_save`` stages it) and returns; writing, uploading and sealing the checkpoint go on
+    in a background thread (:mod:`prefect_sgpu.pipeline.async_save`). The next ``save`` (and
+    ``restore``) first waits for the one before; call ``wait()`` after the last step, so the
+    final checkpoint is complete before the function returns. A background save that failed
+    raises in the call that waits for it. DeepSpeed saves inline whatever the setting (its
+    engine writes its own files).
     """
 
     def __init__(self, wrapped: "Wrapped", folder: str | Path | None = None, *, every: int = 10,
-                 keep: int = 2) -> None:
+                 keep: int = 2, async_save: bool = False) -> None:
         if every < 1:
             raise SGPUConfigError("every", every, "an integer >= 1 (steps between checkpoints)")
         if keep < 1:
@@ -328,6 +337,10 @@ class Checkpointer:
         self.keep = keep
         self.preempted_at: int | None = None
         self._flags = _flag_group()
+        #: saves in the background (DeepSpeed: always inline)
+        self.async_save = bool(async_save) and wrapped.strategy != "deepspeed"
+        self._save_group = async_save_mod.save_group() if self.async_save else None
+        self._pending: async_save_mod.BackgroundSave | None = None
 
     # --- saving ------------------------------------------------------------------
 
@@ -361,8 +374,17 @@ class Checkpointer:
         """Save when ``step`` is due; returns the folder written, if any."""
         return self.save(step, extra) if self.due(step) else None
 
+    def wait(self) -> None:
+        """Wait until the background save under way (if any) is complete; raise what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
     def save(self, step: int, extra: dict[str, Any] | None = None) -> Path:
-        """Write a checkpoint of ``step`` and mark it complete once every rank's part is stored."""
+        """Write a checkpoint of ``step`` and mark it complete once every rank's part is stored
+        (with ``async_save``: start doing so in the background, after the previous save ended)."""
+        if self.async_save:
+            return self._save_in_background(step, extra)
         name = step_dir_name(step)
         target = self.folder / name
         # one clearer per folder: rank 0 for a shared folder, each node's first rank for its stage
@@ -374,31 +396,74 @@ class Checkpointer:
         self._save_training_state(target)
         state = {"step": step, "extra": extra or {}, "rng": _rng_state()}
         _atomic_torch_save(state, target / f"extra-rank-{runtime.rank():05d}.pt")
-        _barrier()  # every rank's part is on its node's disk
+        self._seal(step, name, None)
+        runtime.progress(step)
+        return target
+
+    def _save_in_background(self, step: int, extra: dict[str, Any] | None) -> Path:
+        """The loop's part of an asynchronous save: wait for the previous one, clear the step's folder,
+        copy the state to CPU memory; the rest runs in a thread (``_write_in_background``)."""
+        self.wait()
+        name = step_dir_name(step)
+        target = self.folder / name
+        clears = runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
+        if clears and target.exists():  # left over from an attempt that died
+            shutil.rmtree(target)
+        _barrier()
+        target.mkdir(parents=True, exist_ok=True)
+        state = {"step": step, "extra": async_save_mod.cpu_copy(extra or {}), "rng": _rng_state()}
+        w = self.wrapped
+        written: Any = None  # what finishes the training state in the background
+        if w.strategy == "fsdp":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(w.module, w.optimizer)
+            written = dcp.async_save({"model": model_state, "optimizer": optim_state},
+                                     checkpoint_id=str(target / "dcp"), process_group=self._save_group)
+        elif runtime.is_rank_zero():
+            written = async_save_mod.cpu_copy({"model": w.module.state_dict(), "optimizer": w.optimizer.state_dict()})
+        runtime.progress(step)
+
+        def work() -> None:
+            if w.strategy == "fsdp":
+                written.result()
+            elif written is not None:
+                _atomic_torch_save(written, target / "model.pt")
+            _atomic_torch_save(state, target / f"extra-rank-{runtime.rank():05d}.pt")
+            self._seal(step, name, self._save_group)
+
+        self._pending = async_save_mod.BackgroundSave(step, work)
+        return target
+
+    def _seal(self, step: int, name: str, group: Any) -> None:
+        """Once every rank has written its part: each node sends its part (remote), then rank 0 seals
+        what they all sent (a local folder: rank 0 hashes what all wrote) and prunes; collective over
+        ``group`` (None: the job's group, and the flags group for the gather)."""
+        _barrier(group)  # every rank's part is on its node's disk
         files = None
-        if self.location.remote:  # each node sends its part; rank 0 seals what they all sent
-            files = self._gather(self.location.upload(name) if runtime.local_rank() == 0 else {})
+        if self.location.remote:
+            files = self._gather(self.location.upload(name) if runtime.local_rank() == 0 else {}, group)
         else:
-            _barrier()
+            _barrier(group)
         if runtime.is_rank_zero():
             info = {"step": step, "strategy": self.wrapped.strategy, "world_size": runtime.world_size(),
                     "written_at": time.time()}
-            self.location.put_marker(name, info, files)  # a local folder: rank 0 hashes what all wrote
+            self.location.put_marker(name, info, files)
             self._prune(step)
         if self.location.remote and runtime.local_rank() == 0:
             self.location.prune_stage(keep=name)
-        runtime.progress(step)
-        _barrier()
-        return target
+        _barrier(group)
 
-    def _gather(self, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+    def _gather(self, files: dict[str, FileEntry], group: Any = None) -> dict[str, FileEntry]:
         """Every node's uploaded files, on every rank (collective; also the barrier before the marker)."""
         if not _dist_ready():
             return files
         import torch.distributed as dist
 
-        parts: list[Any] = [None] * dist.get_world_size(group=self._flags)
-        dist.all_gather_object(parts, {k: (v.size, v.sha256) for k, v in files.items()}, group=self._flags)
+        group = group if group is not None else self._flags
+        parts: list[Any] = [None] * dist.get_world_size(group=group)
+        dist.all_gather_object(parts, {k: (v.size, v.sha256) for k, v in files.items()}, group=group)
         merged: dict[str, FileEntry] = {}
         for part in parts:
             for rel, (size, sha256) in part.items():
@@ -466,6 +531,7 @@ class Checkpointer:
         marker is not sealed with the location's key, or whose files differ from its sealed
         manifest, is skipped with a warning, and the next older one is tried.
         """
+        self.wait()
         for step in self._candidates():
             if self._checked(step):
                 return self._restore_step(step)

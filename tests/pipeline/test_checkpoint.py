@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,56 @@ def test_a_planted_dcp_entry_is_refused_and_never_runs(tmp_path: Path) -> None:
     with pytest.warns(UserWarning):
         load_dcp(clean, tmp_path / "dcp")
     assert clean["extra"]["lr"] == 0.1 and torch.equal(clean["model"]["weight"], model.weight.detach())
+
+
+def test_an_async_save_returns_before_writing_and_keeps_the_state_of_its_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect_sgpu.pipeline import checkpoint as checkpoint_mod
+
+    release = threading.Event()
+    writing = threading.Event()
+    real = checkpoint_mod._atomic_torch_save
+
+    def slow_write(obj: object, path: Path) -> None:  # the disk (or S3) being slow
+        writing.set()
+        assert release.wait(60)
+        real(obj, path)
+
+    monkeypatch.setattr(checkpoint_mod, "_atomic_torch_save", slow_write)
+    w = _wrapped()
+    ckpt = Checkpointer(w, tmp_path, every=1, async_save=True)
+    _train_step(w)
+    saved = {k: v.clone() for k, v in w.module.state_dict().items()}
+    ckpt.save(1, {"note": "step one"})
+    assert writing.wait(30), "the background save did not start"
+    assert complete_steps(tmp_path) == [], "sealed before its files were written"
+    _train_step(w)  # the loop goes on while the checkpoint is written
+    release.set()
+    ckpt.wait()
+    assert complete_steps(tmp_path) == [1]
+
+    fresh = _wrapped(seed=1)
+    assert Checkpointer(fresh, tmp_path, async_save=True).restore() == (1, {"note": "step one"})
+    for key, value in fresh.module.state_dict().items():
+        assert torch.equal(value, saved[key]), f"{key}: the checkpoint holds a later step's weights"
+
+
+def test_a_failed_async_save_raises_in_the_next_save_and_is_not_sealed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect_sgpu.pipeline import checkpoint as checkpoint_mod
+
+    real = checkpoint_mod._atomic_torch_save
+
+    def fails_on_step_2(obj: object, path: Path) -> None:
+        if path.parent.name == "step-00000002":
+            raise OSError(28, "No space left on device")
+        real(obj, path)
+
+    monkeypatch.setattr(checkpoint_mod, "_atomic_torch_save", fails_on_step_2)
+    w = _wrapped()
+    ckpt = Checkpointer(w, tmp_path, every=1, async_save=True)
+    ckpt.save(1)
+    ckpt.save(2)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save(3)
+    assert complete_steps(tmp_path) == [1]

@@ -21,8 +21,9 @@ from prefect_sgpu.pipeline.strategies import STRATEGIES, resolve_strategy
 pytestmark = pytest.mark.e2e
 
 
-def _train_and_resume(folder: str, total: int, stop_at: int) -> dict[str, Any]:
-    """On every rank: continuous run vs. run stopped at ``stop_at`` and resumed; same loop for all."""
+def _train_and_resume(folder: str, total: int, stop_at: int, async_save: bool = False) -> dict[str, Any]:
+    """On every rank: continuous run vs. run stopped at ``stop_at`` and resumed; same loop for all
+    (``async_save``: every checkpoint written in the background)."""
     import torch
     from torch import nn
 
@@ -58,6 +59,8 @@ def _train_and_resume(folder: str, total: int, stop_at: int) -> dict[str, Any]:
             losses.append(loss.item())
             if ckpt is not None:
                 ckpt.maybe_save(step + 1, {"losses": list(losses)})
+        if ckpt is not None:
+            ckpt.wait()  # the last checkpoint complete before anything reads it
 
     base = Path(folder)
     torch.manual_seed(100 + runtime.rank())
@@ -66,13 +69,13 @@ def _train_and_resume(folder: str, total: int, stop_at: int) -> dict[str, Any]:
     params = list(w.module.parameters())
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     continuous: list[float] = []
-    run(w, Checkpointer(w, base / "continuous", every=stop_at), 0, total, continuous)
+    run(w, Checkpointer(w, base / "continuous", every=stop_at, async_save=async_save), 0, total, continuous)
     expected = w.full_state_dict()
 
     torch.manual_seed(100 + runtime.rank())
     w = build()
     interrupted: list[float] = []
-    run(w, Checkpointer(w, base / "resumed", every=stop_at, keep=1), 0, stop_at, interrupted)
+    run(w, Checkpointer(w, base / "resumed", every=stop_at, keep=1, async_save=async_save), 0, stop_at, interrupted)
     del w
     if runtime.is_rank_zero():  # a newer checkpoint whose writer died half-way
         partial = base / "resumed" / f"step-{stop_at + 1:08d}"
@@ -80,7 +83,7 @@ def _train_and_resume(folder: str, total: int, stop_at: int) -> dict[str, Any]:
         (partial / "extra-rank-00000.pt").write_bytes(b"half a file")
     torch.manual_seed(12345)  # a fresh process would start from other RNG state
     w = build()
-    ckpt = Checkpointer(w, base / "resumed", every=stop_at, keep=1)
+    ckpt = Checkpointer(w, base / "resumed", every=stop_at, keep=1, async_save=async_save)
     start, extra = ckpt.restore()
     resumed = list(extra["losses"])
     run(w, ckpt, start, total, resumed)
@@ -118,6 +121,104 @@ def test_strategy_trains_and_resumes_from_complete_checkpoint(strategy: str, tmp
     else:
         assert rank0["local_params"] == full
         assert "model.pt" in rank0["files"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_checkpoints_written_in_the_background_resume_to_the_same_weights(strategy: str, tmp_path: Path) -> None:
+    job = distributed(gpus=2, mlflow=False, env={"SGPU_STRATEGY": strategy})(_train_and_resume)
+    rank0, _ = job.distributed(folder=str(tmp_path), total=8, stop_at=4, async_save=True)
+    assert rank0["start"] == 4, "resume took the newest complete checkpoint, not the partial step 5"
+    assert rank0["same_weights"] is True, "interrupted + resumed training differs from a continuous run"
+    assert rank0["resumed_losses"] == pytest.approx(rank0["losses"], rel=1e-5)
+    assert rank0["complete"] == [8], "only the last checkpoint is kept (keep=1)"
+
+
+def _killed_while_saving_in_the_background(folder: str) -> None:
+    """Rank 1 is killed (SIGKILL) while its background thread writes step 4's files."""
+    import signal
+
+    import torch
+    from torch import nn
+
+    from prefect_sgpu import runtime
+    from prefect_sgpu.pipeline import checkpoint as checkpoint_mod
+    from prefect_sgpu.pipeline.strategies import wrap
+
+    real = checkpoint_mod._atomic_torch_save
+
+    def dies_on_step_4(obj: Any, path: Path) -> None:
+        if runtime.rank() == 1 and path.parent.name == "step-00000004":
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(obj, path)
+
+    checkpoint_mod._atomic_torch_save = dies_on_step_4
+    torch.manual_seed(0)
+    w = wrap(nn.Linear(4, 2), lambda params: torch.optim.AdamW(params, lr=0.05), micro_batch_size=8)
+    ckpt = checkpoint_mod.Checkpointer(w, folder, every=2, keep=3, async_save=True)
+    for step in range(1, 7):
+        loss = w.model(torch.randn(8, 4)).pow(2).mean()
+        w.zero_grad()
+        w.backward(loss)
+        w.step()
+        ckpt.maybe_save(step)
+    ckpt.wait()
+
+
+def test_a_rank_killed_during_a_background_save_leaves_the_previous_checkpoint_the_newest(tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from prefect_sgpu.pipeline.checkpoint import Checkpointer, complete_steps
+    from prefect_sgpu.pipeline.strategies import Wrapped
+
+    job = distributed(gpus=2, mlflow=False, max_recoveries=0)(_killed_while_saving_in_the_background)
+    with pytest.raises(Exception, match="rank 1 .*signal|SIGKILL|Connection reset|Connection closed"):
+        job.distributed(str(tmp_path))  # rank 1's death, or its peer's broken collective, whichever came first
+    assert complete_steps(tmp_path) == [2], sorted(p.name for p in tmp_path.iterdir())
+    model = nn.Linear(4, 2)
+    fresh = Wrapped("ddp", model, model, torch.optim.AdamW(model.parameters(), lr=0.05), torch.device("cpu"),
+                    torch.float32)
+    assert Checkpointer(fresh, tmp_path).restore() == (2, {})
+
+
+def _returns_while_saving(folder: str, fails: bool) -> None:
+    """Both ranks return while step 1's checkpoint is still being written (a slow disk, which
+    may end full)."""
+    import time
+
+    import torch
+    from torch import nn
+
+    from prefect_sgpu.pipeline import checkpoint as checkpoint_mod
+    from prefect_sgpu.pipeline.strategies import wrap
+
+    real = checkpoint_mod._atomic_torch_save
+
+    def slow(obj: Any, path: Path) -> None:
+        time.sleep(2.0)
+        if fails:
+            raise OSError(28, "No space left on device")
+        real(obj, path)
+
+    checkpoint_mod._atomic_torch_save = slow
+    torch.manual_seed(0)
+    w = wrap(nn.Linear(4, 2), lambda params: torch.optim.AdamW(params, lr=0.05), micro_batch_size=8)
+    checkpoint_mod.Checkpointer(w, folder, every=1, async_save=True).save(1)  # no wait(): the rank ends it
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["completes", "fails"])
+def test_a_background_save_under_way_when_the_function_returns_ends_before_the_rank_does(
+        tmp_path: Path, fails: bool) -> None:
+    from prefect_sgpu.pipeline.checkpoint import complete_steps
+
+    job = distributed(gpus=2, mlflow=False)(_returns_while_saving)
+    if fails:  # the rank waited for it: its failure is the rank's
+        with pytest.raises(OSError, match="No space left on device"):
+            job.distributed(str(tmp_path), fails)
+        assert complete_steps(tmp_path) == []
+    else:
+        job.distributed(str(tmp_path), fails)
+        assert complete_steps(tmp_path) == [1]
 
 
 def test_strategy_defaults_to_env_and_rejects_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
