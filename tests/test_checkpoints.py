@@ -157,3 +157,20 @@ def test_a_stage_another_user_made_first_is_refused(tmp_path: Path) -> None:
     os.chown(planted, 54321, 54321)
     with pytest.raises(CheckpointRefused, match="belongs to uid 54321"):
         private_dir(planted)
+
+
+def test_a_checkpoint_saved_in_the_background_reaches_s3_sealed_and_restores_on_another_node(
+        s3_location: tuple[Any, str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3, bucket, prefix = s3_location
+    w = _wrapped()
+    ckpt = Checkpointer(w, every=1, async_save=True)
+    ckpt.save(1, {"note": "first"})
+    ckpt.save(2, {"note": "second"})  # waits for step 1's upload first
+    ckpt.wait()
+    listed = {o["Key"].removeprefix(prefix + "/") for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]}
+    assert {f"step-00000002/{MARKER}", "step-00000002/model.pt", "step-00000002/extra-rank-00000.pt"} <= listed, listed
+    monkeypatch.setenv("SGPU_JOB_DIR", str(tmp_path / "other-node"))  # another node: an empty stage
+    fresh = _wrapped(seed=1)
+    assert Checkpointer(fresh, every=1).restore() == (2, {"note": "second"})
+    for key, value in fresh.module.state_dict().items():
+        assert torch.equal(value, w.module.state_dict()[key]), key
