@@ -386,13 +386,7 @@ class Checkpointer:
         if self.async_save:
             return self._save_in_background(step, extra)
         name = step_dir_name(step)
-        target = self.folder / name
-        # one clearer per folder: rank 0 for a shared folder, each node's first rank for its stage
-        clears = runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
-        if clears and target.exists():  # left over from an attempt that died
-            shutil.rmtree(target)
-        _barrier()
-        target.mkdir(parents=True, exist_ok=True)
+        target = self._fresh_step_folder(name)
         self._save_training_state(target)
         state = {"step": step, "extra": extra or {}, "rng": _rng_state()}
         _atomic_torch_save(state, target / f"extra-rank-{runtime.rank():05d}.pt")
@@ -400,17 +394,23 @@ class Checkpointer:
         runtime.progress(step)
         return target
 
-    def _save_in_background(self, step: int, extra: dict[str, Any] | None) -> Path:
-        """The loop's part of an asynchronous save: wait for the previous one, clear the step's folder,
-        copy the state to CPU memory; the rest runs in a thread (``_write_in_background``)."""
-        self.wait()
-        name = step_dir_name(step)
+    def _fresh_step_folder(self, name: str) -> Path:
+        """The step's folder, emptied of what an attempt that died left (collective)."""
         target = self.folder / name
+        # one clearer per folder: rank 0 for a shared folder, each node's first rank for its stage
         clears = runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
-        if clears and target.exists():  # left over from an attempt that died
+        if clears and target.exists():
             shutil.rmtree(target)
         _barrier()
         target.mkdir(parents=True, exist_ok=True)
+        return target
+
+    def _save_in_background(self, step: int, extra: dict[str, Any] | None) -> Path:
+        """The loop's part of an asynchronous save: wait for the previous one, clear the step's folder,
+        copy the state to CPU memory; writing and sealing run in a thread (``work`` below)."""
+        self.wait()
+        name = step_dir_name(step)
+        target = self._fresh_step_folder(name)
         state = {"step": step, "extra": async_save_mod.cpu_copy(extra or {}), "rng": _rng_state()}
         w = self.wrapped
         written: Any = None  # what finishes the training state in the background

@@ -10,7 +10,7 @@ import json
 import logging
 import textwrap
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 from prefect import flow, task
@@ -21,6 +21,7 @@ from prefect_sgpu.adapters.reports import quota_name
 from prefect_sgpu.adapters.run_logs import LIBRARY_LOGGER
 
 from support.polling import poll
+from support.prefect_limits import global_limit
 
 pytestmark = pytest.mark.e2e
 
@@ -49,21 +50,8 @@ SCRIPT = textwrap.dedent("""\
 
 @pytest.fixture
 def a10_limit_of_two(prefect_server: None) -> Iterator[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-
-    name = quota_name("A10")
-    with get_client(sync_client=True) as client:
-        try:
-            client.delete_global_concurrency_limit_by_name(name)
-        except Exception:  # noqa: BLE001 - none left from an earlier test
-            pass
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=2))
-    try:
+    with global_limit(quota_name("A10"), 2) as name:
         yield name
-    finally:
-        with get_client(sync_client=True) as client:
-            client.delete_global_concurrency_limit_by_name(name)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from prefect_sgpu import GPUTaskRunner, SGPUConfigError, gpu_task
 from prefect_sgpu.adapters.reports import mlflow_reference, quota_name
 
 from support.polling import poll as _poll
+from support.prefect_limits import global_limit
 
 pytestmark = pytest.mark.e2e
 
@@ -122,18 +123,9 @@ def timed(hold_s: float) -> tuple[float, float]:
 
 
 def test_a_gpu_quota_lets_one_two_gpu_job_run_at_a_time(prefect_server: None) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-
     name = quota_name("a10")
     assert name == "gpu:A10"
-    with get_client(sync_client=True) as client:
-        try:
-            client.delete_global_concurrency_limit_by_name(name)
-        except Exception:  # noqa: BLE001 - none left from an earlier run
-            pass
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=2))
-    try:
+    with global_limit(name, 2):
         @flow(task_runner=GPUTaskRunner(max_workers=3))
         def three_at_once() -> list[tuple[float, float]]:
             futures = [timed.submit(2.0) for _ in range(3)]
@@ -149,9 +141,6 @@ def test_a_gpu_quota_lets_one_two_gpu_job_run_at_a_time(prefect_server: None) ->
 
         with pytest.raises(SGPUConfigError, match=r"gpus=4.*at most 2.*'gpu:A10'"):
             too_big()
-    finally:
-        with get_client(sync_client=True) as client:
-            client.delete_global_concurrency_limit_by_name(name)
 
 
 def test_without_a_limit_for_its_gpu_type_a_task_does_not_wait(prefect_server: None) -> None:
