@@ -675,6 +675,22 @@ def test_instances_never_running_time_out_and_are_cleaned(
     assert_cleaned(aws_env, "r-stuck")
 
 
+def test_instances_ec2_does_not_know_yet_while_terminating_still_get_their_groups_deleted(
+    settings: dict[str, Any], aws_env: Any, aws_faults: Any
+) -> None:
+    """Eventual consistency during the cleanup: DescribeInstances says the ids are unknown a few
+    times after the terminate. The wait goes on (botocore's waiter would fail at once) and the
+    run's security and placement groups are deleted."""
+    prov = provisioner(settings, waiter_delay_s=0.2)
+    prov.provision("r-unknown-at-end", make_plan(2, "A10"), USER_DATA)
+    aws_faults.fail("DescribeInstances", "InvalidInstanceID.NotFound", message="The instance IDs do not exist",
+                    times=3, where=lambda p: "InstanceId.1" in p)
+    prov.terminate("r-unknown-at-end")
+    answers = [c.error for c in aws_faults.calls("DescribeInstances")]
+    assert answers.count("InvalidInstanceID.NotFound") == 3, answers
+    assert_cleaned(aws_env, "r-unknown-at-end")
+
+
 def test_cancel_while_instances_start_terminates_them(
     settings: dict[str, Any], aws_env: Any, aws_faults: Any
 ) -> None:

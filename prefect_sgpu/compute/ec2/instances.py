@@ -22,7 +22,6 @@ Why it looks the way it does:
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 import time
@@ -532,15 +531,7 @@ class EC2Provisioner:
             live = self._terminate_ids(sorted(ids))
             gone += live
             if live and wait:
-                ec2.get_waiter("instance_terminated").wait(
-                    InstanceIds=live,
-                    WaiterConfig={
-                        "Delay": self.settings.waiter_delay_s,
-                        "MaxAttempts": max(
-                            1, math.ceil(self.settings.running_timeout_s / self.settings.waiter_delay_s)
-                        ),
-                    },
-                )
+                self._wait_terminated(live)
         self._launched.pop(run_id, None)
         run_filter = [{"Name": f"tag:{RUN_ID_TAG}", "Values": [run_id]}]
         for group in ec2.describe_placement_groups(Filters=run_filter).get("PlacementGroups", []):
@@ -556,6 +547,31 @@ class EC2Provisioner:
                 if self._delete_security_group(group["GroupId"], wait=wait):
                     gone.append(f"security group {group['GroupId']}")
         return gone
+
+    def _wait_terminated(self, ids: list[str]) -> None:
+        """Until every one of ``ids`` is terminated, for at most ``running_timeout_s``.
+
+        EC2 may not know ids it launched moments ago (eventual consistency): that answer is
+        waited out like "shutting-down", where botocore's ``instance_terminated`` waiter fails
+        at once and the run's groups would be left for a sweep. Past the time the groups are
+        deleted anyway (their deletion waits out the instances' network interfaces)."""
+        ec2 = self.client("ec2")
+        deadline = time.monotonic() + self.settings.running_timeout_s
+        while True:
+            try:
+                states = [inst["State"]["Name"]
+                          for page in ec2.get_paginator("describe_instances").paginate(InstanceIds=ids)
+                          for reservation in page["Reservations"] for inst in reservation["Instances"]]
+                if len(states) == len(ids) and all(state == "terminated" for state in states):
+                    return
+            except ClientError as exc:
+                if _error_of(exc)[0] != "InvalidInstanceID.NotFound":
+                    raise
+            if time.monotonic() > deadline:
+                logger.warning("instances %s not seen terminated within %.0fs; deleting their groups anyway",
+                               ", ".join(ids), self.settings.running_timeout_s)
+                return
+            time.sleep(self.settings.waiter_delay_s)
 
     def _live_by_tag(self, run_id: str) -> list[str]:
         filters = [
