@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -122,9 +123,11 @@ def pool_runs(pool: str, runs: int, workers: int, limit: int, timeout_s: float =
         ids = [client.create_flow_run_from_deployment(deployment_id, parameters={"job": i, "tag": pool}).id
                for i in range(runs)]
     started = time.monotonic()
+    logs = [tempfile.NamedTemporaryFile(prefix=f"{pool}-worker-{w}-", suffix=".log", delete=False)
+            for w in range(workers)]
     procs = [subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "sgpu",
                                "--limit", str(limit), "--name", f"{pool}-worker-{w}"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+                              stdout=logs[w], stderr=subprocess.STDOUT, start_new_session=True)
              for w in range(workers)]
     try:
         states: dict[str, Any] = {}
@@ -146,7 +149,13 @@ def pool_runs(pool: str, runs: int, workers: int, limit: int, timeout_s: float =
                 proc.kill()
                 proc.wait(timeout=10)
     problems = [f"flow run {r.name} (job {r.parameters.get('job')}): {r.state.name if r.state else None}"
+                f" ({r.state.message if r.state else ''})"
                 for r in states.values() if not (r.state and r.state.is_completed())]
+    for log in logs:  # what the workers and their flow-run processes printed, where a run went wrong
+        log.close()
+        if problems:
+            problems.append(f"{Path(log.name).name}, its end:\n{Path(log.name).read_text(errors='replace')[-4000:]}")
+        os.unlink(log.name)
     durations = sorted((r.end_time - r.start_time).total_seconds() for r in states.values()
                        if r.start_time and r.end_time)
     return {"runs": runs, "workers": workers, "limit": limit, "wall_s": wall, "problems": problems,
