@@ -9,6 +9,7 @@ the signature before anything starts.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -72,11 +73,9 @@ def run_job(job: Job, live: bool = True) -> JobResult:
 
     if reports.in_prefect_run():
         return reports.run_reported(job, live=live)
-    if not live:
-        return job.run()
     from prefect_sgpu.live import LiveStatus
 
-    with LiveStatus(job):
+    with LiveStatus(job) if live else contextlib.nullcontext():
         return job.run()
 
 

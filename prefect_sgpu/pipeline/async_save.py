@@ -83,9 +83,6 @@ class BackgroundSave:
             _pending.add(self)
         self._thread.start()
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def wait(self) -> None:
         self._thread.join()
         with _pending_lock:
