@@ -106,8 +106,13 @@ class _SlowCompute(FakeCompute):
         self.beats: dict[str, list[int]] = {}
 
     def _slowly(self, what: str, folder) -> None:
+        """Hold the call until the heartbeat moved three times (or 30 s passed: a loaded machine may
+        stall one beat, never all of them), recording how far it moved."""
         before = folder.heartbeat().seq
-        time.sleep(0.6)
+        until = time.monotonic() + 30.0
+        time.sleep(0.2)
+        while folder.heartbeat().seq - before < 3 and time.monotonic() < until:
+            time.sleep(0.05)
         self.beats.setdefault(what, []).append(folder.heartbeat().seq - before)
 
     def acquire(self, request, folder, deadline, cancel):
