@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -319,19 +320,32 @@ def _mlflow_runs_tagged(run_id: str) -> list:
     return client.search_runs(exps, filter_string=f"tags.`sgpu.run_id` = '{run_id}'")
 
 
-def _start_driver(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(INTERRUPTED_DRIVER))
-    flag = tmp_path / "up"
-    proc = subprocess.Popen([sys.executable, str(script), str(flag)], cwd=tmp_path,
-                            env={**os.environ, "PREFECT_SGPU_HEARTBEAT_TTL": "4"},
-                            preexec_fn=default_sigint)
-    deadline = time.monotonic() + 90
-    while not (Path(f"{flag}0").exists() and Path(f"{flag}1").exists()):
-        assert proc.poll() is None, "driver exited early"
-        assert time.monotonic() < deadline, "ranks never started"
-        time.sleep(0.2)
-    return proc, flag
+@pytest.fixture
+def start_driver(tmp_path: Path) -> Iterator[Callable[[], subprocess.Popen]]:
+    """Start a driver script whose two ranks wait ten minutes; a driver a failed test left running
+    is killed at the test's end (its nodes then stop themselves at the 4 s heartbeat TTL)."""
+    started: list[subprocess.Popen] = []
+
+    def start() -> subprocess.Popen:
+        script = tmp_path / "driver.py"
+        script.write_text(textwrap.dedent(INTERRUPTED_DRIVER))
+        flag = tmp_path / "up"
+        proc = subprocess.Popen([sys.executable, str(script), str(flag)], cwd=tmp_path,
+                                env={**os.environ, "PREFECT_SGPU_HEARTBEAT_TTL": "4"},
+                                preexec_fn=default_sigint)
+        started.append(proc)
+        deadline = time.monotonic() + 90
+        while not (Path(f"{flag}0").exists() and Path(f"{flag}1").exists()):
+            assert proc.poll() is None, "driver exited early"
+            assert time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.2)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def _newest_run_id() -> str:
@@ -339,8 +353,8 @@ def _newest_run_id() -> str:
     return max(jobs.iterdir(), key=lambda p: p.stat().st_mtime).name
 
 
-def test_ctrl_c_stops_every_rank_and_marks_the_mlflow_run_killed(tmp_path: Path) -> None:
-    proc, _ = _start_driver(tmp_path)
+def test_ctrl_c_stops_every_rank_and_marks_the_mlflow_run_killed(start_driver) -> None:
+    proc = start_driver()
     run_id = _newest_run_id()
     assert job_processes(run_id), "the job should be running"
     proc.send_signal(signal.SIGINT)
@@ -351,8 +365,8 @@ def test_ctrl_c_stops_every_rank_and_marks_the_mlflow_run_killed(tmp_path: Path)
     assert run.info.status == "KILLED"
 
 
-def test_nodes_stop_themselves_when_the_driver_dies(tmp_path: Path) -> None:
-    proc, _ = _start_driver(tmp_path)
+def test_nodes_stop_themselves_when_the_driver_dies(start_driver) -> None:
+    proc = start_driver()
     run_id = _newest_run_id()
     proc.kill()  # SIGKILL: no cleanup code runs in the driver
     proc.wait(timeout=10)
