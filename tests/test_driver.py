@@ -169,6 +169,10 @@ class _StaleHeartbeatCompute(FakeCompute):
                                                                  stopped=stopped))
             allocation.codes[0] = 143
             return
+        if node == 1 and self.acquired == 1:  # the loss comes after node 0 stopped itself, as described
+            until = time.monotonic() + 30.0
+            while 0 not in allocation.codes and time.monotonic() < until:
+                time.sleep(0.01)
         super()._node(allocation, node)
 
 
