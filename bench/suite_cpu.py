@@ -105,19 +105,17 @@ def main() -> None:
                     continue
                 cpu[key] = [kind_of(line), seconds]
             cpu[key][1] = max(cpu[key][1], seconds)
-        # orphans re-parented to this subreaper are reaped here; the command itself by Popen
+        # the command and the orphans re-parented to this subreaper are all reaped here
         while True:
             try:
-                pid, _status = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
             if pid == child.pid:
-                code = os.waitstatus_to_exitcode(_status)
+                code = os.waitstatus_to_exitcode(status)
                 break
-        if code is None and child.returncode is not None:
-            code = child.returncode
         time.sleep(args.every)
     wall = time.monotonic() - started
     total: dict[str, float] = {}

@@ -15,6 +15,7 @@ from prefect_sgpu.driver import Job
 from prefect_sgpu.errors import InfrastructureLost, JobCancelled, LaunchTimeout, RankFailedError
 from prefect_sgpu.store import LocalStore
 from support.fake_compute import FakeCompute
+from support.polling import poll
 
 
 def _job(fn, compute: FakeCompute, tmp_path: Path, *args, cancel: threading.Event | None = None,
@@ -170,9 +171,7 @@ class _StaleHeartbeatCompute(FakeCompute):
             allocation.codes[0] = 143
             return
         if node == 1 and self.acquired == 1:  # the loss comes after node 0 stopped itself, as described
-            until = time.monotonic() + 30.0
-            while 0 not in allocation.codes and time.monotonic() < until:
-                time.sleep(0.01)
+            poll(lambda: 0 in allocation.codes, bool, "node 0's stop", timeout=30)
         super()._node(allocation, node)
 
 
