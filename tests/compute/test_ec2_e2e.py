@@ -306,6 +306,17 @@ def _report(proc: "subprocess.Popen[str]") -> dict[str, Any]:
     return dict(json.loads(out))
 
 
+def _items(entries: list[dict[str, Any]], run_id: str) -> set[tuple[str, str]]:
+    """A report's entries of one run as (kind, name), one per file for a run's store files."""
+    items = set()
+    for entry in entries:
+        if entry["run_id"] != run_id:
+            continue
+        names = entry["name"].split(", ") if entry["kind"] == "store files" else [entry["name"]]
+        items.update((entry["kind"], name) for name in names)
+    return items
+
+
 def test_gc_removes_what_a_killed_driver_left_and_ends_its_mlflow_run_killed(ec2: EC2Env, tmp_path: Path) -> None:
     def early_sweep(run_id: str) -> None:  # the driver's heartbeat is fresh: however loaded the machine
         early = ec2.compute().sweeper(_mlflow_uri(tmp_path)).sweep()
@@ -317,14 +328,16 @@ def test_gc_removes_what_a_killed_driver_left_and_ends_its_mlflow_run_killed(ec2
         ec2.simulator.freeze(iid)
     time.sleep(max(0.0, died + HEARTBEAT_TTL_S * 1.5 + 1 - time.monotonic()))
     dry = _report(_gc(ec2, tmp_path, "--dry-run"))
-    found = {(x["kind"], x["name"]) for x in dry["found"] if x["run_id"] == run_id}
+    found = _items(dry["found"], run_id)
     kinds = {kind for kind, _ in found}
     assert {("instance", i) for i in ids} <= found, dry
     assert {"security group", "placement group", "SSM parameter", "store files", "MLflow run"} <= kinds, dry
     assert not dry["removed"] and len(ec2.leftovers(run_id)) >= 5, "a dry run removes nothing"
     both = [_gc(ec2, tmp_path), _gc(ec2, tmp_path)]  # two sweepers at once
     reports = [_report(p) for p in both]
-    removed = {(x["kind"], x["name"]) for r in reports for x in r["removed"] if x["run_id"] == run_id}
+    # each sweeper names what it removed; between them, what the dry run found (the store files of a
+    # run can be split: one sweeper lists them after the other has deleted some)
+    removed = set().union(*(_items(r["removed"], run_id) for r in reports))
     assert found == removed, reports
     assert ec2.leftovers(run_id) == []
     assert {i["State"]["Name"] for i in ec2.instances(run_id)} == {"terminated"}
