@@ -49,15 +49,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: 0 if _group(item) == RAY_CLUSTER_GROUP else 1)
 
 
-_config: pytest.Config | None = None
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """A clear refusal, before any worker starts, of the pair that loses the groups."""
     from packaging.version import Version
 
-    global _config
-    _config = config
+    from support.cpu_use import CpuUse
+
+    config.pluginmanager.register(CpuUse(), "sgpu-cpu-use")  # each test's CPU seconds (docs/testing.md)
 
     if config.getoption("dist", "no") != "loadgroup":
         return
@@ -93,35 +91,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         import shutil
 
         shutil.rmtree(_HOME, ignore_errors=True)
-
-
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    from support import cpu_use
-
-    cpu_use.started(item)
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True, trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    yield
-    from support import cpu_use
-
-    cpu_use.ended(item)  # before the teardown report is made, which carries it to the controller
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    from support import cpu_use
-
-    if _config is not None:
-        cpu_use.reported(_config, report)
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    from support import cpu_use
-
-    cpu_use.summary(config, terminalreporter)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,6 @@ import pytest
 KEY = "cpu_s"
 SHOWN = 25
 _started = pytest.StashKey[float]()
-_seen = pytest.StashKey[dict]()
 
 
 def cpu_seconds() -> float:
@@ -44,33 +43,39 @@ def cpu_seconds() -> float:
     return total
 
 
-def started(item: pytest.Item) -> None:
-    item.stash[_started] = cpu_seconds()
+class CpuUse:
+    """The plugin: each worker measures its tests; the controller collects and prints them."""
 
+    def __init__(self) -> None:
+        self.seen: dict[str, float] = {}
 
-def ended(item: pytest.Item) -> None:
-    """Put the test's CPU seconds among its properties, which reach the controller with its report."""
-    if _started in item.stash:
-        item.user_properties.append((KEY, round(cpu_seconds() - item.stash[_started], 2)))
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item):  # type: ignore[no-untyped-def]
+        item.stash[_started] = cpu_seconds()
+        yield
 
+    @pytest.hookimpl(hookwrapper=True, trylast=True)
+    def pytest_runtest_teardown(self, item: pytest.Item):  # type: ignore[no-untyped-def]
+        yield
+        # before the teardown report is made: its user_properties carry the seconds to the controller
+        if _started in item.stash:
+            item.user_properties.append((KEY, round(cpu_seconds() - item.stash[_started], 2)))
 
-def reported(config: pytest.Config, report: pytest.TestReport) -> None:
-    if report.when == "teardown":
-        value = dict(report.user_properties).get(KEY)
-        if value is not None:
-            config.stash.setdefault(_seen, {})[report.nodeid] = value
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "teardown":
+            value = dict(report.user_properties).get(KEY)
+            if value is not None:
+                self.seen[report.nodeid] = value
 
-
-def summary(config: pytest.Config, terminal: "pytest.TerminalReporter") -> None:
-    seen: dict[str, float] = config.stash.get(_seen, {})
-    if not seen:
-        return
-    path = os.environ.get("SGPU_TEST_CPU_FILE")
-    if path:
-        with open(path, "w") as fh:
-            json.dump(seen, fh, indent=1, sort_keys=True)
-    terminal.section("CPU per test")
-    terminal.write_line(f"{SHOWN} tests that used the most CPU ({sum(seen.values()):.0f} CPU s in {len(seen)} tests, "
-          "a lower bound: tests/support/cpu_use.py)")
-    for nodeid, seconds in sorted(seen.items(), key=lambda kv: -kv[1])[:SHOWN]:
-        terminal.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
+    def pytest_terminal_summary(self, terminalreporter: "pytest.TerminalReporter") -> None:
+        if not self.seen:
+            return
+        path = os.environ.get("SGPU_TEST_CPU_FILE")
+        if path:
+            with open(path, "w") as fh:
+                json.dump(self.seen, fh, indent=1, sort_keys=True)
+        terminalreporter.section("CPU per test")
+        terminalreporter.write_line(f"{SHOWN} tests that used the most CPU ({sum(self.seen.values()):.0f} CPU s in "
+                                    f"{len(self.seen)} tests, a lower bound: tests/support/cpu_use.py)")
+        for nodeid, seconds in sorted(self.seen.items(), key=lambda kv: -kv[1])[:SHOWN]:
+            terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
