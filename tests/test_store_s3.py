@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -104,6 +105,25 @@ def test_store_and_provisioner_build_clients_in_one_place(aws_env: MotoAWS) -> N
         assert config.retries["total_max_attempts"] == attempts + 1  # botocore counts the first call too
         assert (config.connect_timeout, config.read_timeout) == (aws.CONNECT_TIMEOUT_S, aws.READ_TIMEOUT_S)
         assert aws.USER_AGENT in (config.user_agent_extra or "")
+
+
+def test_new_sessions_share_one_parsed_service_model_and_use_the_environments_credentials(aws_env: MotoAWS) -> None:
+    """The driver, its sweeper and each compute open sessions of their own; EC2's model is parsed once."""
+    from prefect_sgpu import aws
+
+    first, second = aws.new_session(aws_env.region), aws.new_session(aws_env.region)
+    assert first is not second and first._session is not second._session, "each caller has its own session"
+    a = aws.client("ec2", first, aws_env.region, aws_env.endpoint_url)
+    b = aws.client("ec2", second, aws_env.region, aws_env.endpoint_url)
+    assert a.meta.service_model.shape_for("RunInstancesRequest") is not None
+    loader = first._session.get_component("data_loader")
+    assert loader is second._session.get_component("data_loader"), "one data loader per process"
+    assert (loader.load_service_model("ec2", "service-2")
+            is loader.load_service_model("ec2", "service-2")), "the model is parsed once and kept"
+    # the sessions still read the environment's keys (the instance profile on a node)
+    assert first.get_credentials().access_key == os.environ["AWS_ACCESS_KEY_ID"]
+    assert b.describe_regions()["Regions"], "a client of a later session calls the endpoint as the first does"
+    assert a.describe_regions()["Regions"]
 
 
 def test_an_appended_object_reads_as_one_until_sealed_and_ships_each_byte_once(store: S3Store) -> None:

@@ -138,9 +138,7 @@ class EC2Provisioner:
     @property
     def session(self) -> Any:
         if self._session is None:
-            import boto3
-
-            self._session = boto3.Session(region_name=self.settings.region)
+            self._session = aws.new_session(self.settings.region)
         return self._session
 
     def client(self, service: str) -> Any:
