@@ -10,7 +10,7 @@ and a throttled EC2 call gave up sooner than a throttled S3 call.
 
 from __future__ import annotations
 
-import threading
+from functools import lru_cache
 from typing import Any
 
 from prefect_sgpu.errors import SGPUConfigError
@@ -23,25 +23,23 @@ READ_TIMEOUT_S = 60
 USER_AGENT = "prefect-sgpu"
 
 
-_loader: Any = None
-_loader_lock = threading.Lock()
+@lru_cache(maxsize=1)
+def _data_loader() -> Any:
+    """This process's botocore data loader, which keeps every service model it has parsed."""
+    import botocore.loaders
+
+    return botocore.loaders.create_loader()
 
 
 def new_session(region: str | None = None) -> Any:
     """A boto3 session with the environment's credentials that shares this process's botocore
     data loader: a service's model (EC2's is megabytes of JSON) is parsed once per process, not
     once per session (a quarter of a CPU second for EC2, S3 and SSM clients of a new session)."""
-    global _loader
     import boto3
-    import botocore.loaders
     import botocore.session
 
-    with _loader_lock:
-        if _loader is None:
-            _loader = botocore.loaders.create_loader()
-        loader = _loader
     core = botocore.session.get_session()
-    core.register_component("data_loader", loader)
+    core.register_component("data_loader", _data_loader())
     return boto3.session.Session(botocore_session=core, region_name=region)
 
 
