@@ -405,6 +405,9 @@ def _own_process_group_timeout() -> float:
 
     dist.init_process_group(backend="gloo")  # user code that does not use runtime.init_process_group
     try:
+        # gloo's constructor has no closing handshake: a rank that tears its group down at
+        # once can close a pair its peer is still connecting, so both meet first
+        dist.barrier()
         return _get_default_timeout(dist.Backend.GLOO).total_seconds()
     finally:
         dist.destroy_process_group()
