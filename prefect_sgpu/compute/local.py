@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand, NodeExited,
                                        NodeLost, NodeUp, Released, Request, node_base_environment)
 from prefect_sgpu.compute import leases
+from prefect_sgpu.launch import agent_template
 from prefect_sgpu.launch.warm_pool import AGENT_MODULE, POOL, WarmSet, check_keep_warm, start_set, warm_node_argv
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.launch.processes import kill_and_reap
@@ -141,7 +142,7 @@ class LocalRequest(Request):
 
 @dataclass
 class LocalAllocation(Allocation):
-    processes: dict[int, "subprocess.Popen[bytes]"] = field(default_factory=dict)
+    processes: dict[int, "subprocess.Popen[bytes] | agent_template.ForkedAgent"] = field(default_factory=dict)
     reported: set[int] = field(default_factory=set)
     announced: set[int] = field(default_factory=set)
     #: the GPU ids leased for the job, in rank order (node N runs on its N-th slice); empty for CPU jobs
@@ -160,12 +161,21 @@ class LocalProcessCompute(Compute):
     name = "local"
     remote = False
 
-    def __init__(self, isolation: Isolation = "auto", shm_size: str = "2g", keep_warm: float | None = None) -> None:
+    def __init__(self, isolation: Isolation = "auto", shm_size: str = "2g", keep_warm: float | None = None,
+                 agent_start: str | None = None) -> None:
         """``keep_warm``: seconds a finished job's node processes (torch imported) wait for the next
         job of the same shape, which then starts without importing anything; None: the
-        ``PREFECT_SGPU_KEEP_WARM`` environment variable, else 120; 0: every job starts cold."""
+        ``PREFECT_SGPU_KEEP_WARM`` environment variable, else 120; 0: every job starts cold.
+
+        ``agent_start``: how a cold job's node agents start. ``fork``: forked from this process's
+        agent template, which imported torch once (:mod:`~prefect_sgpu.launch.agent_template`);
+        ``exec``: each a new interpreter; None: the ``PREFECT_SGPU_AGENT_START`` environment
+        variable, else ``fork``."""
         if isolation not in ("auto", "namespaces", "none"):
             raise SGPUConfigError("isolation", isolation, "one of 'auto', 'namespaces', 'none'")
+        if agent_start is not None and agent_start not in agent_template.AGENT_STARTS:
+            raise SGPUConfigError("agent_start", agent_start, f"one of {', '.join(agent_template.AGENT_STARTS)}")
+        self.agent_start = agent_start or agent_template.agent_start()
         self.isolation = isolation
         self.shm_size = shm_size
         self.keep_warm = default_keep_warm() if keep_warm is None else check_keep_warm("keep_warm", keep_warm,
@@ -343,10 +353,27 @@ class LocalProcessCompute(Compute):
                     return
                 # the agent holds the lease on its GPUs too: each lasts until the driver and the agent closed it
                 mine = allocation.lease.fds[command.node * ppn : (command.node + 1) * ppn] if allocation.lease else []
-                allocation.processes[command.node] = subprocess.Popen(
+                forked = self._fork_agent(allocation.request, command, env, out, mine)
+                allocation.processes[command.node] = forked or subprocess.Popen(
                     self.command_line(allocation.request, command), env=env, stdin=subprocess.DEVNULL,
                     stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=mine,
                 )
+
+    def _fork_agent(self, request: Request, command: NodeCommand, env: dict[str, str], out: Path,
+                    fds: list[int]) -> "agent_template.ForkedAgent | None":
+        """The node's agent forked from the agent template, or None where it starts as a new interpreter."""
+        if self.agent_start != "fork" or command.argv[:3] != [sys.executable, "-m", AGENT_MODULE]:
+            return None
+        namespaces = isinstance(request, LocalRequest) and request.namespaces
+        argv = command.argv[3:] + ([f"--shm-size={request.shm_size}"] if namespaces else [])
+        try:
+            template = agent_template.template({**node_base_environment(dict(os.environ)),
+                                                "PYTHONPATH": _import_path({})})
+            return template.launch(argv, env, os.getcwd(), str(out), namespaces=namespaces, fds=fds)
+        except (agent_template.TemplateUnavailable, OSError) as exc:
+            logger.warning("job %s: node %d's agent starts as a new interpreter: %s", request.run_id,
+                           command.node, exc)
+            return None
 
     def poll(self, allocation: Allocation) -> list[Event]:
         assert isinstance(allocation, LocalAllocation)
@@ -361,7 +388,8 @@ class LocalProcessCompute(Compute):
                 allocation.reported.add(index)
                 events.append(NodeLost(index, lost))
             elif code is not None:
-                events.append(_agent_ended(allocation, index, code, pid))
+                unknown = getattr(allocation.processes.get(index), "exit_unknown", False)
+                events.append(_agent_ended(allocation, index, code, pid, unknown))
         return events
 
     def _stop_warm(self, allocation: LocalAllocation, grace: float) -> None:
@@ -453,11 +481,18 @@ def _agents(allocation: LocalAllocation) -> list[tuple[int, str, int | None, int
     return found
 
 
-def _agent_ended(allocation: LocalAllocation, index: int, code: int, pid: int | None) -> Event:
+def _agent_ended(allocation: LocalAllocation, index: int, code: int, pid: int | None,
+                 unknown: bool = False) -> Event:
     """A node agent's end: its sealed status, or the node lost when it was killed outright (OOM
-    killer, kill -9) before it could report."""
+    killer, kill -9) before it could report. ``unknown``: its exit code was lost with the agent
+    template that forked it, and its status alone tells."""
     allocation.reported.add(index)
     status = allocation.folder.status(index)
+    if unknown:
+        if status is None:
+            return NodeLost(index, f"node {index}'s agent (pid {pid}) ended without a report after the agent "
+                                   "template that forked it died")
+        return NodeExited(index, status.exit_code, status)
     if status is None and code < 0:
         return NodeLost(index, f"node {index}'s agent (pid {pid}) was killed by {signal.Signals(-code).name} "
                                "before it reported")

@@ -186,14 +186,22 @@ def _empty(folder: str) -> None:
             pass
 
 
-def _agent(message: dict[str, Any], proto_fd: int) -> None:
-    """In the forked child: become the job's node agent, then leave without this process's teardown."""
+def _agent(message: dict[str, Any], proto_fd: int, forked: bool = True, namespaces: bool = False,
+           title: bool = False) -> None:
+    """In the forked child: become the job's node agent, then leave without this process's teardown.
+
+    ``forked``: its ranks are always forked (a warm node's agent); else they start as the job
+    asks, as on a cold agent. ``namespaces``: the agent runs as PID 1 of its own PID and mount
+    namespaces (:func:`_enter_namespaces`). ``title``: it shows a cold agent's command line."""
     code = 2
     try:
         os.setsid()  # its own process group: a stop signals the agent and its ranks, not the warm node
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         atexit._clear()  # the warm node's exit handlers are not the job's
+        command = " ".join([sys.executable, "-m", "prefect_sgpu.launch.node_agent", *message["argv"]])
+        if title:
+            _set_title(command)
         out = os.open(message["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(out, 1)
         os.dup2(out, 2)
@@ -202,6 +210,8 @@ def _agent(message: dict[str, Any], proto_fd: int) -> None:
         os.dup2(null, 0)
         os.close(null)
         os.close(proto_fd)
+        if namespaces:
+            _enter_namespaces(f"{NAMESPACE_TITLE} -- {command}" if title else None)
         env: dict[str, str] = message["env"]
         os.environ.clear()
         os.environ.update(env)
@@ -212,7 +222,7 @@ def _agent(message: dict[str, Any], proto_fd: int) -> None:
 
         node_agent._install_early_signal_handlers()
         code = node_agent.node_main(node_agent.parse_args,
-                                    lambda args: node_agent.run(args, forked=True), message["argv"])
+                                    lambda args: node_agent.run(args, forked=forked), message["argv"])
     except BaseException:  # noqa: BLE001 - whatever happens, the child must not return into the warm node
         traceback.print_exc()
     finally:
@@ -221,6 +231,65 @@ def _agent(message: dict[str, Any], proto_fd: int) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+#: the command line of the process that holds a forked agent's namespaces (as ``unshare`` does a cold one's)
+NAMESPACE_TITLE = "prefect-sgpu-node-namespace"
+
+
+def _set_title(title: str) -> None:
+    """Show ``title`` as this process's command line (``ps``, psutil): the job's run id is on it."""
+    try:
+        import setproctitle
+    except ImportError:  # optional (the torch extra brings it): the command line stays the parent's
+        return
+    setproctitle.setproctitle(title)
+
+
+_CLONE_NEWNS, _CLONE_NEWPID = 0x00020000, 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+_PR_SET_PDEATHSIG = 1
+
+
+def _enter_namespaces(outer_title: str | None) -> None:
+    """Continue as PID 1 of new PID and mount namespaces, with a /proc of its own.
+
+    What ``unshare --mount --propagation private --pid --fork --mount-proc --kill-child=SIGTERM``
+    does for a cold agent: this process stays outside, waits for the namespace's first process
+    (which returns from here) and exits as it did: with its exit code, or by its signal. Its
+    stop signals reach that process through the process group both are in, and it ends with
+    SIGTERM if this process is killed."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID), "unshare(CLONE_NEWNS | CLONE_NEWPID)")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
+    pid = os.fork()
+    if pid == 0:
+        check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+        check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "mount /proc")
+        return
+    if outer_title:
+        _set_title(outer_title)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the process group's stop is for the agent inside
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
 def _preload() -> list[str]:

@@ -54,53 +54,71 @@ def _this_jobs_processes(run_id: str) -> list[psutil.Process]:
     for line in job_processes(run_id):
         try:
             proc = psutil.Process(int(line.split(":", 1)[0]))
-            if proc.environ().get("PREFECT_SGPU_HOME") == os.environ["PREFECT_SGPU_HOME"]:
+            home = os.environ["PREFECT_SGPU_HOME"]
+            if any(w.startswith(f"--job-dir={home}{os.sep}") for w in _words(proc)):
                 found.append(proc)
         except psutil.Error:
             continue
     return found
 
 
+def _words(proc: psutil.Process) -> list[str]:
+    """A process's command line, word by word (a forked agent's is one string: its title)."""
+    return " ".join(proc.cmdline()).split()
+
+
 def _is_agent(proc: psutil.Process) -> bool:
-    """A node agent, not the ``unshare`` around it nor a rank forked from it (same command line)."""
+    """A node agent, not what holds its namespaces (``unshare``, or the process a forked agent's
+    template made for it) nor a rank forked from it (same command line)."""
+    from prefect_sgpu.launch.warm_node import NAMESPACE_TITLE
+
     def agent_image(p: psutil.Process | None) -> bool:
-        return p is not None and "prefect_sgpu.launch.node_agent" in p.cmdline() and "unshare" not in p.cmdline()[0]
+        if p is None:
+            return False
+        words = _words(p)
+        return "prefect_sgpu.launch.node_agent" in words and "unshare" not in words[0] and NAMESPACE_TITLE != words[0]
 
     return agent_image(proc) and not agent_image(proc.parent())
 
 
-def _argument(cmdline: list[str], name: str) -> str:
-    return next(a.split("=", 1)[1] for a in cmdline if a.startswith(f"{name}="))
+def _argument(proc: psutil.Process, name: str) -> str:
+    return next(a.split("=", 1)[1] for a in _words(proc) if a.startswith(f"{name}="))
 
 
+@pytest.mark.parametrize("agent_start", ["fork", "exec"])
 def test_the_rendezvous_stores_listen_on_the_nodes_address_under_an_id_on_no_command_line(
-        tmp_path: Path) -> None:
-    fn = distributed(gpus=2, nodes=2, mlflow=False)(_hold_until_released)
+        tmp_path: Path, agent_start: str) -> None:
+    from prefect_sgpu.compute.local import LocalProcessCompute
+
+    fn = distributed(gpus=2, nodes=2, mlflow=False, compute=LocalProcessCompute(agent_start=agent_start))(
+        _hold_until_released)
+    job = fn.job(str(tmp_path))
     outcome: dict[str, Any] = {}
 
     def run_job() -> None:
         try:
-            outcome["result"] = fn.run(str(tmp_path))
+            outcome["result"] = job.run()
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             outcome["error"] = exc
 
-    job = threading.Thread(target=run_job, daemon=True)
-    job.start()
+    runner = threading.Thread(target=run_job, daemon=True)
+    runner.start()
     try:
         deadline = time.monotonic() + 240
         while not all((tmp_path / f"rank-{r}").exists() for r in (0, 1)):
-            assert job.is_alive(), f"the job ended before both ranks ran: {outcome}"
+            assert runner.is_alive(), f"the job ended before both ranks ran: {outcome}"
             assert time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.2)
         run_id, rdzv = (tmp_path / "rank-0").read_text().split("\n")
         procs = _this_jobs_processes(run_id)
         agents = [p for p in procs if _is_agent(p)]
-        assert sorted(_argument(a.cmdline(), "--node-index") for a in agents) == ["0", "1"]
-        node0 = next(a for a in agents if _argument(a.cmdline(), "--node-index") == "0")
-        host, port = _argument(node0.cmdline(), "--rdzv-endpoint").rsplit(":", 1)
+        assert sorted(_argument(a, "--node-index") for a in agents) == ["0", "1"]
+        node0 = next(a for a in agents if _argument(a, "--node-index") == "0")
+        host, port = _argument(node0, "--rdzv-endpoint").rsplit(":", 1)
 
         # the rendezvous id: derived from the job key, the same on every node, on no command line
-        assert rdzv == rendezvous_id(node0.environ()["SGPU_PAYLOAD_KEY"]) != run_id
+        assert job.allocation is not None
+        assert rdzv == rendezvous_id(job.allocation.folder.key) != run_id
         assert (tmp_path / "rank-1").read_text().split("\n")[1] == rdzv
         for proc in procs:
             assert rdzv not in " ".join(proc.cmdline()), f"the rendezvous id is on the command line of {proc.pid}"
@@ -115,7 +133,7 @@ def test_the_rendezvous_stores_listen_on_the_nodes_address_under_an_id_on_no_com
         assert len(agent_listeners) >= 2, agent_listeners
     finally:
         (tmp_path / "release").touch()
-        job.join(timeout=240)
+        runner.join(timeout=240)
     assert "error" not in outcome, outcome.get("error")
     assert outcome["result"].values == [rdzv, rdzv]
     assert job_processes(run_id) == []
