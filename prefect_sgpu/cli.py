@@ -4,6 +4,7 @@
     prefect-sgpu gpus [--region REGION] [--json]
     prefect-sgpu run [--gpus N] [--nodes N] [--gpu-type TYPE] [--remote --compute-block SLUG/NAME] SCRIPT [ARGS]
     prefect-sgpu gc [--dry-run] [--compute-block SLUG/NAME | --store URI] [options]
+    prefect-sgpu doctor [--compute-block SLUG/NAME | --store s3://... --region R] [--gpu-type T --gpus N --nodes N]
 
 ``gpus`` prints the accelerator catalog (:mod:`prefect_sgpu.catalog`): each GPU type, the
 instance types that carry it, their GPUs per node and on-demand price per hour where the
@@ -13,6 +14,11 @@ catalog has one for ``--region``.
 ``prefect-sgpu-run`` (:mod:`prefect_sgpu.adapters.script_run`): GPU quota, events, artifacts and
 rank logs are those of a ``@gpu_task``. Exit status 0 when every rank exited 0, 1 when the job
 failed, 2 for bad arguments (nothing was started).
+
+``doctor`` checks what a first EC2 job needs against the account (:mod:`prefect_sgpu.compute.ec2.doctor`):
+credentials, region, the store bucket, the image, the instance type's offering and vCPU quota, a
+capacity reservation, and the driver policy simulated against the driver's identity. Exit status 0
+when nothing failed, 1 when a check failed (each says what to do), 2 for bad arguments.
 
 ``gc`` removes what dead drivers left behind (:mod:`prefect_sgpu.compute.remote.sweep`): with
 ``--compute-block`` the store, region and credentials of a saved compute block; with
@@ -74,7 +80,52 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--no-mlflow", action="store_true", help="leave MLflow runs alone")
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     gc.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor = commands.add_parser("doctor", help="check what a first EC2 job needs: credentials, store, image, "
+                                                "GPU quota, driver policy")
+    source = doctor.add_mutually_exclusive_group()
+    source.add_argument("--compute-block", metavar="SLUG/NAME",
+                        help="a saved EC2 compute block, e.g. sgpu-ec2-compute/h100-pool (its settings and credentials)")
+    source.add_argument("--store", metavar="URI", help="the s3://bucket/prefix nodes exchange files through")
+    doctor.add_argument("--region", help="AWS region (default: the AWS config's; with --compute-block, the block's)")
+    doctor.add_argument("--market", choices=("spot", "on-demand", "reserved"), help="the quota to check (default: "
+                                                                                   "the block's, else on-demand)")
+    doctor.add_argument("--ami-id", help="the image to check (default: the block's, else the one its SSM "
+                                         "parameter names)")
+    doctor.add_argument("--endpoint-url", help="a custom AWS endpoint (private links, tests)")
+    doctor.add_argument("--gpu-type", metavar="TYPE", help="check the instance type and vCPU quota for this GPU type")
+    doctor.add_argument("--gpus", type=int, help="GPUs of the job (default: one node's)")
+    doctor.add_argument("--nodes", type=int, help="nodes of the job (default: as few as hold --gpus)")
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     return parser
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from prefect_sgpu.compute.ec2 import doctor
+    from prefect_sgpu.compute.ec2.settings import EC2Settings
+    from prefect_sgpu.errors import SGPUConfigError
+
+    wanted = doctor.Wanted.of(args.gpu_type, args.gpus, args.nodes)
+    session = None
+    if args.compute_block:
+        from prefect.blocks.core import Block
+
+        compute = Block.load(args.compute_block).get_compute()
+        if not hasattr(compute, "provisioner"):
+            raise SGPUConfigError("--compute-block", args.compute_block, "an EC2 compute block")
+        changes = {k: v for k, v in (("region", args.region), ("market", args.market), ("ami_id", args.ami_id),
+                                     ("endpoint_url", args.endpoint_url)) if v}
+        settings = compute.settings.model_copy(update=changes) if changes else compute.settings
+        session = compute.provisioner._session
+    else:
+        fields = {"region": args.region or _default_region(), "store_uri": args.store or "",
+                  "market": args.market or "on-demand", "endpoint_url": args.endpoint_url, "ami_id": args.ami_id}
+        settings = EC2Settings(**{k: v for k, v in fields.items() if v is not None})
+    checks = doctor.examine(settings, wanted, session=session)
+    if args.json:
+        print(json.dumps(doctor.as_json(checks), indent=2))
+    else:
+        print(doctor.report(checks))
+    return 1 if any(c.status == "fail" for c in checks) else 0
 
 
 def _sweeper(args: argparse.Namespace) -> Any:
@@ -186,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             return _gpus(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "doctor":
+            return _doctor(args)
         made = _sweeper(args)
     except SGPUConfigError as exc:
         print(f"prefect-sgpu {args.command}: {exc}", file=sys.stderr)

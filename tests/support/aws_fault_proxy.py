@@ -191,6 +191,8 @@ class AWSFaultProxy:
         self.on_terminate: Callable[[list[str]], None] | None = None
         #: per-resource IAM authorization of the identities it watches (support.iam_gate), when set
         self.iam_gate: Any = None
+        #: the account's applied EC2 quotas (Service Quotas code -> value); moto knows none of EC2's
+        self.ec2_quotas: dict[str, float] = {}
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -243,6 +245,7 @@ class AWSFaultProxy:
             self.rules.clear()
             self.delays.clear()
             self.requests.clear()
+            self.ec2_quotas.clear()
 
     def add_capacity_reservation(
         self, instance_type: str, availability_zone: str, count: int, state: str = "active"
@@ -362,6 +365,13 @@ class AWSFaultProxy:
             result = self._describe_reservations(params)
         elif service == "ec2" and action == "RunInstances":
             result = self._run_instances(method, path, headers, body, params)
+        elif service == "iam" and action == "SimulatePrincipalPolicy":
+            from support.iam_gate import simulate_principal_policy
+
+            result = 200, [("Content-Type", "text/xml")], simulate_principal_policy(params)
+        elif service == "json:ServiceQuotasV20190624" and params.get("ServiceCode") == "ec2" and action in (
+                "GetServiceQuota", "GetAWSDefaultServiceQuota"):
+            result = self._ec2_quota(record, params, service)
         else:
             result = self._forward(method, path, headers, body)
         hook = self.on_terminate
@@ -414,6 +424,18 @@ class AWSFaultProxy:
             return resp.status, resp.getheaders(), payload
         finally:
             conn.close()
+
+    def _ec2_quota(self, record: Recorded, params: Params, service: str) -> tuple[int, list, bytes]:
+        """An EC2 quota the test set (``ec2_quotas``); an unset one is one this account never changed,
+        and has no default here either."""
+        code = params.get("QuotaCode", "")
+        with self._lock:
+            value = self.ec2_quotas.get(code)
+        if value is None:
+            return self._error(record, "NoSuchResourceException", f"quota {code} is not set", 400, service)
+        body = {"Quota": {"ServiceCode": "ec2", "QuotaCode": code, "QuotaName": code, "Value": value,
+                          "Unit": "None", "Adjustable": True, "GlobalQuota": False}}
+        return 200, [("Content-Type", "application/x-amz-json-1.1")], json.dumps(body).encode()
 
     # -- EC2 behaviour moto lacks ----------------------------------------------------
 

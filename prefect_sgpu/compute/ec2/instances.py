@@ -103,15 +103,21 @@ class Attempt:
         )
 
 
-def vcpu_quota(instance_type: str, market: str) -> str:
-    """The Service Quotas quota an ``instance_type`` launch in ``market`` counts against, by name and code."""
+def vcpu_quota_of(instance_type: str, market: str) -> tuple[str, str | None]:
+    """(name, code or None where unknown here) of the Service Quotas quota an ``instance_type``
+    launch in ``market`` counts against."""
     prefix = re.match(r"[a-z]+", instance_type.lower())
     family = prefix.group(0) if prefix else ""
     kind = {"g": "G and VT", "vt": "G and VT", "p": "P", "trn": "Trn", "inf": "Inf", "dl": "DL", "f": "F",
             "x": "X"}.get(family, "Standard")
     spot = market == "spot"
     name = f"All {kind} Spot Instance Requests" if spot else f"Running On-Demand {kind} instances"
-    code = VCPU_QUOTAS.get((kind, "spot" if spot else "on-demand"))
+    return name, VCPU_QUOTAS.get((kind, "spot" if spot else "on-demand"))
+
+
+def vcpu_quota(instance_type: str, market: str) -> str:
+    """The Service Quotas quota an ``instance_type`` launch in ``market`` counts against, by name and code."""
+    name, code = vcpu_quota_of(instance_type, market)
     return f"EC2 quota \"{name}\"" + (f" ({code})" if code else "")
 
 
