@@ -47,7 +47,7 @@ from prefect_sgpu.pipeline import async_save as async_save_mod
 if TYPE_CHECKING:
     from prefect_sgpu.pipeline.strategies import Wrapped
 
-__all__ = ["MARKER", "Checkpointer", "complete_steps", "latest_complete_step", "load_model", "save_model",
+__all__ = ["MARKER", "Checkpointer", "SealedSteps", "complete_steps", "latest_complete_step", "load_model", "save_model",
            "step_dir_name"]
 
 logger = logging.getLogger("prefect_sgpu.checkpoints")
@@ -300,7 +300,139 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-class Checkpointer:
+class SealedSteps:
+    """Step folders at one checkpoint location, each sealed once every rank's part is stored, and the
+    newest verified one found again: what :class:`Checkpointer` and the trainer callbacks
+    (:mod:`prefect_sgpu.integrations`) share. Collective where a method says so."""
+
+    def __init__(self, folder: str | Path | None = None, *, keep: int = 2) -> None:
+        if keep < 1:
+            raise SGPUConfigError("keep", keep, "an integer >= 1 (complete checkpoints to keep)")
+        self.location = Location(folder)
+        #: where this rank reads and writes: the location itself, or this node's (private) stage of it
+        self.folder = self.location.ensure_local()
+        self.keep = keep
+        self.preempted_at: int | None = None
+        self._flags = _flag_group()
+
+    def reclaim_due(self, step: int) -> bool:
+        """True once, at the first ``step`` where any rank's node has a reclaim notice (collective:
+        every rank calls it at every step, so all of them save at the same step)."""
+        if self.preempted_at is None and self._any_rank(runtime.preemption_requested()):
+            self.preempted_at = step
+            print(f"[sgpu] reclaim notice: saving a checkpoint at step {step} "
+                  f"({runtime.preemption_notice() or 'on another node'})", flush=True)
+            return True
+        return False
+
+    def _any_rank(self, flag: bool) -> bool:
+        """``flag`` on any rank, over a CPU (gloo) group: no device sync in the training loop."""
+        if not _dist_ready():
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        box = torch.tensor([1 if flag else 0])
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._flags)
+        return bool(box.item())
+
+    def _clears(self) -> bool:
+        """Does this rank clear and arrange step folders? One per folder: rank 0 for a shared folder,
+        each node's first rank for its stage."""
+        return runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
+
+    def _fresh_step_folder(self, name: str) -> Path:
+        """The step's folder, emptied of what an attempt that died left (collective)."""
+        target = self.folder / name
+        if self._clears() and target.exists():
+            shutil.rmtree(target)
+        _barrier()
+        target.mkdir(parents=True, exist_ok=True)
+        return target
+
+    def _marker_info(self, step: int) -> dict[str, Any]:
+        return {"step": step, "world_size": runtime.world_size(), "written_at": time.time()}
+
+    def _seal(self, step: int, name: str, group: Any) -> None:
+        """Once every rank has written its part: each node sends its part (remote), then rank 0 seals
+        what they all sent (a local folder: rank 0 hashes what all wrote) and prunes; collective over
+        ``group`` (None: the job's group, and the flags group for the gather)."""
+        _barrier(group)  # every rank's part is on its node's disk
+        files = None
+        if self.location.remote:
+            files = self._gather(self.location.upload(name) if runtime.local_rank() == 0 else {}, group)
+        else:
+            _barrier(group)
+        if runtime.is_rank_zero():
+            self.location.put_marker(name, self._marker_info(step), files)
+            self._prune(step)
+        if self.location.remote and runtime.local_rank() == 0:
+            self.location.prune_stage(keep=name)
+        _barrier(group)
+
+    def _gather(self, files: dict[str, FileEntry], group: Any = None) -> dict[str, FileEntry]:
+        """Every node's uploaded files, on every rank (collective; also the barrier before the marker)."""
+        if not _dist_ready():
+            return files
+        import torch.distributed as dist
+
+        group = group if group is not None else self._flags
+        parts: list[Any] = [None] * dist.get_world_size(group=group)
+        dist.all_gather_object(parts, {k: (v.size, v.sha256) for k, v in files.items()}, group=group)
+        merged: dict[str, FileEntry] = {}
+        for part in parts:
+            for rel, (size, sha256) in part.items():
+                entry = FileEntry(size=size, sha256=sha256)
+                if merged.setdefault(rel, entry) != entry:
+                    raise CheckpointRefused(f"checkpoint file {rel} was written differently by two nodes: "
+                                            "the step is not sealed")
+        return merged
+
+    def _prune(self, newest: int) -> None:
+        """Keep the last ``keep`` complete checkpoints; drop older ones and stale partial folders."""
+        complete = self.location.complete_steps()
+        kept = set(complete[-self.keep:])
+        for step in self.location.step_dirs():
+            if step in kept:
+                continue
+            if step < newest or step in complete:
+                self.location.delete(step_dir_name(step))
+
+    # --- restoring ---------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest step whose marker is sealed, as rank 0 sees it (the same answer on every rank)."""
+        steps = self._candidates()
+        return steps[0] if steps else None
+
+    def _candidates(self) -> list[int]:
+        """Steps with a sealed marker, newest first, as rank 0 sees them (the same list on every rank)."""
+        steps = list(reversed(self.location.complete_steps())) if runtime.is_rank_zero() else None
+        return list(_from_rank_zero(steps))
+
+    def _checked(self, step: int) -> bool:
+        """Collective: the step's files are here and match its sealed manifest on every node (fetched
+        into each node's stage when remote; checked in place by rank 0 when local)."""
+        problem: CheckpointRefused | None = None
+        if self._clears():
+            try:
+                self.location.fetch(step_dir_name(step))
+            except CheckpointRefused as exc:
+                problem = exc
+        if problem is not None:
+            logger.warning("%s; restoring an older checkpoint instead (or starting fresh)", problem)
+        return not self._any_rank(problem is not None)
+
+    def newest_verified(self) -> int | None:
+        """Collective: the newest step that is sealed and whose files check out on every node (each
+        node's stage holds it then), or None."""
+        for step in self._candidates():
+            if self._checked(step):
+                return step
+        return None
+
+
+class Checkpointer(SealedSteps):
     """Saves ``wrapped`` every ``every`` steps into ``folder``; restores the newest complete one.
 
     Use it the same way on every rank::
@@ -327,16 +459,9 @@ class Checkpointer:
                  keep: int = 2, async_save: bool = False) -> None:
         if every < 1:
             raise SGPUConfigError("every", every, "an integer >= 1 (steps between checkpoints)")
-        if keep < 1:
-            raise SGPUConfigError("keep", keep, "an integer >= 1 (complete checkpoints to keep)")
+        super().__init__(folder, keep=keep)
         self.wrapped = wrapped
-        self.location = Location(folder)
-        #: where this rank reads and writes: the location itself, or this node's (private) stage of it
-        self.folder = self.location.ensure_local()
         self.every = every
-        self.keep = keep
-        self.preempted_at: int | None = None
-        self._flags = _flag_group()
         #: saves in the background (DeepSpeed: always inline)
         self.async_save = bool(async_save) and wrapped.strategy != "deepspeed"
         self._save_group = async_save_mod.save_group() if self.async_save else None
@@ -352,23 +477,9 @@ class Checkpointer:
         only one node received, so all of them save at the same step.
         """
         runtime.progress(step)
-        if self.preempted_at is None and self._any_rank(runtime.preemption_requested()):
-            self.preempted_at = step
-            print(f"[sgpu] reclaim notice: saving a checkpoint at step {step} "
-                  f"({runtime.preemption_notice() or 'on another node'})", flush=True)
+        if self.reclaim_due(step):
             return step > 0
         return step > 0 and step % self.every == 0
-
-    def _any_rank(self, flag: bool) -> bool:
-        """``flag`` on any rank, over a CPU (gloo) group: no device sync in the training loop."""
-        if not _dist_ready():
-            return flag
-        import torch
-        import torch.distributed as dist
-
-        box = torch.tensor([1 if flag else 0])
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._flags)
-        return bool(box.item())
 
     def maybe_save(self, step: int, extra: dict[str, Any] | None = None) -> Path | None:
         """Save when ``step`` is due; returns the folder written, if any."""
@@ -392,17 +503,6 @@ class Checkpointer:
         _atomic_torch_save(state, target / f"extra-rank-{runtime.rank():05d}.pt")
         self._seal(step, name, None)
         runtime.progress(step)
-        return target
-
-    def _fresh_step_folder(self, name: str) -> Path:
-        """The step's folder, emptied of what an attempt that died left (collective)."""
-        target = self.folder / name
-        # one clearer per folder: rank 0 for a shared folder, each node's first rank for its stage
-        clears = runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
-        if clears and target.exists():
-            shutil.rmtree(target)
-        _barrier()
-        target.mkdir(parents=True, exist_ok=True)
         return target
 
     def _save_in_background(self, step: int, extra: dict[str, Any] | None) -> Path:
@@ -436,42 +536,8 @@ class Checkpointer:
         self._pending = async_save_mod.BackgroundSave(step, work)
         return target
 
-    def _seal(self, step: int, name: str, group: Any) -> None:
-        """Once every rank has written its part: each node sends its part (remote), then rank 0 seals
-        what they all sent (a local folder: rank 0 hashes what all wrote) and prunes; collective over
-        ``group`` (None: the job's group, and the flags group for the gather)."""
-        _barrier(group)  # every rank's part is on its node's disk
-        files = None
-        if self.location.remote:
-            files = self._gather(self.location.upload(name) if runtime.local_rank() == 0 else {}, group)
-        else:
-            _barrier(group)
-        if runtime.is_rank_zero():
-            info = {"step": step, "strategy": self.wrapped.strategy, "world_size": runtime.world_size(),
-                    "written_at": time.time()}
-            self.location.put_marker(name, info, files)
-            self._prune(step)
-        if self.location.remote and runtime.local_rank() == 0:
-            self.location.prune_stage(keep=name)
-        _barrier(group)
-
-    def _gather(self, files: dict[str, FileEntry], group: Any = None) -> dict[str, FileEntry]:
-        """Every node's uploaded files, on every rank (collective; also the barrier before the marker)."""
-        if not _dist_ready():
-            return files
-        import torch.distributed as dist
-
-        group = group if group is not None else self._flags
-        parts: list[Any] = [None] * dist.get_world_size(group=group)
-        dist.all_gather_object(parts, {k: (v.size, v.sha256) for k, v in files.items()}, group=group)
-        merged: dict[str, FileEntry] = {}
-        for part in parts:
-            for rel, (size, sha256) in part.items():
-                entry = FileEntry(size=size, sha256=sha256)
-                if merged.setdefault(rel, entry) != entry:
-                    raise CheckpointRefused(f"checkpoint file {rel} was written differently by two nodes: "
-                                            "the step is not sealed")
-        return merged
+    def _marker_info(self, step: int) -> dict[str, Any]:
+        return {**super()._marker_info(step), "strategy": self.wrapped.strategy}
 
     def _save_training_state(self, target: Path) -> None:
         w = self.wrapped
@@ -487,42 +553,6 @@ class Checkpointer:
             _atomic_torch_save({"model": w.module.state_dict(), "optimizer": w.optimizer.state_dict()},
                                target / "model.pt")
 
-    def _prune(self, newest: int) -> None:
-        """Keep the last ``keep`` complete checkpoints; drop older ones and stale partial folders."""
-        complete = self.location.complete_steps()
-        kept = set(complete[-self.keep:])
-        for step in self.location.step_dirs():
-            if step in kept:
-                continue
-            if step < newest or step in complete:
-                self.location.delete(step_dir_name(step))
-
-    # --- restoring ---------------------------------------------------------------
-
-    def latest(self) -> int | None:
-        """The newest step whose marker is sealed, as rank 0 sees it (the same answer on every rank)."""
-        steps = self._candidates()
-        return steps[0] if steps else None
-
-    def _candidates(self) -> list[int]:
-        """Steps with a sealed marker, newest first, as rank 0 sees them (the same list on every rank)."""
-        steps = list(reversed(self.location.complete_steps())) if runtime.is_rank_zero() else None
-        return list(_from_rank_zero(steps))
-
-    def _checked(self, step: int) -> bool:
-        """Collective: the step's files are here and match its sealed manifest on every node (fetched
-        into each node's stage when remote; checked in place by rank 0 when local)."""
-        problem: CheckpointRefused | None = None
-        checks = runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
-        if checks:
-            try:
-                self.location.fetch(step_dir_name(step))
-            except CheckpointRefused as exc:
-                problem = exc
-        if problem is not None:
-            logger.warning("%s; restoring an older checkpoint instead (or starting fresh)", problem)
-        return not self._any_rank(problem is not None)
-
     def restore(self) -> tuple[int, dict[str, Any]]:
         """Load the newest complete, verified checkpoint into the model and optimizer.
 
@@ -532,10 +562,8 @@ class Checkpointer:
         manifest, is skipped with a warning, and the next older one is tried.
         """
         self.wait()
-        for step in self._candidates():
-            if self._checked(step):
-                return self._restore_step(step)
-        return 0, {}
+        step = self.newest_verified()
+        return (0, {}) if step is None else self._restore_step(step)
 
     def _restore_step(self, step: int) -> tuple[int, dict[str, Any]]:
         source = self.folder / step_dir_name(step)
