@@ -369,7 +369,9 @@ class LocalProcessCompute(Compute):
         try:
             template = agent_template.template({**node_base_environment(dict(os.environ)),
                                                 "PYTHONPATH": _import_path({})})
-            return template.launch(argv, env, os.getcwd(), str(out), namespaces=namespaces, fds=fds)
+            agent = template.launch(argv, env, os.getcwd(), str(out), namespaces=namespaces, fds=fds)
+            agent.args = self.command_line(request, command)  # the same program, namespaces included
+            return agent
         except (agent_template.TemplateUnavailable, OSError) as exc:
             logger.warning("job %s: node %d's agent starts as a new interpreter: %s", request.run_id,
                            command.node, exc)

@@ -61,6 +61,8 @@ class ForkedAgent:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        #: the command line of the cold agent this one stands for (its caller sets it; ``Popen.args``)
+        self.args: list[str] = []
         self.returncode: int | None = None
         #: it ended after the template died, so its exit status is lost (its node's status file says)
         self.exit_unknown = False
