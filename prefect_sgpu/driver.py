@@ -392,8 +392,7 @@ class Job:
                     f"infrastructure lost: {reason}; {len(self.recoveries)} recovery(ies) made, "
                     f"max_recoveries={self.spec.max_recoveries}", node=node,
                     recoveries=[r.as_dict() for r in self.recoveries])
-            noticed = time.monotonic()
-            step, lost_work = self._checkpoint_progress(gang_started)  # before stop and release take time
+            noticed, noticed_at = time.monotonic(), time.time()
             gang += 1
             self.sink.warning(f"{self.call.name}: {reason}; relaunching the job on new capacity "
                               f"(recovery {gang} of at most {self.spec.max_recoveries})")
@@ -402,6 +401,9 @@ class Job:
             finally:
                 self._released.append(self.compute.release(allocation))
             self.allocation = None
+            # read once the lost gang is gone: a save it was sealing when the loss was seen may have
+            # completed since, and the next gang resumes from that one
+            step, lost_work = self._checkpoint_progress(noticed - gang_started, noticed_at)
             if self.relay is not None:
                 self.relay.restart()
             tailer.restart(lambda g=gang: folder.reset_for_relaunch(g))
@@ -410,8 +412,9 @@ class Job:
                                             resumed_from_step=step, reprovision_s=0.0, lost_work_s=lost_work))
             self._reprovision_started = noticed
 
-    def _checkpoint_progress(self, gang_started: float) -> tuple[int | None, float | None]:
-        """The newest complete checkpoint step and the seconds of work the lost gang did after it."""
+    def _checkpoint_progress(self, gang_ran_s: float, noticed_at: float) -> tuple[int | None, float | None]:
+        """The newest complete checkpoint step and the seconds of work the lost gang did after it, until
+        its loss was noticed (``noticed_at``, wall clock; ``gang_ran_s``: how long it had run then)."""
         from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV, Location, step_dir_name
 
         env = {**self._checkpoint_env(), **self.spec.env}
@@ -422,10 +425,10 @@ class Job:
             location = Location(uri)
             steps = location.complete_steps()
             if not steps:
-                return None, time.monotonic() - gang_started
+                return None, gang_ran_s
             manifest = location.manifest(step_dir_name(steps[-1]))
             written = manifest.info.get("written_at") if manifest is not None else None
-            return steps[-1], (max(0.0, time.time() - written) if written else None)
+            return steps[-1], (max(0.0, noticed_at - written) if written else None)
         except Exception:  # noqa: BLE001 - a report, not a reason to fail the relaunch
             logger.debug("could not read the checkpoints of job %s", self.run_id, exc_info=True)
             return None, None
