@@ -56,18 +56,10 @@ class Wanted:
 
 
 def _error(exc: BaseException) -> str:
-    from botocore.exceptions import ClientError
+    from prefect_sgpu.aws import error_of
 
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        return f"{err.get('Code', 'Error')}: {err.get('Message', '')}".rstrip(": ")
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _code(exc: BaseException) -> str:
-    from botocore.exceptions import ClientError
-
-    return str(exc.response.get("Error", {}).get("Code", "")) if isinstance(exc, ClientError) else ""
+    code, message = error_of(exc)
+    return f"{code}: {message}" if code else f"{type(exc).__name__}: {message}"
 
 
 class Doctor:
@@ -79,6 +71,14 @@ class Doctor:
         self.settings = settings
         self.provisioner = EC2Provisioner(settings, session=session)
         self.identity: dict[str, Any] | None = None
+        self._subnets: list[dict[str, Any]] | None = None
+
+    def subnets(self) -> list[dict[str, Any]]:
+        """The configured subnets as EC2 describes them (asked once; raises what EC2 raised)."""
+        if self._subnets is None:
+            ids = list(self.settings.subnet_ids)
+            self._subnets = self.client("ec2").describe_subnets(SubnetIds=ids)["Subnets"] if ids else []
+        return self._subnets
 
     def client(self, service: str) -> Any:
         return self.provisioner.client(service)
@@ -111,7 +111,7 @@ class Doctor:
         detail = f"{s.region}: {len(names)} availability zone(s)"
         if s.subnet_ids:
             try:
-                subnets = self.client("ec2").describe_subnets(SubnetIds=list(s.subnet_ids))["Subnets"]
+                subnets = self.subnets()
             except Exception as exc:  # noqa: BLE001
                 return Check("region", "fail", f"subnet_ids {list(s.subnet_ids)}: {_error(exc)}",
                              f"subnets of {s.region} (aws ec2 describe-subnets --region {s.region})")
@@ -119,6 +119,7 @@ class Doctor:
         return Check("region", "ok", detail)
 
     def store(self) -> Check:
+        from prefect_sgpu.aws import error_code
         from prefect_sgpu.compute.ec2.roles import s3_location
 
         s = self.settings
@@ -129,7 +130,7 @@ class Doctor:
         try:
             s3.head_bucket(Bucket=bucket)
         except Exception as exc:  # noqa: BLE001
-            code = _code(exc)
+            code = error_code(exc)
             if code in ("404", "NoSuchBucket"):
                 return Check("store", "fail", f"bucket {bucket} does not exist",
                              f"create it in {s.region} (aws s3 mb s3://{bucket} --region {s.region})")
@@ -191,7 +192,7 @@ class Doctor:
                          "another region, or another gpu_type (prefect-sgpu gpus)")
         if s.subnet_ids:
             try:
-                subnets = self.client("ec2").describe_subnets(SubnetIds=list(s.subnet_ids))["Subnets"]
+                subnets = self.subnets()
             except Exception:  # noqa: BLE001 - the region check names a bad subnet
                 subnets = []
             mine = sorted({n["AvailabilityZone"] for n in subnets})
@@ -202,6 +203,7 @@ class Doctor:
                      f"{', '.join(zones)}")
 
     def quota(self, it: catalog.InstanceType, nodes: int) -> Check:
+        from prefect_sgpu.aws import error_code
         from prefect_sgpu.compute.ec2.instances import vcpu_quota_of
 
         market = "on-demand" if self.settings.market == "reserved" else self.settings.market
@@ -213,7 +215,7 @@ class Doctor:
         try:
             value = quotas.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"]
         except Exception as exc:  # noqa: BLE001
-            if _code(exc) != "NoSuchResourceException":
+            if error_code(exc) != "NoSuchResourceException":
                 return Check("GPU quota", "warn", f"'{title}' ({code}) could not be read: {_error(exc)}",
                              "allow servicequotas:GetServiceQuota to see it here")
             try:  # never raised for this account: the default applies
