@@ -103,7 +103,7 @@ class SGPUCallback(TrainerCallback):  # type: ignore[misc]
         written = Path(args.output_dir) / TRAINER_FOLDER.format(step=step)
         name = step_dir_name(step)
         _barrier()  # every rank's files of checkpoint-N are written
-        if self.steps._clears():
+        if self.steps.clears():
             target = self.steps.folder / name
             if target.exists():  # what an attempt that died while sealing this step left
                 shutil.rmtree(target)
@@ -111,7 +111,7 @@ class SGPUCallback(TrainerCallback):  # type: ignore[misc]
                 written.rename(target)
             else:
                 target.mkdir(parents=True)
-        self.steps._seal(step, name, None)
+        self.steps.seal(step, name, None)
         runtime.progress(step, force=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

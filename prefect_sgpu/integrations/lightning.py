@@ -84,9 +84,9 @@ class SGPUCheckpoints(Callback):  # type: ignore[misc]
     def save(self, trainer: Any, step: int) -> Path:
         """Write and seal the checkpoint of ``step`` (collective: every rank calls it)."""
         name = step_dir_name(step)
-        target = self.steps._fresh_step_folder(name)
+        target = self.steps.fresh_step_folder(name)
         trainer.save_checkpoint(str(target / CHECKPOINT_FILE))  # rank 0 writes, every rank takes part
-        self.steps._seal(step, name, None)
+        self.steps.seal(step, name, None)
         self._saved_at = step
         runtime.progress(step, force=True)
         return target

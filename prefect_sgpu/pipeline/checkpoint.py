@@ -336,15 +336,15 @@ class SealedSteps:
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._flags)
         return bool(box.item())
 
-    def _clears(self) -> bool:
+    def clears(self) -> bool:
         """Does this rank clear and arrange step folders? One per folder: rank 0 for a shared folder,
         each node's first rank for its stage."""
         return runtime.local_rank() == 0 if self.location.remote else runtime.is_rank_zero()
 
-    def _fresh_step_folder(self, name: str) -> Path:
+    def fresh_step_folder(self, name: str) -> Path:
         """The step's folder, emptied of what an attempt that died left (collective)."""
         target = self.folder / name
-        if self._clears() and target.exists():
+        if self.clears() and target.exists():
             shutil.rmtree(target)
         _barrier()
         target.mkdir(parents=True, exist_ok=True)
@@ -353,7 +353,7 @@ class SealedSteps:
     def _marker_info(self, step: int) -> dict[str, Any]:
         return {"step": step, "world_size": runtime.world_size(), "written_at": time.time()}
 
-    def _seal(self, step: int, name: str, group: Any) -> None:
+    def seal(self, step: int, name: str, group: Any) -> None:
         """Once every rank has written its part: each node sends its part (remote), then rank 0 seals
         what they all sent (a local folder: rank 0 hashes what all wrote) and prunes; collective over
         ``group`` (None: the job's group, and the flags group for the gather)."""
@@ -414,7 +414,7 @@ class SealedSteps:
         """Collective: the step's files are here and match its sealed manifest on every node (fetched
         into each node's stage when remote; checked in place by rank 0 when local)."""
         problem: CheckpointRefused | None = None
-        if self._clears():
+        if self.clears():
             try:
                 self.location.fetch(step_dir_name(step))
             except CheckpointRefused as exc:
@@ -497,11 +497,11 @@ class Checkpointer(SealedSteps):
         if self.async_save:
             return self._save_in_background(step, extra)
         name = step_dir_name(step)
-        target = self._fresh_step_folder(name)
+        target = self.fresh_step_folder(name)
         self._save_training_state(target)
         state = {"step": step, "extra": extra or {}, "rng": _rng_state()}
         _atomic_torch_save(state, target / f"extra-rank-{runtime.rank():05d}.pt")
-        self._seal(step, name, None)
+        self.seal(step, name, None)
         runtime.progress(step)
         return target
 
@@ -510,7 +510,7 @@ class Checkpointer(SealedSteps):
         copy the state to CPU memory; writing and sealing run in a thread (``work`` below)."""
         self.wait()
         name = step_dir_name(step)
-        target = self._fresh_step_folder(name)
+        target = self.fresh_step_folder(name)
         state = {"step": step, "extra": async_save_mod.cpu_copy(extra or {}), "rng": _rng_state()}
         w = self.wrapped
         written: Any = None  # what finishes the training state in the background
@@ -531,7 +531,7 @@ class Checkpointer(SealedSteps):
             elif written is not None:
                 _atomic_torch_save(written, target / "model.pt")
             _atomic_torch_save(state, target / f"extra-rank-{runtime.rank():05d}.pt")
-            self._seal(step, name, self._save_group)
+            self.seal(step, name, self._save_group)
 
         self._pending = async_save_mod.BackgroundSave(step, work)
         return target
