@@ -18,6 +18,21 @@ def job_processes(run_id: str) -> list[str]:
     return found
 
 
+def wait_gone(marker: str, timeout: float = 30.0) -> list[str]:
+    """Wait until no live process carries ``marker`` in its argv; what is still there at the timeout.
+
+    A killed PID namespace's init ends only after the kernel has killed and reaped everything
+    else in it, so the holder that started it can be gone while it is still exiting."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = job_processes(marker)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
 def default_sigint() -> None:
     """``preexec_fn`` for a child that must turn Ctrl-C, SIGTERM and SIGHUP into KeyboardInterrupt.
 
