@@ -129,6 +129,24 @@ def prefect_server() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator["Postgres"]:  # noqa: F821
+    """One PostgreSQL server (Debian's package, 127.0.0.1 only) for the tests of this worker that need one."""
+    from support.postgres import postgres
+
+    with postgres() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")  # its background services poll the database: ended with the module
+def prefect_on_postgres(postgres_cluster: "Postgres") -> Iterator[str]:  # noqa: F821
+    """A real ``prefect server start`` whose database is PostgreSQL (database ``prefect``): its API URL."""
+    from support.postgres import prefect_server_on
+
+    with prefect_server_on(postgres_cluster, "prefect") as api:
+        yield api
+
+
 # AWS fixtures (moto server, fake credentials, VPC, leak check) for every test module.
 from support.aws_fixtures import (  # noqa: E402,F401
     aws_env,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,16 @@ def test_jobs_of_one_driver_and_of_a_second_driver_process_at_once_never_cross(t
     assert (mine["jobs"], theirs["jobs"]) == (3, 3)
 
 
-@pytest.mark.usefixtures("prefect_server")
-def test_flow_runs_queued_in_an_sgpu_pool_with_two_workers_all_complete_with_their_own_values() -> None:
-    report = load.pool_runs(f"sgpu-load-{uuid.uuid4().hex[:8]}", runs=4, workers=2, limit=1, timeout_s=900)
+def test_flow_runs_queued_in_an_sgpu_pool_with_two_workers_all_complete_with_their_own_values(
+        prefect_on_postgres: str, postgres_cluster: Any) -> None:
+    """On a Prefect server whose database is PostgreSQL, as a production user runs Prefect (its
+    SQLite default serialises every write: many workers and flow runs at once wait on its lock)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_on_postgres}):
+        report = load.pool_runs(f"sgpu-load-{uuid.uuid4().hex[:8]}", runs=4, workers=2, limit=1, timeout_s=900)
     assert report["problems"] == [], report
+    # the runs, their states and their deployment are rows of the PostgreSQL database
+    rows = postgres_cluster.query("prefect", "SELECT id::text, state_type::text FROM flow_run WHERE id = ANY($1::uuid[])",
+                                  report["flow_run_ids"])
+    assert sorted(rows) == sorted((i, "COMPLETED") for i in report["flow_run_ids"]), rows

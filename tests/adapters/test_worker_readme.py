@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,8 +65,9 @@ def _kill_all(procs: list["psutil.Process"]) -> None:  # noqa: F821
     psutil.wait_procs(procs, timeout=30)
 
 
-def _fresh_env(tmp_path: Path, run_id: str) -> dict[str, str]:
-    """This machine's environment without any Prefect or MLflow setting, the project's venv on PATH."""
+def _fresh_env(tmp_path: Path, run_id: str, database_url: str) -> dict[str, str]:
+    """This machine's environment without any Prefect or MLflow setting, the project's venv on PATH,
+    and the server's database on PostgreSQL, set as the README's PostgreSQL section says."""
     keep = {k: v for k, v in os.environ.items()
             if not (k.startswith("PREFECT_") or k.startswith("MLFLOW_")) or k == "PREFECT_SGPU_DEVICE"}
     (tmp_path / "tmp").mkdir()
@@ -75,15 +77,18 @@ def _fresh_env(tmp_path: Path, run_id: str) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
             "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SGPU_HOME": str(tmp_path / "sgpu"),
             "PREFECT_SERVER_API_PORT": str(_free_port()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "TMPDIR": str(tmp_path / "tmp")}
+            "PREFECT_API_DATABASE_CONNECTION_URL": database_url, "TMPDIR": str(tmp_path / "tmp")}
 
 
-def test_readme_deploy_steps_complete_a_flow_run_and_leave_nothing_running(tmp_path: Path) -> None:
+def test_readme_deploy_steps_complete_a_flow_run_and_leave_nothing_running(tmp_path: Path,
+                                                                          postgres_cluster: Any) -> None:
     run_id = uuid.uuid4().hex
+    database = f"readme_{run_id[:12]}"
+    postgres_cluster.create_database(database)
     out_file = tmp_path / "steps.out"
     with out_file.open("w") as out:
         shell = subprocess.Popen(["bash", "-e", "-c", deploy_steps()], cwd=ROOT,
-                                 env=_fresh_env(tmp_path, run_id), stdout=out, stderr=subprocess.STDOUT,
+                                 env=_fresh_env(tmp_path, run_id, postgres_cluster.url(database)), stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     try:
         try:
@@ -101,6 +106,10 @@ def test_readme_deploy_steps_complete_a_flow_run_and_leave_nothing_running(tmp_p
 
         assert shell.returncode == 0, f"the steps did not finish (exit {shell.returncode}):\n{report()}"
         assert "Flow run finished successfully in 'Completed'" in out_file.read_text(), report()
+        # the server kept its runs in PostgreSQL: the deployment's run is a row there, completed
+        rows = postgres_cluster.query(database, "SELECT d.name, r.state_type::text FROM flow_run r "
+                                                "JOIN deployment d ON d.id = r.deployment_id")
+        assert ("mlp-ddp-nightly", "COMPLETED") in rows, rows
         deadline = time.monotonic() + 60  # a stopped worker or server may take a moment to exit
         while (left := _marked(run_id)) and time.monotonic() < deadline:
             time.sleep(1)

@@ -1,0 +1,178 @@
+"""A PostgreSQL server, and a Prefect server whose database it is, as a production user runs Prefect.
+
+Debian's ``postgresql`` package provides the programs (``./dev`` installs it where it is
+missing). The cluster lives in a fresh folder, listens on 127.0.0.1 only, on a free port, and
+asks for a password (SCRAM) that only this harness knows. PostgreSQL refuses to run as root: as
+root the cluster belongs to the package's ``postgres`` user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from support.aws_fixtures import free_port
+
+
+def bin_dir() -> Path | None:
+    """Where PostgreSQL's server programs are (the newest version Debian installed), or None."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parts[-3]))
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).resolve().parent if initdb else None
+
+
+@dataclass
+class Postgres:
+    """A running cluster: ``url(db)`` is SQLAlchemy's asyncpg URL for database ``db``."""
+
+    port: int
+    password: str
+    data: Path
+
+    def url(self, database: str) -> str:
+        return f"postgresql+asyncpg://postgres:{self.password}@127.0.0.1:{self.port}/{database}"
+
+    def query(self, database: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+        """Rows of one statement, read straight from the database (asyncpg, as Prefect's server)."""
+        import asyncio
+
+        import asyncpg
+
+        async def run() -> list[tuple[Any, ...]]:
+            conn = await asyncpg.connect(host="127.0.0.1", port=self.port, user="postgres",
+                                         password=self.password, database=database)
+            try:
+                return [tuple(row) for row in await conn.fetch(sql, *args)]
+            finally:
+                await conn.close()
+
+        return asyncio.run(run())
+
+    def create_database(self, name: str) -> None:
+        import asyncio
+
+        import asyncpg
+
+        async def run() -> None:
+            conn = await asyncpg.connect(host="127.0.0.1", port=self.port, user="postgres",
+                                         password=self.password, database="postgres")
+            try:
+                await conn.execute(f'CREATE DATABASE "{name}"')
+            finally:
+                await conn.close()
+
+        asyncio.run(run())
+
+
+def _as_owner() -> dict[str, Any]:
+    """Popen arguments that run a PostgreSQL program as the cluster's owner."""
+    return {"user": "postgres", "group": "postgres"} if os.geteuid() == 0 else {}
+
+
+@contextlib.contextmanager
+def postgres() -> Iterator[Postgres]:
+    """A fresh cluster for as long as the context lasts; its folder is removed afterwards."""
+    programs = bin_dir()
+    if programs is None:
+        raise RuntimeError("PostgreSQL's server programs are not installed: `./dev test` installs Debian's "
+                           "postgresql package, or run `apt-get install postgresql`")
+    root = Path(tempfile.mkdtemp(prefix="sgpu-postgres-"))
+    data, password = root / "data", secrets.token_urlsafe(24)
+    pwfile = root / "pw"
+    pwfile.write_text(password + "\n")
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+        shutil.chown(pwfile, "postgres", "postgres")
+    os.chmod(pwfile, 0o600)
+    port = free_port()
+    proc = None
+    try:
+        subprocess.run([str(programs / "initdb"), "-D", str(data), "-U", "postgres", "--auth=scram-sha-256",
+                        f"--pwfile={pwfile}", "--encoding=UTF8", "--locale=C"], check=True,
+                       capture_output=True, timeout=120, cwd=root, **_as_owner())
+        pwfile.unlink()
+        log = open(root / "server.log", "ab")
+        proc = subprocess.Popen(
+            [str(programs / "postgres"), "-D", str(data), "-c", "listen_addresses=127.0.0.1", "-p", str(port),
+             "-c", f"unix_socket_directories={root}", "-c", "fsync=off", "-c", "max_connections=200"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root, **_as_owner())
+        log.close()
+        cluster = Postgres(port, password, data)
+        deadline = time.monotonic() + 120
+        while True:  # up when it answers a query (a first start on a busy machine takes seconds)
+            if proc.poll() is not None:
+                raise RuntimeError(f"postgres exited ({proc.returncode}): {(root / 'server.log').read_text()[-2000:]}")
+            try:
+                cluster.query("postgres", "SELECT 1")
+                break
+            except (OSError, Exception) as exc:  # noqa: BLE001 - refused until it listens
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"postgres did not answer in 120 s: {exc}") from exc
+                time.sleep(0.2)
+        yield cluster
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # "fast" shutdown: clients are disconnected, no wait for them
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def prefect_server_on(cluster: Postgres, database: str = "prefect") -> Iterator[str]:
+    """``prefect server start`` with ``database`` of ``cluster`` as its database; its API URL."""
+    cluster.create_database(database)
+    port = free_port()
+    home = Path(tempfile.mkdtemp(prefix="sgpu-prefect-pg-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_API_DATABASE_CONNECTION_URL": cluster.url(database),
+                "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
+                "PREFECT_UI_ENABLED": "false"})
+    api = f"http://127.0.0.1:{port}/api"
+    with open(home / "server.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                 "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300  # migrations on a fresh database, on a machine that may be busy
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited ({proc.returncode}): "
+                                   f"{(home / 'server.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{api}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server not up in 300 s: {(home / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield api
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        shutil.rmtree(home, ignore_errors=True)
