@@ -87,3 +87,29 @@ def test_the_check_refuses_a_shape_no_instance_of_the_gpu_type_has() -> None:
     # A10 instances carry 1, 4 or 8 GPUs: 2 nodes x 2 GPUs is none of them
     with pytest.raises(SGPUConfigError, match=r"gpus=4 is not allowed.*\[1, 4, 8\] GPUs per node"):
         _validate({"gpus": 4, "nodes": 2, "gpu_type": "A10", "remote": True})
+
+
+def _first_job() -> str:
+    found = re.search(r"<!-- ten-lines:begin -->\s*```python\n(.*?)```\s*<!-- ten-lines:end -->",
+                      (ROOT / "README.md").read_text(), re.S)
+    assert found, "README.md has no first-job block (ten-lines markers)"
+    return found.group(1)
+
+
+def test_the_readmes_first_job_runs_as_written(prefect_server: None, tmp_path: Path) -> None:
+    """Saved as a file and run with Python against the suite's Prefect server: it prints what its comment says."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    code = _first_job()
+    script = tmp_path / "hello.py"
+    script.write_text(code)
+    env = {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    promised = re.search(r"print\(hello\(\)\)\s*#\s*(\[.*\])", code).group(1)
+    assert done.stdout.strip().splitlines()[-1] == promised, done.stdout[-2000:]
