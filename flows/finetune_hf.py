@@ -58,6 +58,7 @@ def train_with_trainer(train_tokens: Any, config: dict[str, Any], steps: int = 1
     model.loss_type = "ForCausalLM"
     blocks = torch.as_tensor(train_tokens, dtype=torch.long)
     data = [{"input_ids": row, "labels": row} for row in blocks]
+    print(f"{len(data)} blocks of {blocks.shape[1]} tokens, world size {runtime.world_size()}")
     checkpoints = SGPUCallback(keep=2)
     resume = checkpoints.resume_from()
     if resume:

@@ -143,14 +143,30 @@ def rank_of_key(key: str) -> int:
     return int(Path(key).stem.split("-")[1])
 
 
-def ssm_key_parameter(run_id: str) -> str:
-    """Where an EC2 job's key lives: derived from the run id, never read from a document."""
-    return f"/prefect-sgpu/{run_id}/payload-key"
+#: every SSM parameter prefect-sgpu writes is under this path, then under its store's scope
+SSM_ROOT = "/prefect-sgpu/"
 
 
-def ssm_secrets_parameter(run_id: str) -> str:
+def store_scope(store_uri: str) -> str:
+    """A store's own part of SSM and IAM paths: 16 hex digits of the sha256 of its URI (no trailing
+    ``/``). The policies rendered for one store name only paths under its scope, so a driver or a
+    job role of store X is refused store Y's keys, secrets and roles (docs/security.md)."""
+    return hashlib.sha256(store_uri.rstrip("/").encode()).hexdigest()[:16]
+
+
+def ssm_root(scope: str) -> str:
+    """``/prefect-sgpu/<scope>/``: where one store's job keys and secrets live."""
+    return f"{SSM_ROOT}{scope}/"
+
+
+def ssm_key_parameter(run_id: str, scope: str) -> str:
+    """Where an EC2 job's key lives: derived from its store's scope and the run id, never read from a document."""
+    return f"{ssm_root(scope)}{run_id}/payload-key"
+
+
+def ssm_secrets_parameter(run_id: str, scope: str) -> str:
     """Where an EC2 job's ``secrets=`` values live (a SecureString of JSON), derived like the key's."""
-    return f"/prefect-sgpu/{run_id}/secrets"
+    return f"{ssm_root(scope)}{run_id}/secrets"
 
 
 def new_key() -> str:

@@ -69,6 +69,13 @@ class Store(ABC):
     def root_uri(self) -> str:
         """The store itself (what ``sgpu:store`` tags and the ``sgpu.store`` MLflow tag name)."""
 
+    @property
+    def scope(self) -> str:
+        """The store's part of SSM and IAM paths (:func:`prefect_sgpu.jobfolder.store_scope`)."""
+        from prefect_sgpu.jobfolder import store_scope
+
+        return store_scope(self.root_uri)
+
     @abstractmethod
     def runs(self) -> list[str]:
         """The names of every job folder in the store."""

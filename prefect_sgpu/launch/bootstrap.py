@@ -189,7 +189,7 @@ class NodeBootstrap(LeaseServing):
         The driver writes it before launching, so it is normally there at once; a read
         that keeps failing for a whole heartbeat TTL means the driver is gone (None).
         """
-        name = ssm_key_parameter(run_id or self.run_id)
+        name = ssm_key_parameter(run_id or self.run_id, self.store.scope)
         if wait is None:
             wait = self.heartbeat_ttl if self.heartbeat_ttl > 0 else 900.0
         deadline = time.monotonic() + wait
@@ -343,7 +343,7 @@ class NodeBootstrap(LeaseServing):
             return {}
         from prefect_sgpu.environment_ship import INDEX_SECRET
 
-        values = json.loads(self.host.read_secret(ssm_secrets_parameter(self.run_id)))
+        values = json.loads(self.host.read_secret(ssm_secrets_parameter(self.run_id, self.store.scope)))
         # the index credentials beside them are the environment stage's, not the ranks'
         return {str(k): str(v) for k, v in values.items() if k != INDEX_SECRET}
 
@@ -522,7 +522,8 @@ class NodeBootstrap(LeaseServing):
                 pass
         if self.key is not None and self.index == 0:
             runs = dict.fromkeys(r for r in (self.run_id, self.lease_id) if r)
-            for name in [n for r in runs for n in (ssm_key_parameter(r), ssm_secrets_parameter(r))]:
+            for name in [n for r in runs for n in (ssm_key_parameter(r, self.store.scope),
+                                                                    ssm_secrets_parameter(r, self.store.scope))]:
                 try:
                     self.host.delete_secret(name)
                 except Exception:  # noqa: BLE001 - the parameter may already be gone, or never was

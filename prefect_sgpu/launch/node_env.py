@@ -14,7 +14,7 @@ it installed. It is the node half of :mod:`prefect_sgpu.environment_ship`:
    ``UV_CACHE_DIR`` included, apply); every shipped file (local packages, this project, the
    user's ``working_dir`` and ``py_modules``) fetched by sha256, checked, and laid out; then the
    marker. When the manifest's index settings carry credentials (it shows them masked), the real
-   URLs come from the job's SSM SecureString (``/prefect-sgpu/<run id>/secrets``, GetParameter
+   URLs come from the job's SSM SecureString (``/prefect-sgpu/<store scope>/<run id>/secrets``, GetParameter
    signed like S3) and reach uv only through its environment (``UV_INDEX_URL``,
    ``UV_EXTRA_INDEX_URL``, ``UV_FIND_LINKS``), never a command line; every line this stage
    prints or uploads has them masked;
@@ -433,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         if manifest["digest"] != args.environment:
             raise SetupError("checking the manifest", f"it describes {manifest['digest']}, the user-data names "
                              f"{args.environment}")
-        secrets = f"/prefect-sgpu/{args.run_id}/secrets"  # jobfolder.ssm_secrets_parameter
+        # jobfolder.ssm_secrets_parameter: under the store's scope (sha256 of its URI, as S3Store.root_uri writes it)
+        scope = hashlib.sha256(f"s3://{bucket}/{prefix}".rstrip("/").encode()).hexdigest()[:16]
+        secrets = f"/prefect-sgpu/{scope}/{args.run_id}/secrets"
         venv, built = ensure(manifest, s3, f"{base}/files",
                              lambda: read_parameter(secrets, args.region, args.endpoint_url, s3.creds))
     except Exception as exc:  # noqa: BLE001 - every failure ends this node, with its reason where the driver reads

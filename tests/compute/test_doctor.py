@@ -11,6 +11,7 @@ import pytest
 
 from prefect_sgpu import cli
 from prefect_sgpu.compute.ec2 import roles
+from prefect_sgpu.jobfolder import store_scope
 from support.aws_fixtures import REGION
 from support.iam_gate import ACCOUNT
 
@@ -94,7 +95,9 @@ def test_what_a_first_job_lacks_is_named_with_what_to_do(
     policy_check = checks["driver policy"]
     assert policy_check["status"] == "fail", policy_check
     refused = policy_check["detail"].split(": ", 1)[1].split("; ")
-    assert refused == [f"iam:PassRole on arn:aws:iam::{ACCOUNT}:role/prefect-sgpu/prefect-sgpu-doctor (implicitDeny)"]
+    scope = store_scope(store)
+    assert refused == [f"iam:PassRole on arn:aws:iam::{ACCOUNT}:role/prefect-sgpu/{scope}/prefect-sgpu-doctor "
+                       "(implicitDeny)"]
     assert checks["GPU quota"]["status"] == "skip", "no --gpu-type: nothing to check"
 
     # as a person reads it: a line a check, and what to do under each failure

@@ -29,7 +29,7 @@ from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
 from prefect_sgpu.errors import DocumentRefused, InfrastructureLost, SGPUConfigError
 from prefect_sgpu.jobfolder import (LAUNCH_KEY, Alive, JobFolder, LaunchDocument, launch_bundle, new_key,
-                                   ssm_key_parameter)
+                                   ssm_key_parameter, store_scope)
 from prefect_sgpu.store_s3 import S3Store
 from support.threads import run_in_thread
 from support.rank_functions import TrainingDiverged, fails_on_rank_1
@@ -88,8 +88,8 @@ def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.Cap
         assert key.encode() not in blob, f"job key in {name}"
     ssm = ec2.aws.client("ssm")
     with pytest.raises(ssm.exceptions.ParameterNotFound):
-        ssm.get_parameter(Name=ssm_key_parameter(result.run_id))
-    assert f"SSM parameter {ssm_key_parameter(result.run_id)}" in result.released
+        ssm.get_parameter(Name=ssm_key_parameter(result.run_id, ec2.store().scope))
+    assert f"SSM parameter {ssm_key_parameter(result.run_id, ec2.store().scope)}" in result.released
     assert {i["InstanceId"] for i in instances} <= set(result.released)
     # rank logs stay in the store; payload and results are cleaned up
     assert b"rank 1 of 2" in objects[f"jobs/{result.run_id}/logs/rank-00001.log"]
@@ -105,7 +105,7 @@ def test_dry_run_spends_nothing(ec2: EC2Env) -> None:
     assert "prefect_sgpu.launch.bootstrap" in request["UserData"]
     assert [n["index"] for n in plan["nodes"]] == [0, 1]
     assert all("SGPU_PAYLOAD_KEY" not in n["env"] for n in plan["nodes"]), "the key travels through SSM only"
-    assert plan["payload_key"].startswith(f"SSM SecureString {ssm_key_parameter(plan['run_id'])} ")
+    assert plan["payload_key"].startswith(f"SSM SecureString {ssm_key_parameter(plan['run_id'], ec2.store().scope)} ")
     assert plan["estimated_usd_per_hour"] == pytest.approx(2 * 1.006)
     assert len(ec2.aws.client("ec2").describe_instances()["Reservations"]) == before
 
@@ -277,7 +277,7 @@ def test_killed_driver_nodes_terminate_themselves_and_the_next_job_sweeps_the_re
     assert ec2.simulator.wait_powered_off(ids, timeout=20)
     ssm = ec2.aws.client("ssm")
     with pytest.raises(ssm.exceptions.ParameterNotFound):  # node 0 deleted the key on its way out
-        ssm.get_parameter(Name=ssm_key_parameter(run_id))
+        ssm.get_parameter(Name=ssm_key_parameter(run_id, ec2.store().scope))
     left = ec2.leftovers(run_id)
     assert any(x.startswith("security group") for x in left) and any("/heartbeat" in x for x in left), \
         f"what a node cannot remove stays until a sweep: {left}"
@@ -953,7 +953,7 @@ def test_secrets_reach_ec2_ranks_through_ssm_and_no_document_or_object_holds_the
     assert not [k for k, body in {**seen, **ec2.objects(job.run_id)}.items() if value.encode() in body]
     ssm = ec2.aws.client("ssm")
     with pytest.raises(ssm.exceptions.ParameterNotFound):
-        ssm.get_parameter(Name=ssm_secrets_parameter(job.run_id))
+        ssm.get_parameter(Name=ssm_secrets_parameter(job.run_id, ec2.store().scope))
     assert ec2.leftovers(job.run_id) == []
 
 
@@ -1072,7 +1072,8 @@ def _reach_into_another_job(other_run: str, other_instance: str, bucket: str, pr
             return getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
 
     ssm, s3, ec2 = (boto3.client(s, **where) for s in ("ssm", "s3", "ec2"))
-    result["key"] = code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run), WithDecryption=True))
+    result["key"] = code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run, store_scope(f"s3://{bucket}/{prefix}")),
+                                                             WithDecryption=True))
     result["launch"] = code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{other_run}/{LAUNCH_KEY}",
                                                      Body=b"forged"))
     result["terminate"] = code_of(lambda: ec2.terminate_instances(InstanceIds=[other_instance]))
@@ -1143,7 +1144,7 @@ def test_with_job_roles_a_rank_cannot_read_forge_or_stop_another_job(ec2: EC2Env
     # the only refusals were the three reaches; the driver policy and the job roles allowed everything else
     refused = {(d.identity, d.action, d.resource.split(":")[-1]) for d in gate.denied}
     assert refused == {
-        (f"role/{roles.role_name(result_a.run_id)}", "ssm:GetParameter", f"parameter{ssm_key_parameter(job_b.run_id)}"),
+        (f"role/{roles.role_name(result_a.run_id)}", "ssm:GetParameter", f"parameter{ssm_key_parameter(job_b.run_id, ec2.store().scope)}"),
         (f"role/{roles.role_name(result_a.run_id)}", "s3:PutObject", f"{ec2.bucket}/jobs/{job_b.run_id}/{LAUNCH_KEY}"),
         (f"role/{roles.role_name(result_a.run_id)}", "ec2:TerminateInstances", f"instance/{b_instance}"),
     }, gate.denied

@@ -109,12 +109,12 @@ def test_a_job_role_reads_its_own_environment_and_no_other() -> None:
     from prefect_sgpu.compute.ec2 import roles
 
     digest = "ab" * 32
-    policy = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"],
+    policy = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"], "0123456789abcdef",
                                environment_uri=f"s3://b/jobs/{environment_ship.STORE_FOLDER}/{digest}")
     own = [s for s in policy["Statement"] if s["Sid"] == "OwnEnvironment"]
     assert own == [{"Sid": "OwnEnvironment", "Effect": "Allow", "Action": "s3:GetObject",
                     "Resource": f"arn:aws:s3:::b/jobs/.environments/{digest}/*"}]
-    without = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"])
+    without = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"], "0123456789abcdef")
     assert not [s for s in without["Statement"] if s["Sid"] == "OwnEnvironment"], "no environment, no access"
 
 

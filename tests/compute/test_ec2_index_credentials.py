@@ -2,7 +2,7 @@
 
 The manifest (and so the store, the user-data and the environment's digest) holds the index
 settings masked; the real URLs travel in the job's SSM SecureString
-(``/prefect-sgpu/<run id>/secrets``), which the node's environment stage reads with its own
+(``/prefect-sgpu/<store scope>/<run id>/secrets``), which the node's environment stage reads with its own
 Signature V4 and hands to uv only through uv's environment. The end-to-end test points an extra
 index at a server on 127.0.0.1 that answers only with the right Basic credentials
 (:mod:`support.auth_index`) and holds one wheel built here, which the job's ranks import.
@@ -208,8 +208,9 @@ def test_a_job_installs_from_an_index_that_needs_its_token_and_the_token_shows_n
     assert all(v["index_env"] == [] for v in result.values), result.values  # the stage's, not the ranks'
     assert all(Path(v["file"]).is_relative_to(bare.simulator.env_root) for v in result.values), result.values
     assert any(p.startswith("/files/sgpu_index_demo") for p in index.authorized), index.authorized
-    own = {ssm_secrets_parameter(job.run_id), ssm_secrets_parameter(launch)}
-    assert token in parameters.get(ssm_secrets_parameter(launch), ""), sorted(parameters)  # what the nodes read
+    scope = bare.store().scope
+    own = {ssm_secrets_parameter(job.run_id, scope), ssm_secrets_parameter(launch, scope)}
+    assert token in parameters.get(ssm_secrets_parameter(launch, scope), ""), sorted(parameters)  # what the nodes read
     places = _scan(bare, launch, seen)
     places.update({f"ssm {name}": value for name, value in parameters.items() if name not in own})
     out = capfd.readouterr()

@@ -224,7 +224,7 @@ def test_a_killed_driver_s_idle_lease_terminates_itself(ec2: EC2Env, tmp_path: P
     assert ec2.simulator.wait_powered_off(ids, timeout=20)
     ssm = ec2.aws.client("ssm")
     with pytest.raises(ssm.exceptions.ParameterNotFound):  # node 0 deleted the lease's key on its way out
-        ssm.get_parameter(Name=ssm_key_parameter(lease))
+        ssm.get_parameter(Name=ssm_key_parameter(lease, ec2.store().scope))
 
 
 def test_keep_warm_is_checked_before_anything_is_spent(ec2: EC2Env) -> None:

@@ -28,7 +28,7 @@ def test_the_shipped_documents_are_the_ones_the_package_renders() -> None:
 
 def test_a_node_policy_names_only_its_run_and_its_locations() -> None:
     policy = roles.node_policy("train-0123456789", "eu-west-1", "210987654321",
-                               ["s3://b/jobs/train-0123456789", "s3://b/jobs/checkpoints/flow/task"])
+                               ["s3://b/jobs/train-0123456789", "s3://b/jobs/checkpoints/flow/task"], "0123456789abcdef")
     text = json.dumps(policy)
     assert "{{" not in text and "kms:" not in text, "no unfilled name; no KMS statement without a key"
     sids = [s["Sid"] for s in policy["Statement"]]
@@ -37,12 +37,13 @@ def test_a_node_policy_names_only_its_run_and_its_locations() -> None:
                                                          else [s["Resource"]])}
     assert resources == {
         "arn:aws:s3:::b/jobs/train-0123456789/*", "arn:aws:s3:::b/jobs/checkpoints/flow/task/*", "arn:aws:s3:::b",
-        "arn:aws:ssm:eu-west-1:210987654321:parameter/prefect-sgpu/train-0123456789/*",
+        "arn:aws:ssm:eu-west-1:210987654321:parameter/prefect-sgpu/0123456789abcdef/train-0123456789/*",
         "arn:aws:ec2:eu-west-1:210987654321:instance/*",
     }
     terminate = next(s for s in policy["Statement"] if s["Action"] == "ec2:TerminateInstances")
     assert terminate["Condition"] == {"StringEquals": {"ec2:ResourceTag/sgpu:run-id": "train-0123456789"}}
-    with_key = roles.node_policy("r", "us-east-1", "210987654321", ["s3://b/jobs/r"], kms_key_id="1234abcd")
+    with_key = roles.node_policy("r", "us-east-1", "210987654321", ["s3://b/jobs/r"], "0123456789abcdef",
+                                 kms_key_id="1234abcd")
     assert any(s["Resource"] == "arn:aws:kms:us-east-1:210987654321:key/1234abcd" for s in with_key["Statement"])
 
 
@@ -59,15 +60,16 @@ def test_settings_refuse_a_shared_profile_with_job_roles_and_a_malformed_boundar
 def test_create_is_idempotent_and_the_sweeper_deletes_only_its_stores_ended_runs(aws_env, tmp_path: Path) -> None:
     iam = aws_env.client("iam")
     store, other = LocalStore(tmp_path / "mine"), LocalStore(tmp_path / "theirs")
-    policy = roles.node_policy("mine-1", aws_env.region, "123456789012", ["s3://b/jobs/mine-1"])
+    policy = roles.node_policy("mine-1", aws_env.region, "123456789012", ["s3://b/jobs/mine-1"], store.scope)
     for _ in range(2):  # a retried acquire
-        made = roles.create(iam, "mine-1", policy, {rq.RUN_ID_TAG: "mine-1", rq.STORE_TAG: store.root_uri})
-    assert made.profile_arn.endswith(":instance-profile/prefect-sgpu/sgpu-mine-1")
+        made = roles.create(iam, "mine-1", policy, {rq.RUN_ID_TAG: "mine-1", rq.STORE_TAG: store.root_uri},
+                            store.scope)
+    assert made.profile_arn.endswith(f":instance-profile/prefect-sgpu/{store.scope}/sgpu-mine-1")
     profile = iam.get_instance_profile(InstanceProfileName="sgpu-mine-1")["InstanceProfile"]
     assert [r["RoleName"] for r in profile["Roles"]] == ["sgpu-mine-1"]
     assert json.loads(json.dumps(iam.get_role_policy(RoleName="sgpu-mine-1",
                                                      PolicyName=roles.ROLE_POLICY_NAME)["PolicyDocument"])) == policy
-    roles.create(iam, "theirs-1", policy, {rq.RUN_ID_TAG: "theirs-1", rq.STORE_TAG: other.root_uri})
+    roles.create(iam, "theirs-1", policy, {rq.RUN_ID_TAG: "theirs-1", rq.STORE_TAG: other.root_uri}, other.scope)
     try:
         report = Sweeper(store, ttl_s=60, iam=iam).sweep()
         assert [(x.run_id, x.kind, x.name) for x in report.removed] == [("mine-1", "IAM role", "sgpu-mine-1")]

@@ -50,7 +50,7 @@ def test_a_node_whose_bootstrap_is_killed_after_its_driver_is_gone_powers_itself
     key = new_key()
     folder = JobFolder(ec2.store(), run_id, key)
     folder.beat()  # the driver's last heartbeat
-    compute.provisioner.put_secret(ssm_key_parameter(run_id), key, "the job key of a driver that died")
+    compute.provisioner.put_secret(ssm_key_parameter(run_id, ec2.store().scope), key, "the job key of a driver that died")
     try:
         (iid,) = [i.id for i in compute.provisioner.provision(run_id, request.plan, request.user_data,
                                                               attempts=request.run_instances)]
@@ -70,4 +70,4 @@ def test_a_node_whose_bootstrap_is_killed_after_its_driver_is_gone_powers_itself
         assert ec2.simulator.wait_powered_off([iid], timeout=30), ec2.simulator.describe()
     finally:
         compute.provisioner.terminate(run_id)  # a failed assertion above must not leak the instance
-        compute.provisioner.delete_secret(ssm_key_parameter(run_id))
+        compute.provisioner.delete_secret(ssm_key_parameter(run_id, ec2.store().scope))

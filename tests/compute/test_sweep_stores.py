@@ -108,8 +108,8 @@ def test_the_clock_of_an_s3_store_is_its_date_header() -> None:
         http_date("", "the store s3://b/jobs")
 
 
-def _parameters(run_id: str) -> list[str]:
-    return [ssm_key_parameter(run_id), ssm_secrets_parameter(run_id)]
+def _parameters(run_id: str, store: Any) -> list[str]:
+    return [ssm_key_parameter(run_id, store.scope), ssm_secrets_parameter(run_id, store.scope)]
 
 
 def _exists(ssm: Any, name: str) -> bool:
@@ -131,21 +131,23 @@ def test_sweeping_one_store_leaves_every_ssm_parameter_of_another_stores_runs(aw
         writer = _provisioner(aws_env, store)  # the driver's own write path: tagged with its store
         for state in ("live", "ended"):
             run_id = runs[f"{who}-{state}"]
-            for name in _parameters(run_id):
+            for name in _parameters(run_id, store):
                 writer.put_secret(name, new_key(), "a job's parameter")
             if state == "live":
                 _running(store, run_id)
             else:  # an ended job: its logs stay, its control files are gone
                 store.put(run_id, jobfolder.log_key(0), b"done\n")
     # a retried write overwrites the parameter and keeps it tagged
-    _provisioner(aws_env, theirs).put_secret(ssm_key_parameter(runs["b-live"]), new_key(), "written again")
-    tags = ssm.list_tags_for_resource(ResourceType="Parameter", ResourceId=ssm_key_parameter(runs["b-live"]))
+    _provisioner(aws_env, theirs).put_secret(ssm_key_parameter(runs["b-live"], theirs.scope), new_key(),
+                                             "written again")
+    tags = ssm.list_tags_for_resource(ResourceType="Parameter",
+                                      ResourceId=ssm_key_parameter(runs["b-live"], theirs.scope))
     assert {t["Key"]: t["Value"] for t in tags["TagList"]}[rq.STORE_TAG] == theirs.root_uri
     # whoever writes store A makes folders there named like store B's runs (a live one and an ended one)
     for run_id in (runs["b-live"], runs["b-ended"]):
         mine.put(run_id, jobfolder.log_key(0), b"not this store's run\n")
     theirs_before = {name: ssm.get_parameter(Name=name, WithDecryption=True)["Parameter"]["Value"]
-                     for run in ("b-live", "b-ended") for name in _parameters(runs[run])}
+                     for run in ("b-live", "b-ended") for name in _parameters(runs[run], theirs)}
 
     sweeper = Sweeper(mine, ttl_s=60.0, ec2=_provisioner(aws_env), ssm=ssm)
     dry = sweeper.sweep(dry_run=True)
@@ -157,8 +159,8 @@ def test_sweeping_one_store_leaves_every_ssm_parameter_of_another_stores_runs(aw
     after = {name: ssm.get_parameter(Name=name, WithDecryption=True)["Parameter"]["Value"]
              for name in theirs_before}
     assert after == theirs_before, "every parameter of store B's runs is untouched"
-    assert all(_exists(ssm, name) for name in _parameters(runs["a-live"])), "a live run of A keeps its own"
-    assert not any(_exists(ssm, name) for name in _parameters(runs["a-ended"])), "A's ended run's are swept"
-    for run_id in (runs["a-live"], runs["b-live"], runs["b-ended"]):
-        for name in _parameters(run_id):
+    assert all(_exists(ssm, name) for name in _parameters(runs["a-live"], mine)), "a live run of A keeps its own"
+    assert not any(_exists(ssm, name) for name in _parameters(runs["a-ended"], mine)), "A's ended run's are swept"
+    for run_id, store in ((runs["a-live"], mine), (runs["b-live"], theirs), (runs["b-ended"], theirs)):
+        for name in _parameters(run_id, store):
             ssm.delete_parameter(Name=name)

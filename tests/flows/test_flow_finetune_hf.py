@@ -1,6 +1,10 @@
-"""flows/finetune_hf.py end to end: ``transformers.Trainer`` on 2 nodes x 2 ranks, a failure and a
-Prefect retry that resumes from the trainer's sealed checkpoint, held-out perplexity, and an MLflow
-version that links to the run holding the trainer's loss curve."""
+"""flows/finetune_hf.py end to end: ``transformers.Trainer`` on 2 nodes x 2 ranks, its checkpoints
+sealed at the job's location, held-out perplexity, and an MLflow version that links to the run
+holding the trainer's loss curve.
+
+A retry resuming from the trainer's checkpoint is tested once, where it costs least:
+``tests/pipeline/test_hf_trainer.py`` (a failed job and the next one on 2 nodes x 1 rank); the
+flow-level Prefect retry of a GPU task is ``tests/flows/test_flow_finetune_llm.py``'s."""
 
 from __future__ import annotations
 
@@ -16,22 +20,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "flows"))
 pytestmark = pytest.mark.e2e
 
 
-def test_finetune_hf_on_two_nodes_of_two_ranks_resumes_after_a_retry_and_registers(prefect_server: None,
-                                                                                   tmp_path: Path) -> None:
+def test_finetune_hf_on_two_nodes_of_two_ranks_seals_checkpoints_and_registers(prefect_server: None) -> None:
     import finetune_hf
     from mlflow.tracking import MlflowClient
 
+    from prefect_sgpu.pipeline.checkpoint import complete_steps
+
     name = f"hf-{uuid.uuid4().hex[:8]}"
-    fault = tmp_path / "fail-once"
-    fault.write_text("rank 0 fails after step 5, once; the retry resumes from step 4")
     state = finetune_hf.finetune_hf(gpus=4, nodes=2, steps=8, checkpoint_every=4, model_name=name,
-                                    fault_file=str(fault), fault_step=5, return_state=True)
+                                    return_state=True)
     assert state.is_completed(), state
     out = state.result()
 
-    assert not fault.exists(), "the injected fault fired"
-    assert out["start_step"] == 4, "the Prefect retry resumed from the trainer's step-4 checkpoint"
-    assert out["global_step"] == 8
+    assert out["start_step"] == 0 and out["global_step"] == 8
+    location = Path(out["model_uri"]).parent.parent  # final/ sits beside the step folders
+    assert complete_steps(location) == [4, 8], "both of the trainer's checkpoints were sealed as step folders"
     assert 1.0 < out["perplexity"] < 200, f"the model learned little: perplexity {out['perplexity']} (256 = uniform)"
 
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
@@ -51,8 +54,8 @@ def test_finetune_hf_on_two_nodes_of_two_ranks_resumes_after_a_retry_and_registe
     with get_client(sync_client=True) as prefect:
         task_runs = prefect.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         train_run = next(tr for tr in task_runs if tr.task_key.startswith("train_with_trainer"))
-        assert train_run.run_count == 2 and train_run.state.is_completed()
+        assert train_run.run_count == 1 and train_run.state.is_completed()
         messages = [log.message for log in prefect.read_logs(
             LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=0)]
-    assert any("injected fault after step 5" in m for m in messages)
-    assert sum("resuming from step-00000004" in m for m in messages) == 4, "every rank of both nodes resumed"
+    started = sorted(m.split("]")[0] + "]" for m in messages if m.startswith("[rank ") and "world size 4" in m)
+    assert started == [f"[rank {r} node {r // 2}]" for r in range(4)], f"2 nodes x 2 ranks: {started}"

@@ -88,8 +88,8 @@ class EC2Env:
                  for g in ec2.describe_placement_groups(Filters=run_filter)["PlacementGroups"]]
         ssm = self.aws.client("ssm")
         try:
-            ssm.get_parameter(Name=jobfolder.ssm_key_parameter(run_id))
-            left.append(f"SSM parameter {jobfolder.ssm_key_parameter(run_id)}")
+            ssm.get_parameter(Name=jobfolder.ssm_key_parameter(run_id, self.store().scope))
+            left.append(f"SSM parameter {jobfolder.ssm_key_parameter(run_id, self.store().scope)}")
         except ssm.exceptions.ParameterNotFound:
             pass
         prefix = f"jobs/{run_id}/"

@@ -43,8 +43,8 @@ class FakeCase:
                 if m.launch_id == run_id and m.proc.poll() is None]
         # a warm lease's machines carry the lease id, which starts with the run id that launched it
         left += [p for p in job_processes(run_id) if f"--run-id={run_id}-lease" not in p]
-        left += [f"secret {name}" for name in (jobfolder.ssm_key_parameter(run_id),
-                                               jobfolder.ssm_secrets_parameter(run_id))
+        left += [f"secret {name}" for name in (jobfolder.ssm_key_parameter(run_id, self.compute.store.scope),
+                                               jobfolder.ssm_secrets_parameter(run_id, self.compute.store.scope))
                  if secret_path(self.provider.secrets, name).exists()]
         return left + control_files(self.provider.store_root / run_id)
 

@@ -8,7 +8,7 @@ key, or the temporary key of an assumed role, looked up in moto's own IAM and ST
 names the action (``ssm:GetParameter``) and every resource it touches (the parameter's,
 object's, bucket's, instance's, role's ARN) with the condition keys AWS sets
 (``ec2:ResourceTag/<key>`` from the instance's tags, ``s3:prefix``,
-``iam:PermissionsBoundary``, ``iam:PassedToService``), and evaluates the identity's policies
+``iam:PermissionsBoundary`` (the new role's, or the edited role's own), ``iam:PassedToService``), and evaluates the identity's policies
 and permissions boundary with AWS's rules: an explicit Deny wins, else an Allow is needed
 for every resource, and a boundary must allow too. A request it refuses gets the service's
 own AccessDenied error; every other request reaches moto unchanged.
@@ -232,6 +232,14 @@ class IAMGate:
                     if params.get("PermissionsBoundary") else []
                 if not context["iam:PermissionsBoundary"]:
                     del context["iam:PermissionsBoundary"]
+            elif action in ("PutRolePolicy", "DeleteRolePolicy", "AttachRolePolicy", "DetachRolePolicy") \
+                    and params.get("RoleName"):
+                try:  # AWS sets the key from the role's own boundary for edits of its policies
+                    boundary = self._iam().get_role(params["RoleName"]).permissions_boundary_arn
+                except Exception:  # noqa: BLE001 - an unknown role: IAM refuses it itself
+                    boundary = None
+                if boundary:
+                    context["iam:PermissionsBoundary"] = [boundary]
             if "InstanceProfileName" in params:
                 arn = self._profile_arn(params["InstanceProfileName"], params.get("Path") if action.startswith(
                     "Create") else None)

@@ -10,7 +10,7 @@ S3 store, per-run IAM roles, and the sweeper's EC2 clients.
 delay a job, never run code in it: every document a node acts on is sealed with the
 job key (HMAC) and bound to the job, its kind, the node index and the instance id.
 The key itself never reaches S3, the user-data or a tag. ``acquire`` writes it to the
-SSM SecureString ``jobfolder.ssm_key_parameter(run_id)`` *before* launching (so a node
+SSM SecureString ``jobfolder.ssm_key_parameter(run_id, store.scope)`` *before* launching (so a node
 can verify every document from its first second) and ``release`` deletes it. Nodes
 derive that name from their own ``--run-id`` and read it through their instance
 profile. Node addresses (node 0's rendezvous host) come from DescribeInstances, never
@@ -33,7 +33,6 @@ from prefect_sgpu import catalog
 from prefect_sgpu.compute.base import Request
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
-from prefect_sgpu.compute.ec2.roles import ROLE_PATH
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.remote.lease import lease_id
 from prefect_sgpu import environment_ship
@@ -70,6 +69,7 @@ class EC2Request(RemoteRequest):
     usd_per_hour: float | None = None
     #: the IAM role (and instance profile) acquire creates for this job, when the block asks for job roles
     job_role: str = ""
+    job_role_path: str = ""
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -80,7 +80,7 @@ class EC2Request(RemoteRequest):
             "user_data": self.user_data,
             "store": self.store_uri,
             "payload_key": f"SSM SecureString {self.key_parameter} (deleted on release)",
-            **({"job_role": f"IAM role and instance profile {ROLE_PATH}{self.job_role} (policies/node-policy.json "
+            **({"job_role": f"IAM role and instance profile {self.job_role_path}{self.job_role} (policies/node-policy.json "
                             "for this run; deleted on release)"} if self.job_role else {}),
             "estimated_usd_per_hour": self.usd_per_hour,
             **({"keep_warm": f"a warm lease's instances when one of this shape is idle; else new ones for lease "
@@ -196,9 +196,10 @@ class EC2InstanceCompute(RemoteNodeCompute):
         return EC2Request(run_id=run_id, compute=self.name, plan=plan, spec=spec,
                           heartbeat_ttl_s=self.heartbeat_ttl_s, region=self.region, instance_type=instance_type,
                           run_instances=attempts, user_data=user_data, store_uri=self.store.uri(run_id),
-                          key_parameter=ssm_key_parameter(run_id), usd_per_hour=price,
+                          key_parameter=ssm_key_parameter(run_id, self.store.scope), usd_per_hour=price,
                           agent_timeout_s=self.agent_timeout_s,
                           job_role=roles.role_name(run_id) if self.settings.job_roles else "",
+                          job_role_path=roles.role_path(self.store.scope),
                           keep_warm=self.keep_warm, lease_id=lease)
 
     def replan(self, request: Request, gang: int) -> EC2Request:
@@ -313,9 +314,10 @@ class EC2InstanceCompute(RemoteNodeCompute):
         own = (self.store.uri(environment_ship.STORE_FOLDER, environment.digest)
                if environment_ship.builds_on_node(environment) else None)
         policy = roles.node_policy(request.run_id, self.region, self.account(), self.job_locations(request),
-                                   self.kms_key_id, environment_uri=own)
+                                   self.store.scope, self.kms_key_id, environment_uri=own)
         tags = {rq.RUN_ID_TAG: request.run_id, **self.provisioner.run_tags}
-        roles.create(self._client("iam"), request.run_id, policy, tags, self.settings.node_permissions_boundary)
+        roles.create(self._client("iam"), request.run_id, policy, tags, self.store.scope,
+                     self.settings.node_permissions_boundary)
 
     def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper":
         """The sweeper of this compute (:mod:`prefect_sgpu.compute.remote.sweep`): its store, clients and TTL."""

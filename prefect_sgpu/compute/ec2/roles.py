@@ -2,13 +2,14 @@
 
 With ``job_roles=True`` on the ``EC2Compute`` block (and no shared ``instance_profile``), the
 driver creates, before launching, an IAM role and an instance profile named for the run
-under the path ``/prefect-sgpu/``, with one inline policy rendered from
+under the path ``/prefect-sgpu/<store scope>/`` (:func:`prefect_sgpu.jobfolder.store_scope`),
+with one inline policy rendered from
 ``prefect_sgpu/policies/node-policy.json``:
 
 - S3 get/put/delete under the run's own folder of the store (and under the job's
   checkpoint location when a GPU task keys it elsewhere), and a listing limited to those
   prefixes;
-- ``ssm:GetParameter`` / ``ssm:DeleteParameter`` on ``/prefect-sgpu/<run id>/*`` only
+- ``ssm:GetParameter`` / ``ssm:DeleteParameter`` on ``/prefect-sgpu/<store scope>/<run id>/*`` only
   (the job key, the job's ``secrets=``);
 - ``ec2:TerminateInstances`` only on instances tagged ``sgpu:run-id=<run id>``;
 - the store's KMS key when one is configured.
@@ -37,10 +38,16 @@ from importlib import resources
 from typing import Any
 
 from prefect_sgpu import aws
+from prefect_sgpu.jobfolder import store_scope
 
 logger = logging.getLogger("prefect_sgpu.ec2")
 
 ROLE_PATH = "/prefect-sgpu/"
+
+
+def role_path(scope: str) -> str:
+    """``/prefect-sgpu/<store scope>/``: the IAM path of one store's job roles and instance profiles."""
+    return f"{ROLE_PATH}{scope}/"
 ROLE_POLICY_NAME = "prefect-sgpu-job"
 NODE_TRUST_POLICY = {
     "Version": "2012-10-17",
@@ -114,7 +121,7 @@ def s3_location(uri: str) -> tuple[str, str]:
     return bucket, f"{prefix}/" if prefix else ""
 
 
-def node_policy(run_id: str, region: str, account: str, locations: list[str],
+def node_policy(run_id: str, region: str, account: str, locations: list[str], scope: str,
                 kms_key_id: str | None = None, environment_uri: str | None = None) -> dict[str, Any]:
     """The inline policy of run ``run_id``'s role: its ``s3://`` locations, its SSM path, its instances,
     and read access to ``environment_uri``, the folder of the environment its nodes build (none when
@@ -122,7 +129,7 @@ def node_policy(run_id: str, region: str, account: str, locations: list[str],
     env_bucket, env_prefix = s3_location(environment_uri) if environment_uri else (None, None)
     return render(policy_template("node-policy"),
                   {"Partition": partition(region), "Region": region, "Account": account, "RunId": run_id,
-                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account), "EnvironmentBucket": env_bucket,
+                   "StoreScope": scope, "KmsKeyArn": kms_key_arn(kms_key_id, region, account), "EnvironmentBucket": env_bucket,
                    "EnvironmentPrefix": env_prefix},
                   [s3_location(uri) for uri in dict.fromkeys(locations)])
 
@@ -134,15 +141,18 @@ def driver_policy(store_uri: str, region: str, account: str, node_boundary_arn: 
     return render(policy_template("driver-policy"),
                   {"Partition": partition(region), "Region": region, "Account": account, "Bucket": bucket,
                    "StorePrefix": prefix, "StoreUri": store_uri.rstrip("/"), "NodeBoundaryArn": node_boundary_arn,
+                   "StoreScope": store_scope(store_uri),
                    "KmsKeyArn": kms_key_arn(kms_key_id, region, account)})
 
 
-def node_boundary(store_uri: str, region: str, account: str) -> dict[str, Any]:
-    """The shipped permissions boundary every job role is created under, for one store."""
+def node_boundary(store_uri: str, region: str, account: str, kms_key_id: str | None = None) -> dict[str, Any]:
+    """The shipped permissions boundary every job role of one store is created under: that store's
+    files, its SSM path, its instances and its KMS key (none: no KMS at all)."""
     bucket, prefix = s3_location(store_uri)
     return render(policy_template("node-boundary"),
                   {"Partition": partition(region), "Region": region, "Account": account, "Bucket": bucket,
-                   "StorePrefix": prefix})
+                   "StorePrefix": prefix, "StoreUri": store_uri.rstrip("/"), "StoreScope": store_scope(store_uri),
+                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account)})
 
 
 @dataclass
@@ -154,14 +164,14 @@ class JobRole:
     profile_arn: str = ""
 
 
-def create(iam: Any, run_id: str, policy: dict[str, Any], tags: dict[str, str],
+def create(iam: Any, run_id: str, policy: dict[str, Any], tags: dict[str, str], scope: str,
            boundary_arn: str | None = None) -> JobRole:
     """Role + inline policy + instance profile for ``run_id``; idempotent (a retried acquire reuses them)."""
     name = role_name(run_id)
     tag_list = [{"Key": k, "Value": v} for k, v in tags.items()]
     extra = {"PermissionsBoundary": boundary_arn} if boundary_arn else {}
     try:
-        iam.create_role(RoleName=name, Path=ROLE_PATH, AssumeRolePolicyDocument=json.dumps(NODE_TRUST_POLICY),
+        iam.create_role(RoleName=name, Path=role_path(scope), AssumeRolePolicyDocument=json.dumps(NODE_TRUST_POLICY),
                         Description=f"prefect-sgpu nodes of run {run_id} (deleted with the run)",
                         MaxSessionDuration=43200, Tags=tag_list, **extra)
     except Exception as exc:  # noqa: BLE001
@@ -169,7 +179,7 @@ def create(iam: Any, run_id: str, policy: dict[str, Any], tags: dict[str, str],
             raise
     iam.put_role_policy(RoleName=name, PolicyName=ROLE_POLICY_NAME, PolicyDocument=json.dumps(policy))
     try:
-        profile = iam.create_instance_profile(InstanceProfileName=name, Path=ROLE_PATH, Tags=tag_list)
+        profile = iam.create_instance_profile(InstanceProfileName=name, Path=role_path(scope), Tags=tag_list)
         arn = profile["InstanceProfile"]["Arn"]
     except Exception as exc:  # noqa: BLE001
         if aws.error_code(exc) != "EntityAlreadyExists":
@@ -204,10 +214,10 @@ def delete(iam: Any, run_id: str) -> list[str]:
     return gone
 
 
-def job_role_runs(iam: Any) -> dict[str, dict[str, str]]:
-    """Run id -> tags of every job role that exists (for the sweeper)."""
+def job_role_runs(iam: Any, scope: str) -> dict[str, dict[str, str]]:
+    """Run id -> tags of every job role of one store's scope that exists (for the sweeper)."""
     found: dict[str, dict[str, str]] = {}
-    for page in iam.get_paginator("list_roles").paginate(PathPrefix=ROLE_PATH):
+    for page in iam.get_paginator("list_roles").paginate(PathPrefix=role_path(scope)):
         for role in page.get("Roles", []):
             name = role["RoleName"]
             if not name.startswith("sgpu-"):

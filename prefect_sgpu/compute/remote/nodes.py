@@ -277,7 +277,7 @@ class RemoteNodeCompute(Compute):
                           instances=[], provisioner=self.provisioner, node_silence_s=self.node_silence_s)
         allocation.lease = lease
         POOL.add(lease, owner=id(self))
-        self._put_secret(lease, ssm_key_parameter(lease.lease_id), lease.folder.key,
+        self._put_secret(lease, ssm_key_parameter(lease.lease_id, self.store.scope), lease.folder.key,
                          "prefect-sgpu key of one warm lease (deleted when the lease ends)", "key_parameter")
         lease.start_beating()
         self._put_index_secret(lease, lease.lease_id, request)
@@ -374,7 +374,7 @@ class RemoteNodeCompute(Compute):
         env = {k: v for k, v in launch.env.items() if k not in MASKED_ENV}  # the key travels as a secret only
         env.update(self._launch_env(allocation))
         if launch.secrets:  # encrypted beside the key; the documents only say they exist
-            self._put_secret(allocation, ssm_secrets_parameter(allocation.run_id), json.dumps(launch.secrets),
+            self._put_secret(allocation, ssm_secrets_parameter(allocation.run_id, self.store.scope), json.dumps(launch.secrets),
                              "prefect-sgpu secrets= of one job (deleted when the job ends)", "secrets_parameter")
         allocation.folder.put_launches({
             command.node: (LaunchDocument(argv=list(command.argv), env=env, secrets=bool(launch.secrets)),
@@ -391,11 +391,11 @@ class RemoteNodeCompute(Compute):
             return
         values = environment_ship.index_secret(request.spec.environment)
         if values:
-            self._put_secret(owner, ssm_secrets_parameter(launch_id), json.dumps(values),
+            self._put_secret(owner, ssm_secrets_parameter(launch_id, self.store.scope), json.dumps(values),
                              "prefect-sgpu secrets= of one job (deleted when the job ends)", "secrets_parameter")
 
     def _put_key(self, allocation: RemoteAllocation) -> None:
-        self._put_secret(allocation, ssm_key_parameter(allocation.run_id), allocation.folder.key,
+        self._put_secret(allocation, ssm_key_parameter(allocation.run_id, self.store.scope), allocation.folder.key,
                          "prefect-sgpu job key of one job (deleted when the job ends)", "key_parameter")
 
     def _put_secret(self, owner: Any, name: str, value: str, description: str, field: str) -> None:

@@ -27,7 +27,7 @@ for a later pass. A long healthy job outlives its launch-time ``sgpu:ttl`` tag, 
 therefore not used to decide.
 
 **What is removed.** Instances (terminated), the run's tagged security and placement
-groups, ``/prefect-sgpu/<run>/payload-key`` and ``.../secrets``, the run's control files (payload, results,
+groups, ``/prefect-sgpu/<store scope>/<run>/payload-key`` and ``.../secrets``, the run's control files (payload, results,
 node documents, stop, heartbeat, relayed metrics; logs and checkpoints stay), and the
 MLflow run, ended KILLED with the tag ``sgpu.swept`` saying why.
 
@@ -49,7 +49,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from prefect_sgpu import aws
-from prefect_sgpu.jobfolder import CONTROL, HEARTBEAT, PAYLOAD, STOP, ssm_key_parameter, ssm_secrets_parameter
+from prefect_sgpu.jobfolder import (CONTROL, HEARTBEAT, PAYLOAD, STOP, ssm_key_parameter, ssm_root,
+                                    ssm_secrets_parameter)
 
 if TYPE_CHECKING:
     from prefect_sgpu.compute.ec2.instances import EC2Provisioner
@@ -60,8 +61,7 @@ logger = logging.getLogger("prefect_sgpu.compute.remote.sweep")
 #: seconds added to a run's TTL before it is judged dead (clock skew, a slow heartbeat write);
 #: half the TTL when that is less
 DEFAULT_GRACE_S = 60.0
-SSM_ROOT = "/prefect-sgpu/"
-_SSM_NAME = re.compile(r"^/prefect-sgpu/(?P<run>[^/]+)/(?:payload-key|secrets)$")
+_SSM_NAME = re.compile(r"^/prefect-sgpu/[0-9a-f]{16}/(?P<run>[^/]+)/(?:payload-key|secrets)$")
 #: the files a live driver keeps in its job folder; none of them means the job has ended
 _LIVE_FILES = (HEARTBEAT, PAYLOAD, STOP)
 _LIVE_STATES = ["pending", "running", "stopping", "stopped"]
@@ -274,7 +274,7 @@ class Sweeper:
         from prefect_sgpu.compute.ec2 import request as rq
         from prefect_sgpu.compute.ec2 import roles
 
-        for run_id, tags in roles.job_role_runs(self.iam).items():
+        for run_id, tags in roles.job_role_runs(self.iam, self.store.scope).items():
             if tags.get(rq.STORE_TAG) == self.store.root_uri:
                 found = run(run_id)
                 found.roles.append(roles.role_name(run_id))
@@ -292,13 +292,13 @@ class Sweeper:
             return
         from prefect_sgpu.compute.ec2 import request as rq
 
-        filters = [{"Key": "Name", "Option": "BeginsWith", "Values": [SSM_ROOT]},
+        filters = [{"Key": "Name", "Option": "BeginsWith", "Values": [ssm_root(self.store.scope)]},
                    {"Key": f"tag:{rq.STORE_TAG}", "Values": [self.store.root_uri]}]
         for page in self.ssm.get_paginator("describe_parameters").paginate(ParameterFilters=filters):
             for parameter in page.get("Parameters", []):
                 match = _SSM_NAME.match(parameter["Name"])
-                if match and parameter["Name"] in (ssm_key_parameter(match["run"]),
-                                                   ssm_secrets_parameter(match["run"])):
+                if match and parameter["Name"] in (ssm_key_parameter(match["run"], self.store.scope),
+                                                   ssm_secrets_parameter(match["run"], self.store.scope)):
                     run(match["run"]).ssm.append(parameter["Name"])
 
     def _find_mlflow(self, run: Any) -> None:
