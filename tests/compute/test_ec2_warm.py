@@ -81,8 +81,9 @@ def test_consecutive_jobs_share_a_lease_see_nothing_of_each_other_and_refuse_for
         assert all(v["world"] == 2 for v in one.values) and all(v["leftover_pids"] for v in one.values)
         assert ec2.instances(first.run_id) == [], "a warm job's instances are the lease's, tagged with its id"
         assert ec2.leftovers(first.run_id) == [], "the job's key and control files go with the job"
-        assert one.released == [f"SSM parameter {ssm_key_parameter(first.run_id)}",  # the job's secrets: its
-                                f"SSM parameter {ssm_secrets_parameter(first.run_id)}"]  # checkpoint key, say
+        scope = ec2.store().scope
+        assert one.released == [f"SSM parameter {ssm_key_parameter(first.run_id, scope)}",  # the job's secrets: its
+                                f"SSM parameter {ssm_secrets_parameter(first.run_id, scope)}"]  # checkpoint key, say
         served = ec2.store().get(lease, ASSIGN_KEY)  # the assignment of the first job, already served
         assert served is not None
 
