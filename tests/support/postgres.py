@@ -18,12 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from support.aws_fixtures import free_port
+from support.served import served
 
 
 def bin_dir() -> Path | None:
@@ -140,39 +140,13 @@ def prefect_server_on(cluster: Postgres, database: str = "prefect") -> Iterator[
     """``prefect server start`` with ``database`` of ``cluster`` as its database; its API URL."""
     cluster.create_database(database)
     port = free_port()
-    home = Path(tempfile.mkdtemp(prefix="sgpu-prefect-pg-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_API_DATABASE_CONNECTION_URL": cluster.url(database),
+    env.update({"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_DATABASE_CONNECTION_URL": cluster.url(database),
                 "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
                 "PREFECT_UI_ENABLED": "false"})
     api = f"http://127.0.0.1:{port}/api"
-    with open(home / "server.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                 "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300  # migrations on a fresh database, on a machine that may be busy
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited ({proc.returncode}): "
-                                   f"{(home / 'server.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{api}/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server not up in 300 s: {(home / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+    with served("prefect server",
+                lambda home: [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                              "--port", str(port)],
+                lambda home: {**env, "PREFECT_HOME": str(home)}, f"{api}/health"):
         yield api
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        shutil.rmtree(home, ignore_errors=True)
