@@ -147,13 +147,6 @@ def rank_of_key(key: str) -> int:
 SSM_ROOT = "/prefect-sgpu/"
 
 
-def store_scope(store_uri: str) -> str:
-    """A store's own part of SSM and IAM paths: 16 hex digits of the sha256 of its URI (no trailing
-    ``/``). The policies rendered for one store name only paths under its scope, so a driver or a
-    job role of store X is refused store Y's keys, secrets and roles (docs/security.md)."""
-    return hashlib.sha256(store_uri.rstrip("/").encode()).hexdigest()[:16]
-
-
 def ssm_root(scope: str) -> str:
     """``/prefect-sgpu/<scope>/``: where one store's job keys and secrets live."""
     return f"{SSM_ROOT}{scope}/"

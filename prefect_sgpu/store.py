@@ -8,6 +8,7 @@ is :mod:`prefect_sgpu.jobfolder`'s alone; a store only moves bytes.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -19,6 +20,13 @@ from pathlib import Path
 def default_home() -> Path:
     """Where local job folders and the default MLflow store live."""
     return Path(os.environ.get("PREFECT_SGPU_HOME", Path.home() / ".prefect-sgpu")).expanduser()
+
+
+def store_scope(store_uri: str) -> str:
+    """A store's own part of SSM and IAM paths: 16 hex digits of the sha256 of its URI (no trailing
+    ``/``). The policies rendered for one store name only paths under its scope, so a driver or a
+    job role of store X is refused store Y's keys, secrets and roles (docs/security.md)."""
+    return hashlib.sha256(store_uri.rstrip("/").encode()).hexdigest()[:16]
 
 
 class Store(ABC):
@@ -71,9 +79,7 @@ class Store(ABC):
 
     @property
     def scope(self) -> str:
-        """The store's part of SSM and IAM paths (:func:`prefect_sgpu.jobfolder.store_scope`)."""
-        from prefect_sgpu.jobfolder import store_scope
-
+        """The store's part of SSM and IAM paths (:func:`store_scope`)."""
         return store_scope(self.root_uri)
 
     @abstractmethod

@@ -11,7 +11,7 @@ import pytest
 
 from prefect_sgpu import cli
 from prefect_sgpu.compute.ec2 import roles
-from prefect_sgpu.jobfolder import store_scope
+from prefect_sgpu.store import store_scope
 from support.aws_fixtures import REGION
 from support.iam_gate import ACCOUNT
 

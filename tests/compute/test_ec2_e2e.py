@@ -29,7 +29,8 @@ from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
 from prefect_sgpu.errors import DocumentRefused, InfrastructureLost, SGPUConfigError
 from prefect_sgpu.jobfolder import (LAUNCH_KEY, Alive, JobFolder, LaunchDocument, launch_bundle, new_key,
-                                   ssm_key_parameter, store_scope)
+                                   ssm_key_parameter)
+from prefect_sgpu.store import store_scope
 from prefect_sgpu.store_s3 import S3Store
 from support.threads import run_in_thread
 from support.rank_functions import TrainingDiverged, fails_on_rank_1

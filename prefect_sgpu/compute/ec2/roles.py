@@ -2,7 +2,7 @@
 
 With ``job_roles=True`` on the ``EC2Compute`` block (and no shared ``instance_profile``), the
 driver creates, before launching, an IAM role and an instance profile named for the run
-under the path ``/prefect-sgpu/<store scope>/`` (:func:`prefect_sgpu.jobfolder.store_scope`),
+under the path ``/prefect-sgpu/<store scope>/`` (:func:`prefect_sgpu.store.store_scope`),
 with one inline policy rendered from
 ``prefect_sgpu/policies/node-policy.json``:
 
@@ -38,7 +38,7 @@ from importlib import resources
 from typing import Any
 
 from prefect_sgpu import aws
-from prefect_sgpu.jobfolder import store_scope
+from prefect_sgpu.store import store_scope
 
 logger = logging.getLogger("prefect_sgpu.ec2")
 
