@@ -9,6 +9,11 @@ seconds (user + system, its own, not its children's) under the kind its command 
 lost, so the totals are a lower bound; the ``measured`` line says how much of the command's own
 children-CPU total the table accounts for.
 
+Memory is read at the same time: the machine's used memory (``MemTotal - MemAvailable``) and the
+resident memory of the command's processes by kind. The second table is the moment the machine's
+used memory peaked. Resident sizes count pages shared between processes (forked ranks, one
+interpreter's libraries) once per process, so they add up to more than the machine holds.
+
     ./dev bench suite_cpu [--every 0.5] [-- COMMAND ...]
 """
 
@@ -79,6 +84,20 @@ def descendants(root: int) -> dict[int, tuple[str, str]]:
     return below
 
 
+def _meminfo() -> dict[str, int]:
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    return {line.split(":")[0]: int(line.split()[1]) for line in lines}
+
+
+def used_memory_gib() -> float:
+    info = _meminfo()
+    return (info["MemTotal"] - info["MemAvailable"]) / 2**20
+
+
+def total_memory_gib() -> float:
+    return _meminfo()["MemTotal"] / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--every", type=float, default=0.5, help="seconds between two readings of /proc")
@@ -92,8 +111,11 @@ def main() -> None:
     started = time.monotonic()
     child = subprocess.Popen(args.command, cwd=ROOT)
     me = os.getpid()
+    page = os.sysconf("SC_PAGE_SIZE")
+    peak_used, peak_rss, peak_at = 0.0, {}, 0.0
     code = None
     while code is None:
+        rss: dict[str, float] = {}
         for pid, (start, stat) in descendants(me).items():
             fields = stat[stat.rfind(")") + 2:].split()
             seconds = (int(fields[11]) + int(fields[12])) / hz
@@ -105,6 +127,10 @@ def main() -> None:
                     continue
                 cpu[key] = [kind_of(line), seconds]
             cpu[key][1] = max(cpu[key][1], seconds)
+            rss[cpu[key][0]] = rss.get(cpu[key][0], 0.0) + int(fields[21]) * page / 2**30
+        used = used_memory_gib()
+        if used > peak_used:
+            peak_used, peak_rss, peak_at = used, rss, time.monotonic() - started
         # the command and the orphans re-parented to this subreaper are all reaped here
         while True:
             try:
@@ -131,6 +157,12 @@ def main() -> None:
     for kind, seconds in sorted(total.items(), key=lambda kv: -kv[1]):
         if seconds >= 1:
             print(f"| {kind} | {seconds:.0f} | {seconds / measured:.0%} |")
+    print(f"\nthe machine's used memory peaked at {peak_used:.1f} GiB of {total_memory_gib():.1f}, "
+          f"{peak_at / 60:.1f} min in; resident memory of the command's processes then:")
+    print("| kind of process | GiB |\n| --- | --- |")
+    for kind, gib in sorted(peak_rss.items(), key=lambda kv: -kv[1]):
+        if gib >= 0.05:
+            print(f"| {kind} | {gib:.1f} |")
     sys.exit(code or 0)
 
 
