@@ -20,6 +20,12 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_exte
 # Cold jobs unless a test asks for warm nodes (tests/compute/test_warm.py, the local_warm conformance
 # case): a job's processes then end with the job, which is what most tests look for afterwards.
 os.environ.setdefault("PREFECT_SGPU_KEEP_WARM", "0")
+# Ray's memory monitor kills a node's newest workers once the *machine's* used memory passes 95 %.
+# One suite peaks near 12 GiB of this 24 GiB machine; with a second suite beside it (the loaded runs
+# docs/testing.md asks for) the other suite's memory alone brought the machine there, and the monitor
+# killed ranks of tests that were not short of memory. The tests' Ray processes (the clusters they
+# start and the ones @ray_launch starts) run without it; the kernel's OOM killer still stands.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 
 #: tests that share one resource a worker process holds for the whole session run on one xdist
