@@ -49,6 +49,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -143,6 +144,10 @@ class NodeBootstrap(LeaseServing):
         self._alive_thread: threading.Thread | None = None
         #: the job's node agent: a process of its own, or a ForkedAgent of the lease's warm node
         self._agent: Any = None
+        #: the running job's own temp and cache folder (:meth:`job_scratch`), deleted when the job ends
+        self.scratch: Path | None = None
+        #: where those folders are made: this process's temp folder, never a job's
+        self.temp_root = tempfile.gettempdir()
         self._error_logged = 0.0
         self._refusals: set[str] = set()
         self.notice: str | None = None
@@ -332,10 +337,40 @@ class NodeBootstrap(LeaseServing):
         argv = [f"--job-dir={self.job_dir}" if a.startswith("--job-dir=") else a for a in doc.argv]
         if len(argv) > 2 and argv[1] == "-m":  # the driver's interpreter path means nothing here
             argv[0] = sys.executable
-        env = {**os.environ, **{k: v for k, v in doc.env.items() if k != KEY_ENV}, **self.read_secrets(doc),
+        env = {**os.environ, **self.job_scratch(), **{k: v for k, v in doc.env.items() if k != KEY_ENV},
+               **self.read_secrets(doc),
                "SGPU_JOB_DIR": str(self.job_dir), "SGPU_RUN_ID": self.run_id, KEY_ENV: self.key,
                "SGPU_INSTANCE_ID": self.identity.instance_id}
         return argv, env
+
+    def job_scratch(self) -> dict[str, str]:
+        """A folder of the job's own for its temp files and the caches that default to the user's
+        cache folder or to the temp folder, as the environment of the job's agent and ranks.
+
+        ``TMPDIR`` (``TMP``, ``TEMP``) is the folder itself: Python's ``tempfile``, torch's
+        compile caches (``/tmp/torchinductor_<user>``), a Mosaic Streaming cache. ``XDG_CACHE_HOME``
+        is ``.cache`` in it: Hugging Face's and torch hub's downloads, built torch extensions.
+        ``TRITON_CACHE_DIR`` (Triton's compiled kernels, else in ``~/.triton``) is in it too.
+        It is private (0700) and short (unix sockets go under temp folders, their paths are
+        limited to 107 bytes), and deleted when the job ends (:meth:`drop_scratch`): on a
+        warm lease the next job finds nothing the last one put there, neither a file nor a
+        compiled kernel or a model it would load. The job's own ``env=`` wins over each value.
+        """
+        self.drop_scratch()
+        self.scratch = Path(tempfile.mkdtemp(prefix="sgpu-", dir=self.temp_root))
+        cache = self.scratch / ".cache"
+        cache.mkdir(mode=0o700)
+        tmp = str(self.scratch)
+        return {"TMPDIR": tmp, "TMP": tmp, "TEMP": tmp, "XDG_CACHE_HOME": str(cache),
+                "TRITON_CACHE_DIR": str(cache / "triton")}
+
+    def drop_scratch(self) -> None:
+        """Delete the job's temp and cache folder (once its processes are gone)."""
+        import shutil
+
+        scratch, self.scratch = self.scratch, None
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def read_secrets(self, doc: LaunchDocument) -> dict[str, str]:
         """The job's ``secrets=`` from their SecureString, when the (sealed) launch document says it has some."""
@@ -567,7 +602,10 @@ class NodeBootstrap(LeaseServing):
         self.start_alive()
         if self.lease:
             return self.serve_lease()
-        code = self.serve_job()
+        try:
+            code = self.serve_job()
+        finally:
+            self.drop_scratch()
         return self.watch_until_gone() if code is None else code
 
     def serve_job(self) -> int | None:

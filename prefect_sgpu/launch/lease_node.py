@@ -39,6 +39,7 @@ class LeaseServing:
     key: str | None
     lease_id: str | None
     warm: Any
+    drop_scratch: Any
 
     def serve_lease(self) -> int:
         """Jobs one after another, each as the lease assigns it; between them, wait in the lease's folder."""
@@ -103,9 +104,10 @@ class LeaseServing:
         """The lease's warm node: it preloads while the node waits for its first assignment."""
         from prefect_sgpu.launch.warm_pool import WarmNodeProcess, warm_node_argv
 
+        private = private_shm_argv()
+        argv = private + warm_node_argv(self.index, LEASE_SHM_SIZE if private else "")
         try:
-            self.warm = WarmNodeProcess(self.index, warm_node_argv(self.index), dict(os.environ),
-                                        self.node_dir / "warm-node.log", [])
+            self.warm = WarmNodeProcess(self.index, argv, dict(os.environ), self.node_dir / "warm-node.log", [])
         except OSError as exc:  # every job then starts its agent cold
             _log(f"no warm node: {exc}")
             self.warm = None
@@ -137,7 +139,8 @@ class LeaseServing:
 
     def clear_job(self) -> None:
         """Nothing of a finished job stays for the next: every process left in its agent's session
-        (a rank's daemon child) is killed, and its local folder is deleted."""
+        (a rank's daemon child) is killed, and its local folder and its temp and cache folder
+        (:meth:`~prefect_sgpu.launch.bootstrap.NodeBootstrap.job_scratch`) are deleted."""
         import shutil
 
         import psutil
@@ -158,6 +161,25 @@ class LeaseServing:
             _log(f"killing {len(left)} process(es) job {self.run_id} left behind")
             kill_and_reap(left)
         shutil.rmtree(self.job_dir, ignore_errors=True)
+        self.drop_scratch()
+
+
+def private_shm_argv() -> list[str]:
+    """What puts the lease's warm node in a mount namespace of its own, where it mounts a
+    ``/dev/shm`` of its own (``--shm-size``) and empties it before each job: the jobs forked from
+    it share one ``/dev/shm`` among their ranks (NCCL, DataLoader workers) and find nothing a
+    job before them left there. Root and util-linux ``unshare`` only (every EC2 node's
+    bootstrap runs as root); without them, ``[]`` and the machine's ``/dev/shm``."""
+    import shutil
+
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or not unshare:
+        return []
+    return [unshare, "--mount", "--propagation", "private", "--"]
+
+
+#: the size of a lease's private /dev/shm: what Linux gives the machine's own
+LEASE_SHM_SIZE = "50%"
 
 
 class ForkedAgent:

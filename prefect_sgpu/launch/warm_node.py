@@ -215,6 +215,9 @@ def _agent(message: dict[str, Any], proto_fd: int, forked: bool = True, namespac
         env: dict[str, str] = message["env"]
         os.environ.clear()
         os.environ.update(env)
+        import tempfile
+
+        tempfile.tempdir = None  # found again from the job's TMPDIR, not the one this process saw first
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.path[:0] = extra
         os.chdir(message["cwd"])

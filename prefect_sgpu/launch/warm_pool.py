@@ -357,5 +357,7 @@ def check_keep_warm(field: str, value: Any, zero: str) -> float:
     return seconds
 
 
-def warm_node_argv(index: int) -> list[str]:
-    return [sys.executable, "-m", "prefect_sgpu.launch.warm_node", f"--node-index={index}"]
+def warm_node_argv(index: int, shm_size: str = "") -> list[str]:
+    """``shm_size``: the warm node mounts a /dev/shm of its own (it must be in its own mount namespace)."""
+    return [sys.executable, "-m", "prefect_sgpu.launch.warm_node", f"--node-index={index}",
+            *([f"--shm-size={shm_size}"] if shm_size else [])]

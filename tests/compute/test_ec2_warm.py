@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -37,6 +38,7 @@ def _where(tag: str, marker: str) -> dict[str, Any]:
     agent's session (a rank's forgotten child) and a file in the job's local folder."""
     import subprocess
     import sys
+    import tempfile
 
     import psutil
     import torch
@@ -46,12 +48,24 @@ def _where(tag: str, marker: str) -> dict[str, Any]:
     t = torch.tensor([1.0])
     dist.all_reduce(t)
     job_dir = os.environ["SGPU_JOB_DIR"]
+    # what a job may leave for the next on the same machine: a temp file, a cache entry (a compiled
+    # kernel, a downloaded model), a shared-memory file
+    left = [Path(tempfile.gettempdir(), f"{marker}-tmp-{runtime.rank()}"),
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "torch", f"{marker}-{runtime.rank()}"),
+            Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache", f"{marker}-{runtime.rank()}")]
     if tag == "leave":
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
         Path(job_dir, f"left-by-rank-{runtime.rank()}").write_text("x")
+        for path in left:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("x")
+        Path("/dev/shm", f"{marker}-{runtime.rank()}").write_text("x")
     found = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
     return {"rank": runtime.rank(), "instance": os.environ["SGPU_INSTANCE_ID"], "job_dir": job_dir,
             "pid": os.getpid(), "world": int(t.item()), "leftover_pids": found,
+            "left": [str(path) for path in left], "temp": tempfile.gettempdir(),
+            "found": sorted(str(path) for path in left if path.exists())
+            + sorted(str(path) for path in Path("/dev/shm").glob(f"{marker}-*")),
             # a rank forked (through its agent) from the node's warm process still has that process's argv
             "forked": "prefect_sgpu.launch.warm_node" in psutil.Process().cmdline()}
 
@@ -97,6 +111,10 @@ def test_consecutive_jobs_share_a_lease_see_nothing_of_each_other_and_refuse_for
             assert after["leftover_pids"] == [], "the first job's left-behind process was killed"
             assert not Path(before["job_dir"]).exists(), "the first job's local folder was deleted"
             assert after["pid"] != before["pid"]
+            assert len(before["found"]) == 4, f"the first job wrote its temp, cache and shm files: {before}"
+            assert after["found"] == [], "no temp file, cache entry or /dev/shm file of the first job is left"
+            assert not any(Path(p).exists() for p in before["left"]), "its temp and cache folder was deleted"
+            assert after["temp"] != before["temp"] != tempfile.gettempdir(), "each job has its own temp folder"
         assert ec2.leftovers(second.run_id) == []
 
         # whoever can write the store cannot assign a job: neither a forged assignment nor a served one again
