@@ -29,6 +29,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PR_SET_CHILD_SUBREAPER = 36
@@ -98,6 +99,14 @@ def total_memory_gib() -> float:
     return _meminfo()["MemTotal"] / 2**20
 
 
+def print_table(columns: list[str], by_kind: dict[str, float], least: float, cells: Any) -> None:
+    """A markdown table of ``by_kind``, largest first, rows under ``least`` left out."""
+    print("| kind of process | " + " | ".join(columns) + " |\n|" + " --- |" * (len(columns) + 1))
+    for kind, value in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        if value >= least:
+            print(f"| {kind} | " + " | ".join(cells(value)) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--every", type=float, default=0.5, help="seconds between two readings of /proc")
@@ -153,16 +162,10 @@ def main() -> None:
           f"{os.cpu_count()} cores, {date.today()}")
     print(f"measured {measured:.0f} CPU s in {len(cpu)} processes; the kernel counts "
           f"{children.ru_utime + children.ru_stime:.0f} CPU s for all reaped descendants")
-    print("| kind of process | CPU s | share |\n| --- | --- | --- |")
-    for kind, seconds in sorted(total.items(), key=lambda kv: -kv[1]):
-        if seconds >= 1:
-            print(f"| {kind} | {seconds:.0f} | {seconds / measured:.0%} |")
+    print_table(["CPU s", "share"], total, 1.0, lambda seconds: [f"{seconds:.0f}", f"{seconds / measured:.0%}"])
     print(f"\nthe machine's used memory peaked at {peak_used:.1f} GiB of {total_memory_gib():.1f}, "
           f"{peak_at / 60:.1f} min in; resident memory of the command's processes then:")
-    print("| kind of process | GiB |\n| --- | --- |")
-    for kind, gib in sorted(peak_rss.items(), key=lambda kv: -kv[1]):
-        if gib >= 0.05:
-            print(f"| {kind} | {gib:.1f} |")
+    print_table(["GiB"], peak_rss, 0.05, lambda gib: [f"{gib:.1f}"])
     sys.exit(code or 0)
 
 
