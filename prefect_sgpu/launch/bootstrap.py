@@ -383,8 +383,13 @@ class NodeBootstrap(LeaseServing):
         return {str(k): str(v) for k, v in values.items() if k != INDEX_SECRET}
 
     def start_agent(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """The job's node agent as a process of its own (on a lease: with a /dev/shm of its own)."""
         out = self.job_dir / agent_output_key(self.index)
         out.parent.mkdir(parents=True, exist_ok=True)
+        if self.lease:
+            from prefect_sgpu.launch.lease_node import private_shm_command
+
+            argv = private_shm_command(argv)
         with open(out, "ab") as fh:
             return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fh,
                                     stderr=subprocess.STDOUT, start_new_session=True)

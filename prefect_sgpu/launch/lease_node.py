@@ -182,6 +182,18 @@ def private_shm_argv() -> list[str]:
 LEASE_SHM_SIZE = "50%"
 
 
+def private_shm_command(argv: list[str]) -> list[str]:
+    """``argv`` run in a mount namespace of its own with a ``/dev/shm`` of its own: a job's agent
+    that starts cold on a lease (no warm node to fork it from). The namespace, and the tmpfs
+    with everything the job put in it, go when the job's last process does. Unchanged without
+    root or ``unshare``."""
+    prefix = private_shm_argv()
+    if not prefix:
+        return argv
+    mount = f'mount -t tmpfs -o size={LEASE_SHM_SIZE} tmpfs /dev/shm && exec "$@"'
+    return [*prefix, "/bin/sh", "-c", mount, "sh", *argv]
+
+
 class ForkedAgent:
     """A job's node agent forked by the lease's warm node, seen as the bootstrap's loop sees a
     ``Popen``: ``pid``, ``poll()`` (its exit code once the warm node killed what it left)."""

@@ -59,6 +59,7 @@ def _where(tag: str, marker: str) -> dict[str, Any]:
         for path in left:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("x")
+    if tag in ("leave", "shm"):
         Path("/dev/shm", f"{marker}-{runtime.rank()}").write_text("x")
     found = [p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])]
     return {"rank": runtime.rank(), "instance": os.environ["SGPU_INSTANCE_ID"], "job_dir": job_dir,
@@ -68,6 +69,22 @@ def _where(tag: str, marker: str) -> dict[str, Any]:
             + sorted(str(path) for path in Path("/dev/shm").glob(f"{marker}-*")),
             # a rank forked (through its agent) from the node's warm process still has that process's argv
             "forked": "prefect_sgpu.launch.warm_node" in psutil.Process().cmdline()}
+
+
+def _warm_nodes(ec2: EC2Env, instances: list[str]) -> list[Any]:
+    """The warm node processes of the simulated instances (each instance has a home of its own)."""
+    import psutil
+
+    homes = {str(ec2.simulator.workdir / iid / "home") for iid in instances}
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "prefect_sgpu.launch.warm_node" in (proc.info["cmdline"] or []) and proc.environ().get("HOME") in homes:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    assert len(found) == len(instances), f"one warm node per instance: {found}"
+    return found
 
 
 def _live(ec2: EC2Env, run_id: str) -> list[str]:
@@ -128,9 +145,16 @@ def test_consecutive_jobs_share_a_lease_see_nothing_of_each_other_and_refuse_for
             "signature does not match" in ec2.simulator.console(i) for i in iids), 60, ec2)
         assert not [k for k in ec2.objects(first.run_id) if "/nodes/" in k], "no node served the first job again"
 
-        third = fn.job("look", marker)
-        assert [v["rank"] for v in third.run().values] == [0, 1], "the lease still serves its driver"
+        # with its warm nodes gone, a job's agents start cold: the ranks still get a /dev/shm of their own
+        for warm in _warm_nodes(ec2, instances):
+            warm.kill()
+        shm = f"sgpu-shm-{uuid.uuid4().hex[:8]}"
+        third = fn.job("shm", shm).run().values
+        assert [v["rank"] for v in third] == [0, 1], "the lease still serves its driver"
         assert len(ec2.sent_run_instances()) == 1
+        assert not any(v["forked"] for v in third), "the agents started cold"
+        assert all(v["found"] == [f"/dev/shm/{shm}-{v['rank']}"] for v in third), third
+        assert not list(Path("/dev/shm").glob(f"{shm}-*")), "the cold job's /dev/shm files were its own"
     finally:
         compute.close()
     _wait("the lease's instances terminated when the compute closed", lambda: _live(ec2, lease) == [], 60, ec2)
