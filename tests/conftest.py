@@ -51,8 +51,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 isinstance(v, str) and v in ("ray", "ray_warm") for v in params.values()):
             item.add_marker(pytest.mark.xdist_group(RAY_CLUSTER_GROUP))
     # the Ray group is the longest run one worker must do alone: it goes first, so the other
-    # workers share out the rest meanwhile instead of waiting for it at the end
-    items.sort(key=lambda item: 0 if _group(item) == RAY_CLUSTER_GROUP else 1)
+    # workers share out the rest meanwhile instead of waiting for it at the end. The end-to-end
+    # tests (about 90 % of the suite's CPU, and most of its waiting) come next and the quick ones
+    # last: the last minutes keep both cores busy with short tests instead of one long test
+    # waiting on a TTL while the other workers have nothing left to take
+    items.sort(key=lambda item: 0 if _group(item) == RAY_CLUSTER_GROUP
+               else 1 if _group(item) or item.get_closest_marker("e2e") else 2)
 
 
 def pytest_configure(config: pytest.Config) -> None:
