@@ -186,12 +186,13 @@ def private_shm_command(argv: list[str]) -> list[str]:
     """``argv`` run in a mount namespace of its own with a ``/dev/shm`` of its own: a job's agent
     that starts cold on a lease (no warm node to fork it from). The namespace, and the tmpfs
     with everything the job put in it, go when the job's last process does. Unchanged without
-    root or ``unshare``."""
+    root or ``unshare``, or for a command other than the node agent."""
+    from prefect_sgpu.launch.warm_pool import AGENT_MODULE
+
     prefix = private_shm_argv()
-    if not prefix:
+    if not prefix or argv[1:3] != ["-m", AGENT_MODULE]:
         return argv
-    mount = f'mount -t tmpfs -o size={LEASE_SHM_SIZE} tmpfs /dev/shm && exec "$@"'
-    return [*prefix, "/bin/sh", "-c", mount, "sh", *argv]
+    return [*prefix, *argv, f"--shm-size={LEASE_SHM_SIZE}"]  # the node agent mounts it, as a local node's does
 
 
 class ForkedAgent:
