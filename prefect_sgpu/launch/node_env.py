@@ -29,10 +29,12 @@ user-data's trap powers the instance off.
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime as _dt
 import fcntl
 import hashlib
 import hmac
+import io
 import json
 import os
 import platform
@@ -44,6 +46,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -294,12 +297,104 @@ def site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def uv() -> str:
+#: The uv this stage brings when the image has none: per machine, the wheel's file name and its
+#: sha256 as PyPI lists it. Only this exact file is used, from whichever index serves it.
+UV_VERSION = "0.13.9"
+UV_WHEELS = {
+    "x86_64": ("uv-0.13.9-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+               "d7f459fe4fd247d830351c75686d3996ace3c6f3f728eb0e85a30b7ada0cef19"),
+    "aarch64": ("uv-0.13.9-py3-none-manylinux_2_17_aarch64.manylinux2014_aarch64.musllinux_1_1_aarch64.whl",
+                "5435c5ce14a56431208ca0996416d310f1598e8c2c8ba707688985a16bb82dbe"),
+}
+#: an image's own package index (simple API) for uv's wheel, tried before the environment's and PyPI
+UV_INDEX_ENV = "PREFECT_SGPU_UV_INDEX"
+PYPI_SIMPLE = "https://pypi.org/simple"
+_MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
+
+
+def _open(url: str, accept: str = "*/*", timeout: float = 30):
+    """GET ``url``; user info in it becomes Basic auth (urllib sends none of its own)."""
+    parts = urllib.parse.urlsplit(url)
+    headers = {"Accept": accept, "User-Agent": "prefect-sgpu-node-env"}
+    if "@" in parts.netloc:
+        userinfo, host = parts.netloc.rsplit("@", 1)
+        user, _, password = userinfo.partition(":")
+        token = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+        headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
+        url = urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, ""))
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+
+
+def _wheel_link(page_url: str, wheel: str) -> str:
+    """The URL of file ``wheel`` on a simple-API project page (JSON, PEP 691, or HTML, PEP 503) or a
+    find-links page."""
+    with _open(page_url, "application/vnd.pypi.simple.v1+json, text/html;q=0.5") as page:
+        kind, body = page.headers.get("Content-Type", ""), page.read(16 << 20)
+        final = page.geturl()
+    if "json" in kind:
+        links = [f.get("url", "") for f in json.loads(body).get("files", ())]
+    else:
+        links = [urllib.parse.unquote(h) for h in re.findall(r'href\s*=\s*["\']([^"\']+)', body.decode("utf-8", "replace"))]
+    for link in links:
+        if urllib.parse.urlsplit(link).path.rsplit("/", 1)[-1] == wheel:
+            # relative to the page as asked for (its credentials too), unless it was redirected elsewhere
+            same = urllib.parse.urlsplit(final).netloc == urllib.parse.urlsplit(page_url).netloc.rsplit("@", 1)[-1]
+            return urllib.parse.urljoin(page_url if same else final, link.split("#", 1)[0])
+    raise FileNotFoundError(f"{wheel} is not listed there")
+
+
+def uv(index: dict | None = None) -> str:
+    """The image's ``uv``; else the pinned uv wheel, fetched once per node into the environments'
+    root and checked against its sha256. From the index ``PREFECT_SGPU_UV_INDEX`` names (an image
+    setting) alone; else from the environment's index settings (``index``: revealed or the
+    manifest's) as uv would install from them: its ``index_url`` (else the image's ``UV_INDEX_URL``,
+    else PyPI), its extra index URLs, its find-links pages."""
     found = shutil.which("uv")
-    if not found:
-        raise SetupError("finding uv", "the image has no `uv` on PATH: install it in the image (or in "
-                         "setup_commands), or say environment='image' if the image has every package")
-    return found
+    if found:
+        return found
+    machine = platform.machine().lower()
+    machine = _MACHINES.get(machine, machine)
+    if machine not in UV_WHEELS:
+        raise SetupError("fetching uv", f"the image has no `uv` on PATH and no uv wheel is pinned for "
+                         f"{machine} (only {', '.join(UV_WHEELS)}): install uv in the image")
+    wheel, sha = UV_WHEELS[machine]
+    tool = env_root() / "tools" / f"uv-{UV_VERSION}-{machine}" / "uv"
+    if tool.exists():
+        return str(tool)
+    index = index or {}
+    if os.environ.get(UV_INDEX_ENV):
+        pages = [f"{os.environ[UV_INDEX_ENV].rstrip('/')}/uv/"]
+    else:
+        bases = [index.get("index_url") or os.environ.get("UV_INDEX_URL") or PYPI_SIMPLE,
+                 *(index.get("extra_index_urls") or ())]
+        pages = [f"{base.rstrip('/')}/uv/" for base in bases]
+        pages += list(index.get("find_links") or ())  # pages that list files themselves
+    tried = []
+    for page in dict.fromkeys(pages):
+        try:
+            url = _wheel_link(page, wheel)
+            with _open(url, timeout=120) as got:
+                data = got.read(256 << 20)
+        except (OSError, ValueError) as exc:  # URLError, HTTPError and timeouts are OSErrors
+            tried.append(f"{masked_url(page)}: {exc}")
+            continue
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != sha:
+            tried.append(f"{masked_url(url)}: its sha256 is {digest}, not the pinned {sha}")
+            continue
+        with zipfile.ZipFile(io.BytesIO(data)) as whl:
+            binary = whl.read(f"uv-{UV_VERSION}.data/scripts/uv")
+        tool.parent.mkdir(parents=True, exist_ok=True)
+        part = tool.with_name(f".uv-{os.getpid()}")
+        part.write_bytes(binary)
+        part.chmod(0o755)
+        part.replace(tool)  # whole or absent: a second boot beside this one reuses it
+        log(f"fetched uv {UV_VERSION} ({wheel}) from {masked_url(url)}")
+        return str(tool)
+    raise SetupError("fetching uv", f"the image has no `uv` on PATH, and no index gave uv {UV_VERSION}'s "
+                     f"wheel {wheel} (sha256 {sha}):\n" + "\n".join(tried) + f"\ninstall uv in the image, set "
+                     f"{UV_INDEX_ENV} to an index (simple API) that serves it, or say environment='image' "
+                     "if the image has every package")
 
 
 def index_args(index: dict) -> list[str]:
@@ -344,7 +439,7 @@ def revealed_index(manifest: dict, read_secret) -> dict | None:
 
 def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index: dict | None = None) -> None:
     """``index``: the revealed index settings (credentials only in uv's environment), else the manifest's."""
-    tool = uv()
+    tool = uv(manifest["index"] if index is None else index)
     if venv.exists():  # an earlier build that did not finish
         shutil.rmtree(venv)
     run("creating the venv", [tool, "venv", "-q", "--python", manifest["python"], str(venv)])
@@ -452,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     log(("built" if built else "reused") + f" environment {manifest['digest'][:16]} at {venv} "
         f"in {time.monotonic() - started:.1f}s")
     python = str(venv / "bin" / "python")
+    os.environ.pop(UV_INDEX_ENV, None)  # the stage's own (it may hold a mirror's token): not the ranks'
     os.execv(python, [python, *bootstrap])
     return 0  # not reached
 

@@ -1,7 +1,7 @@
 """The driver's environment built on bare EC2 nodes (moto server, the simulator running the real user-data).
 
-A bare node has a venv of the system Python with only pip and uv: no prefect-sgpu, no torch,
-no checkout on any path. The user-data's environment stage reads the manifest the driver shipped
+A bare node has a venv of the system Python with only pip: no uv (the stage fetches the wheel it
+pins from a package index on 127.0.0.1), no prefect-sgpu, no torch, no checkout on any path. The user-data's environment stage reads the manifest the driver shipped
 through the store, builds a venv keyed by the environment's digest (packages offline from uv's
 cache, which ``./dev`` filled; the user's index on AWS), lays out the shipped files (this project,
 the user's project) after checking each sha256, and starts the bootstrap in it.
@@ -9,11 +9,13 @@ the user's project) after checking each sha256, and starts the bootstrap in it.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +89,11 @@ def test_the_user_data_names_the_manifest_and_carries_the_stage(project: Path) -
     script = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env)
     assert f"--manifest={environment_ship.manifest_sha256(env)}" in script
     assert "-m prefect_sgpu.launch.bootstrap" in script and "pip install" not in script
-    assert len(script.encode()) <= environment_ship.USER_DATA_LIMIT
+    # the stage travels without its docstrings and comments: room is left for setup_commands
+    assert len(script.encode()) <= 12 * 1024 < environment_ship.USER_DATA_LIMIT
+    carried = zlib.decompress(base64.b64decode(max(script.split(), key=len))).decode()
+    assert carried == environment_ship.stage_text() and '"""' not in carried
+    assert "def uv(" in carried and "def main(" in carried and node_env.UV_WHEELS["x86_64"][1] in carried
     image = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env.model_copy(
         update={"mode": "image"}))
     assert "--manifest" not in image and image.splitlines()[-1].startswith("python3 -m prefect_sgpu.launch.bootstrap")
@@ -159,13 +165,15 @@ def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_
 
     from prefect_sgpu.environment import Environment
     from support.ec2_simulator import bare_image
+    from support.wheel_index import uv_index
 
     bucket, store, env = _store_and_small_environment(aws_env, project)
     assert environment_ship.ship(store, env)["uploaded"] == 3
     assert environment_ship.ship(store, env)["uploaded"] == 0, "shipped content is not uploaded again"
 
-    # a bare node: the image's Python and uv, packages offline from uv's cache
+    # a bare node: the image's Python (no uv: the stage fetches its pinned wheel), packages offline from uv's cache
     monkeypatch.setenv("PATH", f"{bare_image() / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setenv(node_env.UV_INDEX_ENV, uv_index().url)
     monkeypatch.setenv("UV_OFFLINE", "1")
     monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
     monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
@@ -231,6 +239,7 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
     from importlib import metadata
 
     from support.ec2_simulator import bare_image
+    from support.wheel_index import uv_index
 
     other = _other_minor_python()
     if other is None:
@@ -239,9 +248,10 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
     bucket, store, env = _store_and_small_environment(aws_env, project)
     environment_ship.ship(store, env)
     stage = tmp_path / "stage.py"
-    stage.write_bytes(Path(node_env.__file__).read_bytes())
+    stage.write_text(environment_ship.stage_text())  # as the user-data carries it
     node = {"PATH": f"{image / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "UV_OFFLINE": "1",
             "UV_CACHE_DIR": str(Path.home() / ".cache" / "uv"), node_env.ENV_ROOT_ENV: str(tmp_path / "envs"),
+            node_env.UV_INDEX_ENV: uv_index().url,  # the image has no uv: the stage fetches the pinned one
             **{k: v for k, v in aws_env.env.items() if k.startswith("AWS_")}}
     done = subprocess.run(
         [str(image / "bin" / "python3"), str(stage), f"--store=s3://{bucket}/jobs", "--run-id=r1",
@@ -250,7 +260,7 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
          "-c", "import sys, six, features.encode; print('%d.%d' % sys.version_info[:2], six.__version__)"],
         capture_output=True, text=True, env=node, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "built environment" in done.stdout
+    assert "built environment" in done.stdout and f"fetched uv {node_env.UV_VERSION}" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == f"{env.python.minor} {metadata.version('six')}", done.stdout
 
 
@@ -283,6 +293,7 @@ def test_bare_nodes_build_the_driver_environment_once_and_run_the_users_project(
     assert venvs == [f"{digest}-{sys.platform}-{__import__('platform').machine()}"]
     consoles = _consoles(bare, first.run_id)
     assert sum("built environment" in c for c in consoles) == 1, consoles  # the other node waited, then reused
+    assert sum(f"fetched uv {node_env.UV_VERSION}" in c for c in consoles) == 1, consoles  # the image has none
     assert sum("reused environment" in c for c in consoles) == 1, consoles
 
     second = job()

@@ -24,8 +24,9 @@ never comes up).
 
 Two images. By default (``bare=False``) a node runs with the driver's venv on ``PATH`` and this
 checkout on ``PYTHONPATH`` (an image with everything baked in: ``environment="image"``). With
-``bare=True`` a node gets a *bare image*: a venv of the system Python holding only pip and uv
-(:func:`bare_image`), no checkout on any path; the environment stage in the user-data builds the
+``bare=True`` a node gets a *bare image*: a venv of the system Python holding only pip
+(:func:`bare_image`), no uv, no checkout on any path; the environment stage in the user-data
+fetches its pinned uv wheel from a package index on 127.0.0.1 (:mod:`support.wheel_index`) and builds the
 driver's environment from the store, installing packages offline from uv's cache (``./dev`` fills
 it), under ``env_root`` (one folder for the simulator's nodes: a second node, or a second boot,
 with the same environment reuses the venv the first one built).
@@ -117,8 +118,8 @@ class SimulatedNode:
 
 
 def bare_image(python: str | Path | None = None) -> Path:
-    """A venv of the system Python (or of ``python``) with only pip and uv in it: what a bare machine
-    image brings. Made once per machine and Python (by whichever test process comes first, under a
+    """A venv of the system Python (or of ``python``) with only pip in it: what a bare machine
+    image brings (no uv: the environment stage fetches its own). Made once per machine and Python (by whichever test process comes first, under a
     lock) in the temporary folder."""
     import fcntl
     import tempfile
@@ -127,18 +128,15 @@ def bare_image(python: str | Path | None = None) -> Path:
     version = subprocess.run([str(base), "-c", "import sys; print('%d%d' % sys.version_info[:2])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     tag = f"{version}-{os.getuid()}"
-    image = Path(tempfile.gettempdir()) / f"sgpu-bare-image-{tag}"
+    image = Path(tempfile.gettempdir()) / f"sgpu-bare-python-{tag}"
     ready = image / ".ready"
     if ready.exists():
         return image
-    with open(Path(tempfile.gettempdir()) / f".sgpu-bare-image-{tag}.lock", "w") as lock:
+    with open(Path(tempfile.gettempdir()) / f".sgpu-bare-python-{tag}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not ready.exists():
             shutil.rmtree(image, ignore_errors=True)
             subprocess.run([str(base), "-m", "venv", str(image)], check=True, capture_output=True)
-            uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
-            assert uv, "uv is not installed beside the test Python (./dev installs it)"
-            shutil.copy2(uv, image / "bin" / "uv")
             ready.touch()
     return image
 
@@ -299,9 +297,11 @@ class EC2Simulator:
                              address, imds, proc, log, user_data)
 
     def _bare_env(self, home: Path) -> dict[str, str]:
-        """A bare image's node: its Python (pip and uv only) first on PATH (no PYTHONPATH), and
-        uv told to install offline from the cache ``./dev`` filled (the same path as on AWS, the index
-        swapped for the cache)."""
+        """A bare image's node: its Python (pip only) first on PATH (no PYTHONPATH), the pinned uv
+        wheel served by a package index on 127.0.0.1, and uv told to install offline from the cache
+        ``./dev`` filled (the same path as on AWS, the index swapped for the cache)."""
+        from support.wheel_index import uv_index
+
         image = bare_image()
         self.env_root.mkdir(parents=True, exist_ok=True)
         return {
@@ -309,6 +309,7 @@ class EC2Simulator:
             "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR") or str(Path.home() / ".cache" / "uv"),
             "UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1",
             "PREFECT_SGPU_ENV_ROOT": str(self.env_root),
+            "PREFECT_SGPU_UV_INDEX": uv_index().url,
         }
 
     def _role_credentials(self, inst: dict[str, Any]) -> dict[str, str]:

@@ -282,7 +282,8 @@ def render_user_data(
     With an ``environment`` of mode ``"driver"`` the bootstrap runs in that environment, built
     (or reused) on the node by the environment stage (:mod:`prefect_sgpu.launch.node_env`,
     carried compressed in the user-data) from the manifest whose sha256 is written here
-    (:mod:`prefect_sgpu.environment_ship`): the image needs only ``python`` and uv. Without one,
+    (:mod:`prefect_sgpu.environment_ship`): the image needs only ``python`` (the stage fetches the uv
+    it pins when the image has none). Without one,
     or with ``"image"``, ``python`` must import prefect-sgpu itself (the image has everything).
 
     With ``lease`` the instance belongs to a warm lease (``run_id`` is the lease's id) and

@@ -122,12 +122,13 @@ class EC2ComputeFields(BaseModel):
     )
     python: str = Field(default="python3", description=(
         "Python 3.7+ on the node that runs the environment stage, which builds the job's environment "
-        "with uv (docs/environment.md); with environment='image' it must import prefect-sgpu itself."))
+        "with uv: the image's own, else the uv wheel the stage pins by sha256, fetched from the environment's "
+        "index (docs/environment.md); with environment='image' it must import prefect-sgpu itself."))
     setup_commands: str = Field(
         default="",
         description=(
-            "Shell lines the node runs before its bootstrap, for an image without uv "
-            "(for example: python3 -m pip install uv==0.13.9), or anything else the image lacks."
+            "Shell lines the node runs before its bootstrap, for anything the image lacks "
+            "(for example: export PREFECT_SGPU_UV_INDEX=https://mirror.internal/simple)."
         ),
     )
     agent_timeout_s: float = Field(
