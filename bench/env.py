@@ -4,9 +4,9 @@ Runs offline, like the test suite: a moto server, the EC2 simulator that boots e
 real user-data as local processes (``tests/support``). Three 2-node jobs of a trivial function:
 
 1. ``image``: the simulated image has prefect-sgpu and every package (``environment="image"``);
-2. ``bare cold``: a bare image (the system Python with pip and uv only); the nodes build the
-   driver's environment (a venv by digest, packages offline from uv's cache, the shipped files
-   from the store);
+2. ``bare cold``: a bare image (the system Python with pip only); the nodes fetch the uv wheel
+   the stage pins (from a package index on 127.0.0.1) and build the driver's environment (a venv
+   by digest, packages offline from uv's cache, the shipped files from the store);
 3. ``bare reused``: the same environment again on the same node disk: the venv is reused.
 
 For each: the wall time of the job, the seconds from the job's start to every agent up, and the
@@ -86,7 +86,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sgpu-bench-env-") as tmp, offline_aws() as (aws, proxy):
         work = Path(tmp)
         network = create_network(aws)
-        with ec2_environment(aws, network, work / "image-nodes", proxy=proxy) as env:
+        with ec2_environment(aws, network, work / "image-nodes", proxy=proxy, bare=False) as env:
             rows.append(one(env, "image (everything baked in)", watcher, None))
         with ec2_environment(aws, network, work / "bare-nodes", proxy=proxy, bare=True,
                              env_root=work / "node-envs") as env:

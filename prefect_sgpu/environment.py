@@ -215,6 +215,9 @@ class Distribution(BaseModel):
     name: str
     version: str
     source: Literal["index", "editable", "local"] = "index"
+    entry_points: str = Field(default="", description=(
+        "an editable distribution's entry_points.txt (plugins such as MLflow's find it there): the "
+        "node writes it into the dist-info it makes"))
 
 
 def _direct_url(dist: Any) -> dict[str, Any] | None:
@@ -311,7 +314,8 @@ def _distributions() -> tuple[tuple[Distribution, ...], tuple[Any, ...]]:
                 base = Path(dist.locate_file(""))
                 sources.append((name, field, base, [str(f) for f in (dist.files or ())
                                                     if ".." not in Path(str(f)).parts]))
-        seen[name] = Distribution(name=name, version=dist.version, source=source)
+        entry_points = (dist.read_text("entry_points.txt") or "") if source == "editable" else ""
+        seen[name] = Distribution(name=name, version=dist.version, source=source, entry_points=entry_points)
     return tuple(sorted(seen.values(), key=lambda d: d.name)), tuple(sources)
 
 

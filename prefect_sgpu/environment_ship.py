@@ -158,7 +158,7 @@ def _trees(environment: "Environment") -> tuple[list[dict[str, Any]], dict[str, 
         dist = versions.get(tree.name)
         if dist is not None and dist.source == "editable":
             add(tree, {"name": tree.name, "kind": "path", "root": _import_root(tree, tree.name),
-                       "dist": [dist.name, dist.version]})
+                       "dist": [dist.name, dist.version, dist.entry_points]})
         else:
             add(tree, {"name": tree.name, "kind": "site", "root": ""})
     own = versions.get(THIS_PROJECT)

@@ -231,6 +231,8 @@ def check_manifest(data: bytes, sha256: str) -> dict:
         if not NAME.match(tree["name"]) or tree["kind"] not in ("site", "path"):
             raise SetupError("checking the manifest", f"tree {tree['name']!r} of kind {tree['kind']!r}")
         safe_relative(tree["root"]) if tree.get("root") else None
+        if tree.get("dist") and not (NAME.match(tree["dist"][0]) and NAME.match(tree["dist"][1])):
+            raise SetupError("checking the manifest", f"distribution {tree['dist'][:2]!r}")
         for path, _size, sha in tree["files"]:
             safe_relative(path)
             if not SHA.match(sha):
@@ -470,10 +472,12 @@ def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index
         lay_out(base, tree["files"], blobs)
         roots.append(base / tree["root"] if tree.get("root") else base)
         if tree.get("dist"):
-            name, version = tree["dist"]
+            name, version, entry_points = (list(tree["dist"]) + [""])[:3]
             info = site / f"{name.replace('-', '_')}-{version}.dist-info"
             info.mkdir(exist_ok=True)
             (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+            if entry_points:  # plugins (MLflow's tracking stores, ...) are found by their entry points
+                (info / "entry_points.txt").write_text(entry_points)
             (info / "INSTALLER").write_text("prefect-sgpu\n")
     (site / "prefect_sgpu_environment.pth").write_text("".join(f"{r}\n" for r in roots))
     (venv / COMPLETE).write_text(manifest["digest"] + "\n")

@@ -150,6 +150,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member  # some Pythons (3.11.0 to 3.11.2) pickle enum members as getattr(cls, name)
         allowed = ((module == "torch.distributed.checkpoint.metadata" and name[:1].isupper())
                    or (module == "torch.distributed.checkpoint.metadata" and name == "_MEM_FORMAT_ENCODING")
                    or (module, name) in _SAFE_GLOBALS
@@ -158,6 +160,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         if not allowed:
             raise CheckpointRefused(f"{module}.{name}")
         return super().find_class(module, name)
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """``getattr`` as a checkpoint's metadata may call it: only a member of an enum the unpickler
+    allowed, by its name."""
+    import enum
+
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise CheckpointRefused(f"builtins.getattr({getattr(cls, '__qualname__', type(cls).__name__)}, {name!r})")
 
 
 def check_dcp_metadata(path: Path) -> None:

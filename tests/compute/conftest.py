@@ -111,10 +111,21 @@ def ec2_warm_case(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any
 
 @pytest.fixture
 def ec2(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Env]":
-    """One test's offline AWS: bucket, moto through the recording proxy, the instance simulator."""
+    """One test's offline AWS: bucket, moto through the recording proxy, the instance simulator booting
+    bare images (the nodes build the driver's environment from the store: docs/environment.md)."""
     from support.conformance_ec2 import ec2_environment
 
     with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults) as env:
+        yield env
+
+
+@pytest.fixture
+def ec2_image(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Env]":
+    """As ``ec2``, with an image that has everything (the driver's venv, this checkout): for tests that
+    launch through the compute's own calls, with no job to ship an environment."""
+    from support.conformance_ec2 import ec2_environment
+
+    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults, bare=False) as env:
         yield env
 
 

@@ -999,15 +999,23 @@ def test_planted_secrets_appear_in_no_log_user_data_tag_artifact_mlflow_record_o
     seen: dict[str, bytes] = {}
     done = threading.Event()
 
+    s3 = ec2.aws.client("s3")
+
+    def scan(shipped_per_pass: int | None) -> None:
+        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=ec2.bucket)
+                for o in page.get("Contents", [])]
+        # the job's own objects on every pass; the shipped environment (content-addressed, hundreds
+        # of files) once, a few per pass, so that no pass outlasts the job's short-lived objects
+        shipped = [k for k in keys if "/.environments/" in f"/{k}"]
+        for key in [k for k in keys if k not in shipped] + [k for k in shipped if k not in seen][:shipped_per_pass]:
+            try:
+                seen[key] = s3.get_object(Bucket=ec2.bucket, Key=key)["Body"].read()
+            except s3.exceptions.NoSuchKey:  # deleted between the listing and the read
+                continue
+
     def watch() -> None:
-        s3 = ec2.aws.client("s3")
         while not done.is_set():
-            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=ec2.bucket):
-                for obj in page.get("Contents", []):
-                    try:
-                        seen[obj["Key"]] = s3.get_object(Bucket=ec2.bucket, Key=obj["Key"])["Body"].read()
-                    except s3.exceptions.NoSuchKey:  # deleted between the listing and the read
-                        continue
+            scan(25)
             time.sleep(0.5)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -1017,6 +1025,7 @@ def test_planted_secrets_appear_in_no_log_user_data_tag_artifact_mlflow_record_o
     finally:
         done.set()
         watcher.join(timeout=30)
+    scan(None)  # what stays: the shipped environment, every file of it
     assert state.is_completed(), state
     assert state.result() == digest_of(user_secret)
     places: dict[str, str] = {f"s3://{ec2.bucket}/{k}": b.decode("utf-8", "replace") for k, b in seen.items()}

@@ -39,11 +39,13 @@ def _bootstrap(ec2: EC2Env, instance_id: str) -> psutil.Process | None:
     return None
 
 
-def test_a_node_whose_bootstrap_is_killed_after_its_driver_is_gone_powers_itself_off(ec2: EC2Env) -> None:
+def test_a_node_whose_bootstrap_is_killed_after_its_driver_is_gone_powers_itself_off(ec2_image: EC2Env) -> None:
     """The driver wrote the key and a heartbeat, launched one node and died. The node's bootstrap
     takes over (its alive document is in the store), then is SIGKILLed long before the heartbeat
     TTL would have it end the instance: nothing of the bootstrap runs any more, and the instance
-    still ends terminated, by its own shutdown."""
+    still ends terminated, by its own shutdown. (Launched through the compute's own calls, with no
+    job to ship an environment: the image has everything.)"""
+    ec2 = ec2_image
     compute = ec2.compute(heartbeat_ttl_s=900.0, agent_timeout_s=900.0)
     run_id = f"orphan-{uuid.uuid4().hex[:8]}"
     request = compute.plan(JobSpec(gpus=1, gpu_type="A10", remote=True), run_id)

@@ -10,6 +10,7 @@ import json
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -177,6 +178,39 @@ def test_a_tampered_dcp_metadata_is_refused_before_dcp_reads_it(tmp_path: Path) 
     with pytest.raises(CheckpointRefused, match="builtins.open|io.open"):
         check_dcp_metadata(tmp_path / "dcp" / ".metadata")
     assert not marker.exists()
+
+
+class _ByName:
+    """Pickles as ``getattr(target, name)``, as Python 3.11.0 to 3.11.2 pickle an enum member."""
+
+    def __init__(self, target: Any, name: str) -> None:
+        self.target, self.name = target, name
+
+    def __reduce__(self) -> tuple:
+        return (getattr, (self.target, self.name))
+
+
+def test_dcp_metadata_written_by_a_python_that_pickles_enum_members_by_name_passes_and_nothing_else_does(
+        tmp_path: Path) -> None:
+    """A node's Python of another micro version (uv's, the image's) writes the metadata another driver
+    or node reads: DCP's memory-format enum arrives as ``getattr(_MEM_FORMAT_ENCODING, name)``."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from prefect_sgpu.errors import CheckpointRefused
+    from prefect_sgpu.pipeline.checkpoint import check_dcp_metadata
+
+    member = next(iter(_MEM_FORMAT_ENCODING))
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps({"format": _ByName(_MEM_FORMAT_ENCODING, member.name)}))
+    assert b"getattr" in path.read_bytes()
+    check_dcp_metadata(path)
+    assert pickle.loads(path.read_bytes())["format"] is member
+    for target, name in ((_MEM_FORMAT_ENCODING, "__class__"), (torch.Size, "__init__"), (torch.Size, "mro")):
+        path.write_bytes(pickle.dumps(_ByName(target, name)))
+        with pytest.raises(CheckpointRefused, match=r"builtins\.getattr\("):
+            check_dcp_metadata(path)
 
 
 def test_a_planted_dcp_entry_is_refused_and_never_runs(tmp_path: Path) -> None:

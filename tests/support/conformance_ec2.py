@@ -105,15 +105,28 @@ class EC2Env:
         return [c.params for c in self.proxy.calls("RunInstances")]
 
 
+def shared_env_root() -> Path:
+    """The bare nodes' environments folder shared by every test on this machine (the stage's lock
+    makes one node build while the others wait)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"sgpu-node-envs-{os.getuid()}"
+
+
 @contextmanager
 def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
-                    proxy: AWSFaultProxy | None = None, bare: bool = False,
+                    proxy: AWSFaultProxy | None = None, bare: bool = True,
                     env_root: Path | None = None) -> Iterator[EC2Env]:
     """A bucket, settings and a running simulator; checks nothing was leaked when it ends.
 
-    By default the simulated image has everything (the driver's venv, this checkout): jobs say so
-    with ``PREFECT_SGPU_ENVIRONMENT=image``, set here for the test's duration. With ``bare`` the
-    nodes boot a bare image and build the driver's environment themselves (the default for users).
+    The nodes boot a bare image (Python and pip: no uv, no prefect-sgpu, no checkout) and the
+    environment stage of their user-data builds the driver's environment from what the job shipped
+    to the store, as for users by default. ``env_root`` is where they keep built environments; by
+    default one folder per machine (:func:`shared_env_root`), as if every instance of the suite had
+    a disk that kept them, so an environment is built once (a test's own ``env_root`` builds it
+    again: ``tests/compute/test_ec2_environment.py``). ``bare=False`` gives an image that has
+    everything (the driver's venv, this checkout), with ``PREFECT_SGPU_ENVIRONMENT=image`` set for
+    the test's duration.
     """
     bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
@@ -134,6 +147,8 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
     node_env = {k: v for k, v in aws_env.env.items() if k != "AWS_ENDPOINT_URL"}
     node_env.pop("AWS_SECURITY_TOKEN", None)
     node_env.pop("AWS_SESSION_TOKEN", None)
+    if bare and env_root is None:
+        env_root = shared_env_root()
     simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir, bare=bare, env_root=env_root).start()
     saved = os.environ.pop(ENVIRONMENT_ENV, None)
     if not bare:
