@@ -317,14 +317,16 @@ _MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
 def _open(url: str, accept: str = "*/*", timeout: float = 30):
     """GET ``url``; user info in it becomes Basic auth (urllib sends none of its own)."""
     parts = urllib.parse.urlsplit(url)
-    headers = {"Accept": accept, "User-Agent": "prefect-sgpu-node-env"}
+    auth = None
     if "@" in parts.netloc:
         userinfo, host = parts.netloc.rsplit("@", 1)
         user, _, password = userinfo.partition(":")
-        token = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
-        headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
+        auth = base64.b64encode(f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()).decode()
         url = urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, ""))
-    return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+    request = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "prefect-sgpu-node-env"})
+    if auth:  # to this URL only: urllib copies a plain header onto a redirect, wherever it points
+        request.add_unredirected_header("Authorization", f"Basic {auth}")
+    return urllib.request.urlopen(request, timeout=timeout)
 
 
 def _wheel_link(page_url: str, wheel: str) -> str:

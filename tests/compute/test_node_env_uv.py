@@ -76,6 +76,18 @@ def test_an_image_setting_names_the_only_index_and_the_error_names_every_source_
             node_env.uv({})  # no index settings: PyPI (here an address nothing listens on)
 
 
+def test_an_index_s_credentials_do_not_follow_its_redirect_to_another_host(bare_node: Path) -> None:
+    name, _sha = pinned_uv()
+    with WheelIndex({name: uv_wheel().read_bytes()}) as cdn:
+        cdn_base = cdn.url.removesuffix("/simple")
+        with WheelIndex({}, auth=("builder", "tok-3f9a1c77e2"), redirect=cdn_base) as private:
+            tool = node_env.uv({"index_url": _with_credentials(private.url)})
+        assert Path(tool).exists()
+        assert private.requests == ["/simple/uv/"] and private.authorizations[0], "asked with its credentials"
+        assert cdn.requests == ["/simple/uv/", f"/files/{name}"]
+        assert cdn.authorizations == [None, None], "the credentials went to the redirect's host"
+
+
 def test_the_image_s_uv_comes_first(bare_node: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     own = tmp_path / "bin" / "uv"
     own.parent.mkdir()

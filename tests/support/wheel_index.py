@@ -57,10 +57,13 @@ def fetch() -> int:
 class WheelIndex:
     """A simple-API index (PEP 503 HTML) on 127.0.0.1 serving ``files`` (name -> bytes), one project
     each by the name's first part; ``requests`` lists the paths asked for. With ``auth`` (user,
-    password) every request needs that Basic auth (401 otherwise)."""
+    password) every request needs that Basic auth (401 otherwise); with ``redirect`` (a base URL)
+    every request is answered with a redirect there."""
 
-    def __init__(self, files: dict[str, bytes], auth: tuple[str, str] | None = None) -> None:
+    def __init__(self, files: dict[str, bytes], auth: tuple[str, str] | None = None,
+                 redirect: str | None = None) -> None:
         self.files = dict(files)
+        self.authorizations: list[str | None] = []  # the Authorization header of each request
         want = None if auth is None else "Basic " + base64.b64encode(":".join(auth).encode()).decode()
         self.requests: list[str] = []
         index = self
@@ -68,6 +71,13 @@ class WheelIndex:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 index.requests.append(self.path)
+                index.authorizations.append(self.headers.get("Authorization"))
+                if redirect is not None:  # everything lives elsewhere (a CDN, another host)
+                    self.send_response(302)
+                    self.send_header("Location", redirect + self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return None
                 if want is not None and self.headers.get("Authorization") != want:
                     return self._send(401, b"credentials needed", "text/plain")
                 parts = [p for p in self.path.split("?")[0].split("/") if p]
