@@ -245,7 +245,6 @@ def ship(store: "Store", environment: "Environment") -> dict[str, int]:
 
 
 @lru_cache(maxsize=1)
-@lru_cache(maxsize=1)
 def stage_text() -> str:
     """The node stage (:mod:`prefect_sgpu.launch.node_env`) as the user-data carries it: the same code
     without its docstrings and comments (a quarter of its size)."""
@@ -261,6 +260,7 @@ def stage_text() -> str:
     return ast.unparse(tree) + "\n"
 
 
+@lru_cache(maxsize=1)
 def _stage_source() -> str:
     """The node stage, compressed for the user-data."""
     return base64.b64encode(zlib.compress(stage_text().encode(), 9)).decode()
