@@ -119,6 +119,9 @@ class JobResult:
     stragglers: list[Any] = field(default_factory=list)
     #: each rank's latest step rate (steps per second) as the straggler watch measured it, where it did
     step_rates: dict[int, float] = field(default_factory=dict)
+    #: the gang check's report (:mod:`prefect_sgpu.gang_check`): seconds, each node link's bandwidth,
+    #: slow links and nodes, GPU warnings; None where it did not run
+    gang_check: dict[str, Any] | None = None
 
 
 #: how cold node agents start their ranks: auto (the default: fork where ranks use no GPU), spawn or fork
@@ -348,6 +351,7 @@ class Job:
             end = self._run_gangs(request, folder, deadline, tailer)
             tailer.poll()
             result = self._collect(self.plan, end)
+            self._tell_gang_check(result.gang_check)
             outcome = "FINISHED"
         except (RankFailedError, LaunchTimeout, JobHung, EnvironmentMismatch):
             outcome = "FAILED"
@@ -366,6 +370,15 @@ class Job:
         result.stragglers = list(self.stragglers)
         result.step_rates = self.straggler_watch.detector.rates() if self.straggler_watch is not None else {}
         return result
+
+    def _tell_gang_check(self, report: dict[str, Any] | None) -> None:
+        from prefect_sgpu import gang_check
+
+        if report:
+            info, warnings = gang_check.describe(report)
+            self.sink.info(f"{self.call.name}: {info}")
+            for line in warnings:
+                self.sink.warning(f"{self.call.name}: {line}")
 
     def _run_gangs(self, request: Request, folder: JobFolder, deadline: float, tailer: LogTailer) -> _GangEnd:
         """Acquire, start and wait; after infrastructure loss, release and do it again (``max_recoveries``)."""
@@ -533,6 +546,8 @@ class Job:
             mlflow_tracking_uri=self.tracked.tracking_uri if self.tracked else None,
             logs_uri=self.store.uri(self.run_id, "logs"),
             duration_s=time.monotonic() - self.started_at,
+            gang_check=next((getattr(e, "gang_check", None) for e in envelopes.values()
+                             if getattr(e, "gang_check", None)), None),
         )
 
     def _failure(self, codes: dict[int, int], statuses: dict[int, NodeStatus],

@@ -56,6 +56,39 @@ class EnvironmentMismatch(SGPUError):
         )
 
 
+class GangCheckFailed(SGPUError):
+    """The gang check before the user's function (:mod:`prefect_sgpu.gang_check`) found ranks that
+    could not join it, or a collective whose result was wrong: nothing of the user's ran.
+
+    ``failed`` maps each failing rank to where it ran (node, host, instance id) and what it saw.
+    """
+
+    def __init__(self, run_id: str, failed: dict[int, dict[str, Any]], summary: str = "") -> None:
+        self.run_id, self.failed, self.summary = run_id, {int(k): dict(v) for k, v in failed.items()}, summary
+        lines = []
+        culprits = [r for r in sorted(self.failed) if not self.failed[r].get("collateral")] or sorted(self.failed)
+        for rank in culprits:
+            info = self.failed[rank]
+            where = ", ".join(f"{k} {info[k]}" for k in ("node", "instance", "host") if info.get(k) not in (None, ""))
+            lines.append(f"rank {rank} ({where}): {info.get('error', '?')}")
+        others = [r for r in sorted(self.failed) if r not in culprits]
+        if others:
+            lines.append(f"rank(s) {others} stopped because of that")
+        super().__init__(
+            f"job {run_id}: the gang check failed before the function ran"
+            + (f" ({summary})" if summary else "") + ":\n  " + "\n  ".join(lines)
+            + "\nTurn the check off with gang_check=False only to skip it, not to fix this.")
+
+    @property
+    def nodes(self) -> list[int]:
+        """The nodes of the failing ranks that failed on their own (not because a peer did)."""
+        own = [info for info in self.failed.values() if not info.get("collateral")]
+        return sorted({int(info["node"]) for info in own or self.failed.values() if info.get("node") is not None})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.failed, self.summary))
+
+
 class LaunchTimeout(SGPUError, TimeoutError):
     """The job did not finish within its ``timeout``; every rank was stopped."""
 

@@ -240,6 +240,8 @@ class Envelope:
     exit_code: int = 0
     started: float = 0.0
     finished: float = 0.0
+    #: rank 0's report of the gang check (:mod:`prefect_sgpu.gang_check`), where it ran
+    gang_check: dict[str, Any] | None = None
 
     def value(self) -> Any:
         return None if self.value_blob is None else pickle.loads(self.value_blob)

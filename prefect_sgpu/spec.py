@@ -113,6 +113,7 @@ class JobArgs(TypedDict, total=False):
     hang_timeout: float | _dt.timedelta | None
     straggler_factor: float | None
     straggler_steps: int
+    gang_check: bool
     environment: Any
 
 
@@ -125,8 +126,8 @@ class TaskArgs(JobArgs, total=False):
 
 #: every field of a job spec, in the order users meet them
 FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "secrets", "mlflow",
-          "max_recoveries", "hang_timeout", "straggler_factor", "straggler_steps", "environment", "strategy",
-          "return_all")
+          "max_recoveries", "hang_timeout", "straggler_factor", "straggler_steps", "gang_check", "environment",
+          "strategy", "return_all")
 
 
 def _check_shape(gpus: int | None, nodes: int | None) -> None:
@@ -155,6 +156,7 @@ class SpecLayer(BaseModel):
     hang_timeout: HangTimeout = None
     straggler_factor: StragglerFactor = None
     straggler_steps: StragglerSteps | None = None
+    gang_check: bool | None = None
     environment: EnvironmentField = None
     strategy: Strategy = None
     return_all: bool | None = None
@@ -187,6 +189,10 @@ class JobSpec(BaseModel):
     hang_timeout: HangTimeout = DEFAULT_HANG_TIMEOUT_S
     straggler_factor: StragglerFactor = DEFAULT_STRAGGLER_FACTOR
     straggler_steps: StragglerSteps = DEFAULT_STRAGGLER_STEPS
+    gang_check: bool = Field(True, description=(
+        "Before the function, every rank of a torch elastic job joins a short check (known collective "
+        "results, each node link's bandwidth, GPU health); a failing node is named in seconds. "
+        "False skips it."))
     environment: EnvironmentField = None
     strategy: Strategy = Field(None, description="Training strategy handed to ranks as SGPU_STRATEGY.")
     return_all: bool = Field(False, description="A GPU task returns every rank's value, not rank 0's.")
@@ -198,7 +204,8 @@ class JobSpec(BaseModel):
 
     def rank_env(self) -> dict[str, str]:
         """What every rank gets from the spec itself."""
-        return {**self.env, **({"SGPU_STRATEGY": self.strategy} if self.strategy else {})}
+        return {**self.env, **({"SGPU_STRATEGY": self.strategy} if self.strategy else {}),
+                **({"SGPU_GANG_CHECK": "1"} if self.gang_check else {})}
 
     def replace(self, **changes: Any) -> "JobSpec":
         """A validated copy with ``changes`` applied."""

@@ -293,12 +293,34 @@ def _report(job: Job, result: JobResult) -> None:
                       f"1/{job.spec.straggler_factor:g} for {job.spec.straggler_steps} step(s)):\n\n"
                       "| rank | where | named at step | rate (steps/s) | median rate (steps/s) |\n"
                       f"| --- | --- | --- | --- | --- |\n{lines}\n\n")
+    checked = _gang_check_section(key, result)
     create_markdown_artifact(
         markdown=(
             f"### {job.call.name}: {result.plan.world_size} rank(s) on {result.plan.nodes} node(s)\n\n"
             f"Job `{result.run_id}` finished in {result.duration_s:.1f} s on {result.plan.device}.\n\n"
             "| rank | node | host | exit code | duration (s) |\n| --- | --- | --- | --- | --- |\n"
-            f"{rows}\n\n{recoveries}{stragglers}{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
+            f"{rows}\n\n{checked}{recoveries}{stragglers}{cost_line}{mlflow_line}\n\nRank logs: `{result.logs_uri}`\n"
         ),
         key=f"{key}-job", description=f"prefect-sgpu job {result.run_id}",
     )
+
+
+def _gang_check_section(key: str, result: JobResult) -> str:
+    """The gang check's part of the job summary, and its link table (``sgpu-<task>-links``)."""
+    from prefect.artifacts import create_table_artifact
+
+    report = result.gang_check
+    if not report:
+        return ""
+    if report.get("links"):
+        create_table_artifact(table=report["links"], key=f"{key}-links",
+                              description=f"node links measured by the gang check of prefect-sgpu job {result.run_id}")
+    lines = "\n".join(f"| {link['from node']} ({link['from']}) | {link['to node']} ({link['to']}) | {link['GB/s']:g} | "
+                      f"{link['ms']:g} |" for link in report.get("links") or [])
+    table = ("| from node | to node | GB/s | ms per exchange |\n| --- | --- | --- | --- |\n" + lines + "\n\n"
+             if lines else "")
+    notes = "".join(f"- {text}\n" for text in [*(f"slow link {t}" for t in report.get("slow_links") or []),
+                                                *(f"node {n} is on every slow link" for n in report.get("slow_nodes") or []),
+                                                *(report.get("warnings") or [])])
+    return (f"**Gang check** passed in {report['seconds']:g} s over {report['backend']} "
+            f"({report['bytes'] / 2**20:g} MiB per exchange):\n\n{table}" + (notes + "\n" if notes else ""))

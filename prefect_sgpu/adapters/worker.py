@@ -52,6 +52,7 @@ class SGPUJobConfiguration(ProcessJobConfiguration):
     hang_timeout: Optional[Any] = Field(default=None, description=_gpu_description("Default hang timeout"))
     straggler_factor: Optional[Any] = Field(default=None, description=_gpu_description("Default straggler factor"))
     straggler_steps: Optional[Any] = Field(default=None, description=_gpu_description("Default straggler steps"))
+    gang_check: Optional[Any] = Field(default=None, description=_gpu_description("Default gang check"))
     environment: Optional[Any] = Field(default=None, description=_gpu_description("Default environment"))
 
     @classmethod
@@ -126,6 +127,10 @@ class SGPUVariables(ProcessVariables):
     straggler_steps: Optional[int] = Field(
         default=None, ge=1, title="Straggler Steps",
         description=_gpu_description("Default steps a rank stays that slow before it is named a straggler"))
+    gang_check: Optional[bool] = Field(
+        default=None, title="Gang Check",
+        description=_gpu_description("Check every job's ranks before the function runs (known collective "
+                                     "results, each node link's bandwidth, GPU health); false skips it"))
     environment: Optional[Union[str, dict[str, Any]]] = Field(
         default=None, title="Environment",
         description=_gpu_description("What remote nodes need: 'driver' (default: the driver's Python, pinned "

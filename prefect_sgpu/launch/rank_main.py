@@ -329,14 +329,33 @@ def main() -> int:
     _CollectiveTimeouts(default_timeout().total_seconds()).install()
 
     base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname()}
-    sealed = folder.store.get(folder.run_id, jobfolder.PAYLOAD) or b""
-    envelope, exit_code = run_payload(sealed, key, folder.run_id, base)
+    checked = _gang_check(base)
+    if isinstance(checked, payload.Envelope):  # the check failed: the function does not run
+        envelope, exit_code = checked, checked.exit_code
+    else:
+        sealed = folder.store.get(folder.run_id, jobfolder.PAYLOAD) or b""
+        envelope, exit_code = run_payload(sealed, key, folder.run_id, {**base, **checked})
     folder.put_result(rank, payload.dump_envelope(envelope))
     _mark_finished(rank)
     _shutdown_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     return exit_code
+
+
+def _gang_check(base: dict[str, Any]) -> Any:
+    """Run the job's gang check (:mod:`prefect_sgpu.gang_check`) where it is on: what the envelope
+    carries from it (rank 0: the report), or the failure envelope that ends this rank."""
+    from prefect_sgpu import gang_check, payload
+
+    started = time.time()
+    try:
+        report = gang_check.run_if_enabled()
+    except BaseException as exc:  # noqa: BLE001 - every outcome gets an envelope
+        print(f"[sgpu] {exc}", file=sys.stderr, flush=True)
+        return payload.failure_envelope({**base, "started": started, "finished": time.time()}, exc,
+                                        traceback.format_exc(), 1)
+    return {"gang_check": report} if report is not None else {}
 
 
 def _mark_finished(rank: int) -> None:

@@ -64,6 +64,13 @@ def test_two_nodes_two_ranks_each_world_of_four() -> None:
     assert all(v["sum"] == 6.0 and v["world"] == 4 for v in result.values)
     assert [r.node for r in result.ranks] == [0, 0, 1, 1]
     assert job_processes(result.run_id) == []
+    # the gang check ran before the function (on by default), and the function's own group started clean
+    check = result.gang_check
+    assert check is not None and (check["ranks"], check["nodes"], check["backend"]) == (4, 2, "gloo")
+    assert sorted((link["from node"], link["to node"]) for link in check["links"]) == [(0, 1), (1, 0)]
+    assert all(link["GB/s"] > 0 for link in check["links"])
+    skipped = distributed(gpus=4, nodes=2, mlflow=False, gang_check=False)(_all_reduce_rank_sum).run("multi")
+    assert skipped.gang_check is None and all(v["sum"] == 6.0 for v in skipped.values)
 
 
 @pytest.mark.skipif(not namespaces_available(), reason="needs root and util-linux unshare for namespaces")

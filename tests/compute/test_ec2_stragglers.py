@@ -36,3 +36,6 @@ def test_a_straggling_rank_on_ec2_is_named_with_its_node_and_instance(ec2: EC2En
     named = result.stragglers[0]
     assert 0 < named.rate * 2.0 < named.median_rate, named
     assert set(result.step_rates) == {0, 1} and result.step_rates[1] * 2 < result.step_rates[0], result.step_rates
+    # the gang check before the function: each node link, named by instance
+    ids = {i["AmiLaunchIndex"]: i["InstanceId"] for i in ec2.instances(result.run_id)}
+    assert {(link["from"], link["to"]) for link in result.gang_check["links"]} == {(ids[0], ids[1]), (ids[1], ids[0])}

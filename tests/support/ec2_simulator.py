@@ -184,6 +184,8 @@ class EC2Simulator:
         self.errors: list[str] = []
         #: variables of every node booted from now on (None: unset), as an image's own settings would be
         self.env_overrides: dict[str, str | None] = {}
+        #: more variables of one instance (given moto's description of it), as that one image's settings
+        self.image_env: Callable[[dict[str, Any]], dict[str, str | None]] = lambda _inst: {}
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -275,7 +277,7 @@ class EC2Simulator:
         }
         if self.bare:
             env.pop("PYTHONPATH")
-        for name, value in self.env_overrides.items():
+        for name, value in {**self.env_overrides, **self.image_env(inst)}.items():
             if value is None:
                 env.pop(name, None)
             else:

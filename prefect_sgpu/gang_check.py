@@ -1,0 +1,416 @@
+"""The gang check: every rank of a torch elastic job joins one short check before the user's function.
+
+What it checks, in order (each step bounded by ``SGPU_GANG_CHECK_TIMEOUT_S``, 60 s by default):
+
+1. **Presence.** Each rank writes where it runs (node, host, instance id, device) under keys of its
+   own in the workers' store (the one torch elastic's agents host for the ranks' process groups).
+   A rank that never arrives is named, with its node's host and instance taken from a peer there.
+2. **Device** (ranks on a GPU). The rank's GPU computes a sum whose value is known; where
+   ``nvidia-ml-py`` is installed, NVML must report no uncorrectable ECC error since boot (volatile)
+   and no hardware slowdown (thermal, power brake), which are named as warnings.
+3. **A process group of the job's backend** (nccl on GPUs, gloo on CPU), on keys of its own in
+   the store, so the user's ``init_process_group`` later starts as if the check had not run.
+4. **Known results.** ``all_gather`` of ``rank + 1`` from every rank: a wrong entry names its rank;
+   ``all_reduce`` of the same must give ``world * (world + 1) / 2``.
+5. **Links.** Each node's first rank exchanges a buffer with the next node's first rank (a ring over
+   the nodes) a few times; the median time gives each link's bandwidth as its receiver saw it.
+   A link slower than the median link by ``SLOW_FACTOR`` is named slow, and a node on every slow
+   link (with three nodes or more) is named a slow node. Slowness is reported, not fatal.
+
+A rank whose step fails writes its error to the store and counts it; every other rank sees the
+count within a tenth of a second, stops waiting, and all raise the same
+:class:`~prefect_sgpu.errors.GangCheckFailed` that names each failing rank with its node, host and
+instance id: a broken node costs seconds, not a collective timeout. Rank 0 returns the report
+(the driver puts it in ``JobResult.gang_check`` and the task's artifact).
+
+Standard library at import; torch is imported when the check runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+#: set to "1" in every rank by the driver when the job's ``gang_check`` is on
+ENV = "SGPU_GANG_CHECK"
+#: seconds each step of the check may take before the ranks that did not finish it are named
+TIMEOUT_ENV = "SGPU_GANG_CHECK_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
+#: bytes each node sends its neighbour per timed exchange
+BYTES_ENV = "SGPU_GANG_CHECK_BYTES"
+DEFAULT_BYTES = 16 * 1024 * 1024
+#: timed exchanges per link (one more goes first, untimed, to open the connection)
+EXCHANGES = 3
+#: a link this many times slower than the median link is named slow
+SLOW_FACTOR = 4.0
+#: seconds a failing rank waits for its peers' errors before it raises (they see the failure in 0.1 s)
+GRACE_S = 3.0
+_POLL_S = 0.1
+
+
+class _PeerFailed(Exception):
+    """Another rank failed a step: this one stops waiting for it."""
+
+
+class _StepFailed(Exception):
+    """This rank found a fault; ``blame`` names the ranks at fault when they are not this one."""
+
+    def __init__(self, message: str, blame: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.blame = list(blame or [])
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1" and int(os.environ.get("WORLD_SIZE") or 1) > 1
+
+
+def run_if_enabled() -> dict[str, Any] | None:
+    """Run the check when the job asked for it (rank 0 gets the report, other ranks None).
+    Raises ``GangCheckFailed``."""
+    if not enabled() or not os.environ.get("MASTER_ADDR"):
+        return None
+    return GangCheck.from_environment().run()
+
+
+class GangCheck:
+    def __init__(self, store: Any, group_store: Any, run_id: str, rank: int, world: int, local_rank: int,
+                 local_world: int, node: int, timeout: float, nbytes: int, device: str) -> None:
+        # two connections to one store: a process group blocks its connection while it waits for a
+        # peer, and the notice board must still answer then
+        self.store, self.group_store, self.run_id, self.rank, self.world = store, group_store, run_id, rank, world
+        self.local_rank, self.local_world, self.node = local_rank, local_world, node
+        self.nodes = max(1, world // max(1, local_world))
+        self.timeout, self.nbytes, self.device = timeout, nbytes, device
+        self.warnings: list[str] = []
+
+    @classmethod
+    def from_environment(cls) -> "GangCheck":
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
+        def connect() -> Any:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+            # keys of its own for each restart and gang: a relaunched gang never reads an earlier one's
+            return dist.PrefixStore(f"sgpu-gang-check/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                                    f"{os.environ.get('SGPU_GANG', '0')}", client)
+
+        from prefect_sgpu import runtime
+
+        return cls(connect(), connect(), runtime.run_id() or "?", runtime.rank(), runtime.world_size(),
+                   runtime.local_rank(), runtime.local_world_size(), runtime.node_rank(), timeout,
+                   int(os.environ.get(BYTES_ENV) or DEFAULT_BYTES), "cuda" if runtime.uses_gpu() else "cpu")
+
+    # --- the store as the check's notice board -------------------------------------------------
+
+    def _failures(self) -> int:
+        return int(self.store.add("failed", 0))
+
+    def _has(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def _json(self, key: str) -> Any:
+        return json.loads(self.store.get(key).decode()) if self._has(key) else None
+
+    def _step(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one step in a helper thread; stop waiting when it ends, when a peer fails, or at the timeout."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"sgpu-gang-check-{name}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            thread.join(_POLL_S)
+            if not thread.is_alive():
+                break
+            if self._failures():
+                raise _PeerFailed(f"{name}: stopped because another rank failed the check")
+            if time.monotonic() > deadline:
+                raise _StepFailed(f"{name} did not finish within {self.timeout:g} s")
+        if "error" in box:
+            error = box["error"]
+            if isinstance(error, (_StepFailed, _PeerFailed)):
+                raise error
+            raise _StepFailed(f"{name}: {type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+        return box.get("value")
+
+    # --- the check --------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any] | None:
+        started = time.monotonic()
+        try:
+            return self._run(started)
+        except (_StepFailed, _PeerFailed) as exc:
+            self._fail(exc)
+            raise AssertionError("unreachable")  # _fail raises
+
+    def _run(self, started: float) -> dict[str, Any] | None:
+        me = {"node": self.node, "host": socket.gethostname(), "instance": os.environ.get("SGPU_INSTANCE_ID") or "",
+              "device": self.device}
+        self.store.set(f"id/{self.rank}", json.dumps(me))
+        self.store.add("present", 1)
+        self._wait_present()
+        if self.device == "cuda":
+            self._step("device check", self._check_device)
+        self._step("process group", self._init_group)
+        try:
+            self._step("known results", self._known_results)
+            links = self._step("link exchange", self._exchange) if self.nodes > 1 else []
+            self._step("barrier", self._barrier)
+        finally:
+            self._destroy_group()
+        if self.rank != 0:
+            return None
+        return self._report(started, links)
+
+    def _wait_present(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while int(self.store.add("present", 0)) < self.world:
+            if self._failures():
+                raise _PeerFailed("presence: stopped because another rank failed the check")
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.world) if not self._has(f"id/{r}")]
+                raise _StepFailed(f"rank(s) {missing} did not reach the gang check within {self.timeout:g} s",
+                                  blame=missing)
+            time.sleep(_POLL_S / 2)
+
+    def _check_device(self) -> None:
+        import torch
+
+        from prefect_sgpu import runtime
+
+        dev = runtime.device()
+        values = torch.arange(4096, device=dev, dtype=torch.float32)
+        total = float(values.sum().item())
+        if total != 4095 * 4096 / 2:
+            raise _StepFailed(f"GPU {dev} computed {total:g} for a sum of 8386560")
+        faults, warnings = _nvml_findings(torch.cuda.current_device())
+        if faults:
+            raise _StepFailed("; ".join(faults))
+        self.warnings.extend(warnings)
+
+    def _init_group(self) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        kwargs: dict[str, Any] = {}
+        backend = "gloo"
+        if self.device == "cuda":
+            from prefect_sgpu import runtime
+
+            backend, kwargs["device_id"] = "nccl", runtime.device()
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", self.group_store), rank=self.rank,
+                                world_size=self.world, timeout=datetime.timedelta(seconds=self.timeout), **kwargs)
+
+    def _tensor(self, values: list[float]) -> Any:
+        import torch
+
+        return torch.tensor(values, dtype=torch.float64, device=self.device)
+
+    def _known_results(self) -> None:
+        import torch.distributed as dist
+
+        gathered = [self._tensor([0.0]) for _ in range(self.world)]
+        dist.all_gather(gathered, self._tensor([self.rank + 1.0]))
+        wrong = {r: float(t.item()) for r, t in enumerate(gathered) if float(t.item()) != r + 1.0}
+        if wrong:
+            raise _StepFailed("all_gather gave " + ", ".join(f"{v:g} for rank {r} (expected {r + 1})"
+                                                            for r, v in sorted(wrong.items())), blame=sorted(wrong))
+        total = self._tensor([self.rank + 1.0])
+        dist.all_reduce(total)
+        want = self.world * (self.world + 1) / 2
+        if float(total.item()) != want:
+            raise _StepFailed(f"all_reduce gave {float(total.item()):g}, expected {want:g}")
+
+    def _exchange(self) -> list[dict[str, Any]]:
+        import torch
+        import torch.distributed as dist
+
+        if self.local_rank == 0:
+            nxt = (self.node + 1) % self.nodes * self.local_world
+            prev_node = (self.node - 1) % self.nodes
+            send = torch.ones(self.nbytes, dtype=torch.uint8, device=self.device)
+            recv = torch.empty_like(send)
+            times = []
+            for i in range(EXCHANGES + 1):
+                began = time.perf_counter()
+                ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prev_node * self.local_world)]
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                if i:
+                    times.append(time.perf_counter() - began)
+            if int(recv[0].item()) != 1 or int(recv[-1].item()) != 1:
+                raise _StepFailed(f"the bytes node {prev_node} sent arrived changed", blame=[prev_node * self.local_world])
+            seconds = statistics.median(times)
+            self.store.set(f"link/{self.node}", json.dumps(
+                {"src": prev_node, "dst": self.node, "seconds": seconds, "GB/s": self.nbytes / seconds / 1e9}))
+        if self.rank != 0:
+            return []
+        return [json.loads(self.store.get(f"link/{n}").decode()) for n in range(self.nodes)]
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def _destroy_group(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the user's own group starts from scratch either way
+            pass
+
+    def _where(self) -> dict[int, dict[str, Any]]:
+        """Every rank's place: its own word where it arrived, else its node's peers'."""
+        where: dict[int, dict[str, Any]] = {}
+        for rank in range(self.world):
+            where[rank] = self._json(f"id/{rank}") or {"node": rank // max(1, self.local_world)}
+        for rank, info in where.items():
+            if "host" not in info:
+                peer = next((w for w in where.values() if w.get("node") == info["node"] and "host" in w), None)
+                if peer is not None:
+                    info.update(host=peer["host"], instance=peer.get("instance", ""))
+        return where
+
+    def _report(self, started: float, links: list[dict[str, Any]]) -> dict[str, Any]:
+        where = self._where()
+        rows = []
+        for link in links:
+            src, dst = where.get(link["src"] * self.local_world, {}), where.get(link["dst"] * self.local_world, {})
+            rows.append({"from node": link["src"], "to node": link["dst"],
+                         "from": src.get("instance") or src.get("host", ""), "to": dst.get("instance") or dst.get("host", ""),
+                         "GB/s": round(link["GB/s"], 3), "ms": round(link["seconds"] * 1000, 2)})
+        slow_links, slow_nodes = slow(rows)
+        return {"seconds": round(time.monotonic() - started, 3), "ranks": self.world, "nodes": self.nodes,
+                "backend": "nccl" if self.device == "cuda" else "gloo", "bytes": self.nbytes, "links": rows,
+                "slow_links": slow_links, "slow_nodes": slow_nodes, "warnings": self._all_warnings(),
+                "where": {str(r): w for r, w in where.items()}}
+
+    def _all_warnings(self) -> list[str]:
+        if self.warnings:
+            self.store.set(f"warn/{self.rank}", json.dumps(self.warnings))
+        found = []
+        for rank in range(self.world):
+            found.extend(f"rank {rank}: {w}" for w in (self._json(f"warn/{rank}") or []))
+        return found
+
+    # --- failure ------------------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> None:
+        from prefect_sgpu.errors import GangCheckFailed
+
+        blame = list(getattr(exc, "blame", []))
+        # a rank that names others (missing, or with a wrong value) is not itself at fault
+        collateral = isinstance(exc, _PeerFailed) or bool(blame and self.rank not in blame)
+        record = {"error": str(exc), "collateral": collateral, "blame": blame}
+        try:
+            self.store.set(f"err/{self.rank}", json.dumps(record))
+            self.store.add("failed", 1)
+            deadline = time.monotonic() + GRACE_S  # the peers' own errors, which arrive within a poll
+            while time.monotonic() < deadline and not all(self._has(f"err/{r}") for r in range(self.world)):
+                time.sleep(_POLL_S)
+            failed = self._compose()
+        except Exception:  # noqa: BLE001 - the store itself failed: say what this rank saw
+            failed = {self.rank: {"node": self.node, "host": socket.gethostname(),
+                                  "instance": os.environ.get("SGPU_INSTANCE_ID") or "", **record}}
+        raise GangCheckFailed(self.run_id, failed, f"{self.world} ranks on {self.nodes} node(s)") from None
+
+    def _compose(self) -> dict[int, dict[str, Any]]:
+        where = self._where()
+        failed: dict[int, dict[str, Any]] = {}
+        for rank in range(self.world):
+            record = self._json(f"err/{rank}")
+            if record is not None:
+                failed[rank] = {**where[rank], "error": record["error"], "collateral": record["collateral"]}
+                for blamed in record.get("blame") or []:
+                    if blamed != rank and (blamed not in failed or failed[blamed].get("collateral")):
+                        failed[blamed] = {**where[int(blamed)], "error": f"named by rank {rank}: {record['error']}",
+                                          "collateral": False}
+        return failed
+
+
+def slow(links: list[dict[str, Any]], factor: float = SLOW_FACTOR) -> tuple[list[str], list[int]]:
+    """The links far slower than the median link, and the nodes on every one of them (named only
+    where the links tell nodes apart: three nodes or more)."""
+    if len(links) < 2:
+        return [], []
+    median = statistics.median(link["GB/s"] for link in links)
+    bad = [link for link in links if link["GB/s"] * factor < median]
+    named = [f"node {link['from node']} -> node {link['to node']}: {link['GB/s']:g} GB/s against a median of "
+             f"{median:.3g} GB/s" for link in bad]
+    if not bad or len(links) < 3:
+        return named, []
+    common = set.intersection(*({link["from node"], link["to node"]} for link in bad))
+    return named, sorted(common) if len(common) == 1 else []
+
+
+def describe(report: dict[str, Any]) -> tuple[str, list[str]]:
+    """The log line of a passed check, and one warning per slow link, slow node or GPU warning."""
+    links = "; ".join(f"node {link['from node']} -> {link['to node']} {link['GB/s']:g} GB/s"
+                      for link in report.get("links") or [])
+    info = (f"gang check passed: {report['ranks']} rank(s) on {report['nodes']} node(s) in {report['seconds']:g} s "
+            f"over {report['backend']}" + (f"; links: {links}" if links else ""))
+    warnings = [f"gang check: slow link {text}" for text in report.get("slow_links") or []]
+    warnings += [f"gang check: node {node} is on every slow link" for node in report.get("slow_nodes") or []]
+    warnings += [f"gang check: {text}" for text in report.get("warnings") or []]
+    return info, warnings
+
+
+def _nvml_findings(device_index: int) -> tuple[list[str], list[str]]:
+    """What NVML says is wrong with this GPU: faults (uncorrectable ECC errors) and warnings
+    (hardware slowdown); nothing where ``nvidia-ml-py`` is not installed."""
+    try:
+        import pynvml
+    except ImportError:
+        return [], []
+    faults: list[str] = []
+    found: list[str] = []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML: nothing to read
+        return [], []
+    try:
+        visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        index = int(visible[device_index]) if visible and visible[device_index].isdigit() else device_index
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        try:
+            ecc = pynvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                     pynvml.NVML_VOLATILE_ECC)
+            if ecc:
+                faults.append(f"GPU {index}: {ecc} uncorrectable ECC error(s) since boot")
+        except pynvml.NVMLError:
+            pass  # ECC off or not supported on this GPU
+        try:
+            reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+            named = {"hardware slowdown": getattr(pynvml, "nvmlClocksThrottleReasonHwSlowdown", 0),
+                     "thermal slowdown": getattr(pynvml, "nvmlClocksThrottleReasonHwThermalSlowdown", 0),
+                     "power brake": getattr(pynvml, "nvmlClocksThrottleReasonHwPowerBrakeSlowdown", 0)}
+            hits = [name for name, bit in named.items() if bit and reasons & bit]
+            if hits:
+                found.append(f"GPU {index} is throttled: " + ", ".join(hits))
+        except pynvml.NVMLError:
+            pass
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return faults, found

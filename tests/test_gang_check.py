@@ -1,0 +1,167 @@
+"""The gang check (prefect_sgpu.gang_check) on real processes and a real workers' store.
+
+Four rank processes on this host stand for 2 nodes x 2 ranks, with the environment torch elastic
+gives ranks (``RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store the test hosts,
+``TORCHELASTIC_USE_AGENT_STORE``). The end-to-end runs, through the launcher, are in
+``tests/compute/test_ec2_gang_check.py`` and ``tests/adapters/test_distributed_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from prefect_sgpu import gang_check
+from prefect_sgpu import spec as spec_mod
+from prefect_sgpu.errors import GangCheckFailed
+from support.aws_fixtures import free_port
+
+RANK = textwrap.dedent("""
+    import json, os, sys
+    from prefect_sgpu import gang_check
+    from prefect_sgpu.errors import GangCheckFailed
+    out = {"rank": int(os.environ["RANK"])}
+    try:
+        out["report"] = gang_check.run_if_enabled()
+    except GangCheckFailed as exc:
+        out.update(failed={str(k): v for k, v in exc.failed.items()}, message=str(exc), nodes=exc.nodes)
+    else:
+        # the user's own process group, on the same store, after the check
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        value = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(value)
+        out["user_sum"] = value.item()
+        dist.destroy_process_group()
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def _gang(tmp_path: Path, world: int = 4, per_node: int = 2, node_env: dict[int, dict[str, str]] | None = None,
+          absent: set[int] = frozenset(), timeout: float = 120.0) -> dict[int, dict]:
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    procs = {}
+    for rank in range(world):
+        if rank in absent:
+            continue
+        node = rank // per_node
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
+               "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", gang_check.ENV: "1",
+               gang_check.TIMEOUT_ENV: str(timeout), gang_check.BYTES_ENV: str(1 << 20), "SGPU_DEVICE": "cpu",
+               "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "SGPU_RUN_ID": "sgpu-test-gang",
+               "SGPU_INSTANCE_ID": f"i-node{node}", **(node_env or {}).get(node, {})}
+        procs[rank] = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+    results = {}
+    try:
+        for rank, proc in procs.items():
+            out, _ = proc.communicate(timeout=240)
+            line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+            assert line is not None, f"rank {rank} printed no result:\n{out}"
+            results[rank] = json.loads(line[len("RESULT "):])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        del store
+    return results
+
+
+def test_a_sound_gang_passes_reports_each_link_and_leaves_the_user_a_clean_start(tmp_path: Path) -> None:
+    results = _gang(tmp_path)
+    assert [results[r]["user_sum"] for r in range(4)] == [6.0] * 4  # the user's group after the check's
+    report = results[0]["report"]
+    assert all(results[r]["report"] is None for r in (1, 2, 3))  # only rank 0 carries it
+    assert (report["ranks"], report["nodes"], report["backend"], report["bytes"]) == (4, 2, "gloo", 1 << 20)
+    assert sorted((link["from node"], link["to node"]) for link in report["links"]) == [(0, 1), (1, 0)]
+    assert {(link["from"], link["to"]) for link in report["links"]} == {("i-node0", "i-node1"), ("i-node1", "i-node0")}
+    assert all(link["GB/s"] > 0 and link["ms"] > 0 for link in report["links"])
+    assert report["where"]["3"]["instance"] == "i-node1" and report["where"]["0"]["node"] == 0
+    info, warnings = gang_check.describe(report)
+    assert "gang check passed: 4 rank(s) on 2 node(s)" in info and "node 0 -> 1" in info
+    assert warnings == []
+
+
+def test_a_node_whose_network_device_fails_is_named_with_its_instance_not_after_a_timeout(tmp_path: Path) -> None:
+    # node 1's ranks are told to use a network interface the machine does not have: gloo cannot
+    # open its device there; node 0's ranks would wait for them until the collective timeout
+    results = _gang(tmp_path, node_env={1: {"GLOO_SOCKET_IFNAME": "sgpu-missing0"}}, timeout=300.0)
+    for rank in range(4):
+        out = results[rank]
+        assert "failed" in out, out
+        assert out["nodes"] == [1], out  # every rank names node 1 alone
+        assert "i-node1" in out["message"] and "sgpu-missing0" in out["message"]
+        assert "did not finish within" not in out["message"]  # it did not wait out the 300 s
+    failed = results[0]["failed"]
+    culprits = {k for k, v in failed.items() if not v["collateral"]}
+    assert culprits and culprits <= {"2", "3"}, failed  # node 1's ranks; node 0's stopped because of them
+    assert all(failed[k]["instance"] == "i-node1" and failed[k]["node"] == 1 for k in culprits)
+    assert "rank 0 (" not in results[0]["message"] and "stopped because of that" in results[0]["message"]
+
+
+def test_a_rank_that_never_arrives_is_named_with_its_node_from_its_peer(tmp_path: Path) -> None:
+    results = _gang(tmp_path, absent={3}, timeout=4.0)
+    assert sorted(results) == [0, 1, 2]
+    for out in results.values():
+        assert out["nodes"] == [1], out
+        assert "rank(s) [3] did not reach the gang check within 4 s" in out["message"]
+    assert results[0]["failed"]["3"]["instance"] == "i-node1"  # from rank 2, its peer on node 1
+
+
+def test_slow_links_and_the_node_on_all_of_them_are_named() -> None:
+    def link(a: int, b: int, gbps: float) -> dict:
+        return {"from node": a, "to node": b, "GB/s": gbps}
+
+    even = [link(0, 1, 2.0), link(1, 2, 2.2), link(2, 0, 1.9)]
+    assert gang_check.slow(even) == ([], [])
+    named, nodes = gang_check.slow([link(0, 1, 0.1), link(1, 2, 0.2), link(2, 3, 2.0), link(3, 0, 2.1)])
+    assert nodes == [1] and len(named) == 2 and "node 0 -> node 1: 0.1 GB/s" in named[0]
+    named, nodes = gang_check.slow([link(0, 1, 0.1), link(1, 0, 2.0)])  # two nodes: the link, not a node
+    assert nodes == [] and len(named) == 1
+    report = {"ranks": 4, "nodes": 2, "seconds": 0.5, "backend": "gloo", "links": [], "slow_links": named,
+              "slow_nodes": [], "warnings": ["rank 2: GPU 0 is throttled: thermal slowdown"]}
+    _, warnings = gang_check.describe(report)
+    assert warnings == [f"gang check: slow link {named[0]}", "gang check: rank 2: GPU 0 is throttled: thermal slowdown"]
+
+
+def test_the_error_survives_pickling_and_names_the_culprits_first() -> None:
+    failed = {0: {"node": 0, "host": "a", "instance": "i-a", "error": "stopped", "collateral": True},
+              2: {"node": 1, "host": "b", "instance": "i-b", "error": "process group: boom", "collateral": False}}
+    exc = pickle.loads(pickle.dumps(GangCheckFailed("run-1", failed, "4 ranks on 2 node(s)")))
+    assert exc.nodes == [1] and exc.failed[2]["instance"] == "i-b"
+    assert "rank 2 (node 1, instance i-b, host b): process group: boom" in str(exc)
+
+
+@pytest.mark.parametrize("given, expected", [({}, True), ({"gang_check": False}, False)])
+def test_the_flag_reaches_every_rank_and_can_be_turned_off(given: dict, expected: bool) -> None:
+    spec = spec_mod.build(spec_mod.layer("call", **given), environ={})
+    assert spec.gang_check is expected
+    assert (spec.rank_env().get(gang_check.ENV) == "1") is expected
+    assert spec_mod.build(environ={"PREFECT_SGPU_GANG_CHECK": "false"}).gang_check is False
+
+
+def test_a_pool_job_variable_turns_it_off() -> None:
+    from prefect_sgpu.adapters import pool_variables as pv
+
+    defaults = pv.gpu_defaults({"gang_check": False})
+    assert defaults == {"gang_check": False}
+    env = pv.gpu_defaults_env(defaults)
+    assert spec_mod.build(environ=env).gang_check is False
+    with pytest.raises(Exception, match="gang_check"):
+        pv.gpu_defaults({"gang_check": "sometimes"})
