@@ -1,6 +1,7 @@
 """The gang check: every rank of a torch elastic job joins one short check before the user's function.
 
-What it checks, in order (each step bounded by ``SGPU_GANG_CHECK_TIMEOUT_S``, 60 s by default):
+What it checks, in order (each step bounded by ``SGPU_GANG_CHECK_TIMEOUT_S``, 300 s by default: ranks of a
+loaded or large job may start minutes apart; a rank that fails says so at once, whatever this is):
 
 1. **Presence.** Each rank writes where it runs (node, host, instance id, device) under keys of its
    own in the workers' store (the one torch elastic's agents host for the ranks' process groups).
@@ -40,7 +41,7 @@ from typing import Any, Callable
 ENV = "SGPU_GANG_CHECK"
 #: seconds each step of the check may take before the ranks that did not finish it are named
 TIMEOUT_ENV = "SGPU_GANG_CHECK_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 300.0
 #: bytes each node sends its neighbour per timed exchange
 BYTES_ENV = "SGPU_GANG_CHECK_BYTES"
 DEFAULT_BYTES = 16 * 1024 * 1024

@@ -105,7 +105,7 @@ def test_layers_merge_call_over_task_over_runner_over_environment_over_defaults(
     spec = spec_mod.build(call, task, runner, environ=environ)
     assert (spec.timeout, spec.gpus, spec.nodes, spec.strategy) == (30, 2, 2, "fsdp")
     assert (spec.gpu_type, spec.max_restarts, spec.mlflow) == ("A10", 3, True)
-    assert spec.rank_env() == {"SGPU_STRATEGY": "fsdp"}
+    assert spec.rank_env() == {"SGPU_STRATEGY": "fsdp", "SGPU_GANG_CHECK": "1"}
 
 
 def test_not_given_differs_from_given_the_default() -> None:

@@ -19,7 +19,7 @@ from support.prefect_limits import global_limit
 pytestmark = pytest.mark.e2e
 
 
-@gpu_task(gpus=2)
+@gpu_task(gpus=2, nodes=2)
 def two_ranks(x: int) -> int:
     import time as t
 
@@ -52,8 +52,10 @@ def test_library_lines_artifacts_and_events_of_a_gpu_task(prefect_server: None) 
     with get_client(sync_client=True) as client:
         logs = _poll(lambda: [log.message for log in client.read_logs(
             LogFilter(task_run_id=LogFilterTaskRunId(any_=[task_run_id])), limit=200, offset=0)],
-            lambda got: any("no GPU on this machine" in m for m in got), "the library's 'no GPU' line")
+            lambda got: any("no GPU on this machine" in m for m in got) and any("gang check passed" in m for m in got),
+            "the library's 'no GPU' and 'gang check passed' lines")
         assert any("running 2 CPU rank(s)" in m for m in logs), logs
+        assert any("two_ranks: gang check passed: 2 rank(s) on 2 node(s)" in m for m in logs), logs
 
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(task_run_id=ArtifactFilterTaskRunId(any_=[task_run_id])),
@@ -71,6 +73,11 @@ def test_library_lines_artifacts_and_events_of_a_gpu_task(prefect_server: None) 
         assert table.type == "table"
         rows = json.loads(table.data) if isinstance(table.data, str) else table.data
         assert [(r["rank"], r["exit code"]) for r in rows] == [(0, 0), (1, 0)], rows
+        links = by_key["sgpu-two-ranks-links"]  # the gang check's table: one row per node link
+        rows = json.loads(links.data) if isinstance(links.data, str) else links.data
+        assert sorted((r["from node"], r["to node"]) for r in rows) == [(0, 1), (1, 0)], rows
+        assert all(r["GB/s"] > 0 for r in rows), rows
+        assert "**Gang check** passed" in by_key["sgpu-two-ranks-job"].data
         reference = by_key["sgpu-two-ranks-mlflow"].data
         uri = os.environ["MLFLOW_TRACKING_URI"]
         assert f"mlflow ui --backend-store-uri {uri}\n" in reference, reference
