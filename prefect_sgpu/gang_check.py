@@ -13,10 +13,10 @@ loaded or large job may start minutes apart; a rank that fails says so at once, 
    the store, so the user's ``init_process_group`` later starts as if the check had not run.
 4. **Known results.** ``all_gather`` of ``rank + 1`` from every rank: a wrong entry names its rank;
    ``all_reduce`` of the same must give ``world * (world + 1) / 2``.
-5. **Links.** Each node's first rank exchanges a buffer with the next node's first rank (a ring over
-   the nodes) a few times; the median time gives each link's bandwidth as its receiver saw it.
-   A link slower than the median link by ``SLOW_FACTOR`` is named slow, and a node on every slow
-   link (with three nodes or more) is named a slow node. Slowness is reported, not fatal.
+5. **Links.** Around a ring over the nodes, one link at a time, each node's first rank asks the
+   previous node's first rank for a buffer a few times; the median time gives the link's bandwidth.
+   A link slower than the faster half of the links (their median) by ``SLOW_FACTOR`` is named
+   slow, and a node on every slow link (with three nodes or more) is named a slow node. Slowness is reported, not fatal.
 
 A rank whose step fails writes its error to the store and counts it; every other rank sees the
 count within a tenth of a second, stops waiting, and all raise the same
@@ -47,7 +47,7 @@ BYTES_ENV = "SGPU_GANG_CHECK_BYTES"
 DEFAULT_BYTES = 16 * 1024 * 1024
 #: timed exchanges per link (one more goes first, untimed, to open the connection)
 EXCHANGES = 3
-#: a link this many times slower than the median link is named slow
+#: a link this many times slower than the faster half of the links (their median) is named slow
 SLOW_FACTOR = 4.0
 #: seconds a failing rank waits for its peers' errors before it raises (they see the failure in 0.1 s)
 GRACE_S = 3.0
@@ -238,32 +238,49 @@ class GangCheck:
             raise _StepFailed(f"all_reduce gave {float(total.item()):g}, expected {want:g}")
 
     def _exchange(self) -> list[dict[str, Any]]:
+        """Each link of the ring over the nodes, one at a time (node n -> n+1, between the nodes'
+        first ranks): the receiver asks with one byte, the sender answers with the buffer; the
+        median of the timed rounds gives the link's bandwidth. One link at a time, so that a slow
+        link slows no other's measure."""
         import torch
         import torch.distributed as dist
 
         if self.local_rank == 0:
-            nxt = (self.node + 1) % self.nodes * self.local_world
-            prev_node = (self.node - 1) % self.nodes
-            send = torch.ones(self.nbytes, dtype=torch.uint8, device=self.device)
-            recv = torch.empty_like(send)
-            times = []
-            for i in range(EXCHANGES + 1):
-                began = time.perf_counter()
-                ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prev_node * self.local_world)]
-                for request in dist.batch_isend_irecv(ops):
-                    request.wait()
-                if self.device == "cuda":
-                    torch.cuda.synchronize()
-                if i:
-                    times.append(time.perf_counter() - began)
-            if int(recv[0].item()) != 1 or int(recv[-1].item()) != 1:
-                raise _StepFailed(f"the bytes node {prev_node} sent arrived changed", blame=[prev_node * self.local_world])
-            seconds = statistics.median(times)
-            self.store.set(f"link/{self.node}", json.dumps(
-                {"src": prev_node, "dst": self.node, "seconds": seconds, "GB/s": self.nbytes / seconds / 1e9}))
+            buffer = torch.ones(self.nbytes, dtype=torch.uint8, device=self.device)
+            ask = torch.ones(1, dtype=torch.uint8, device=self.device)
+            for src in range(self.nodes):
+                dst = (src + 1) % self.nodes
+                if self.node == src:
+                    for _ in range(EXCHANGES + 1):
+                        dist.recv(ask, dst * self.local_world)
+                        dist.send(buffer, dst * self.local_world)
+                elif self.node == dst:
+                    self._receive(src, buffer, ask)
         if self.rank != 0:
             return []
         return [json.loads(self.store.get(f"link/{n}").decode()) for n in range(self.nodes)]
+
+    def _receive(self, src: int, buffer: Any, ask: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        times = []
+        for i in range(EXCHANGES + 1):  # the first opens the connection: not timed
+            buffer.zero_()
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            dist.send(ask, src * self.local_world)
+            dist.recv(buffer, src * self.local_world)
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - began)
+        if int(buffer[0].item()) != 1 or int(buffer[-1].item()) != 1:
+            raise _StepFailed(f"the bytes node {src} sent arrived changed", blame=[src * self.local_world])
+        seconds = statistics.median(times)
+        self.store.set(f"link/{self.node}", json.dumps(
+            {"src": src, "dst": self.node, "seconds": seconds, "GB/s": self.nbytes / seconds / 1e9}))
 
     def _barrier(self) -> None:
         import torch.distributed as dist
@@ -349,14 +366,17 @@ class GangCheck:
 
 
 def slow(links: list[dict[str, Any]], factor: float = SLOW_FACTOR) -> tuple[list[str], list[int]]:
-    """The links far slower than the median link, and the nodes on every one of them (named only
+    """The links far slower than the faster half of them, and the nodes on every one of them (named only
     where the links tell nodes apart: three nodes or more)."""
     if len(links) < 2:
         return [], []
-    median = statistics.median(link["GB/s"] for link in links)
-    bad = [link for link in links if link["GB/s"] * factor < median]
-    named = [f"node {link['from node']} -> node {link['to node']}: {link['GB/s']:g} GB/s against a median of "
-             f"{median:.3g} GB/s" for link in bad]
+    # the reference is the faster half's median: one slow node slows two links of a ring, which with
+    # three nodes is most of them
+    speeds = sorted((link["GB/s"] for link in links), reverse=True)
+    reference = statistics.median(speeds[: (len(speeds) + 1) // 2])
+    bad = [link for link in links if link["GB/s"] * factor < reference]
+    named = [f"node {link['from node']} -> node {link['to node']}: {link['GB/s']:g} GB/s against "
+             f"{reference:.3g} GB/s on the faster links" for link in bad]
     if not bad or len(links) < 3:
         return named, []
     common = set.intersection(*({link["from node"], link["to node"]} for link in bad))

@@ -8,13 +8,14 @@ gives ranks (``RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a stor
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,6 @@ import pytest
 from prefect_sgpu import gang_check
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.errors import GangCheckFailed
-from support.aws_fixtures import free_port
 
 RANK = textwrap.dedent("""
     import json, os, sys
@@ -46,12 +46,12 @@ RANK = textwrap.dedent("""
 
 
 def _gang(tmp_path: Path, world: int = 4, per_node: int = 2, node_env: dict[int, dict[str, str]] | None = None,
-          absent: set[int] = frozenset(), timeout: float = 120.0) -> dict[int, dict]:
-    import torch.distributed as dist
+          absent: set[int] = frozenset(), timeout: float = 120.0, host: str = "127.0.0.1",
+          wrap: dict[int, list[str]] | None = None, nbytes: int = 1 << 20) -> dict[int, dict]:
+    from prefect_sgpu.launch.rendezvous import host_store
 
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
+    store = host_store(host, 0, timeout_s=60)  # the workers' store, on one address only
+    port = store.port
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     procs = {}
@@ -60,12 +60,13 @@ def _gang(tmp_path: Path, world: int = 4, per_node: int = 2, node_env: dict[int,
             continue
         node = rank // per_node
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
-               "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
+               "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(node), "MASTER_ADDR": host,
                "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", gang_check.ENV: "1",
-               gang_check.TIMEOUT_ENV: str(timeout), gang_check.BYTES_ENV: str(1 << 20), "SGPU_DEVICE": "cpu",
+               gang_check.TIMEOUT_ENV: str(timeout), gang_check.BYTES_ENV: str(nbytes), "SGPU_DEVICE": "cpu",
                "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "SGPU_RUN_ID": "sgpu-test-gang",
                "SGPU_INSTANCE_ID": f"i-node{node}", **(node_env or {}).get(node, {})}
-        procs[rank] = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+        argv = [*(wrap or {}).get(node, []), sys.executable, str(script)]
+        procs[rank] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True)
     results = {}
     try:
@@ -122,6 +123,65 @@ def test_a_rank_that_never_arrives_is_named_with_its_node_from_its_peer(tmp_path
         assert out["nodes"] == [1], out
         assert "rank(s) [3] did not reach the gang check within 4 s" in out["message"]
     assert results[0]["failed"]["3"]["instance"] == "i-node1"  # from rank 2, its peer on node 1
+
+
+def _can_shape_links() -> bool:
+    return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("tc"))
+
+
+class SlowNode:
+    """A network namespace of this test's own, joined to this one by a veth pair whose two ends
+    pass at most ``rate`` (tc's token bucket): a node in it reaches every other node slowly."""
+
+    def __init__(self, rate: str = "40mbit") -> None:
+        tag = f"{os.getpid() % 100000}{uuid.uuid4().hex[:3]}"
+        self.ns, self.outer, self.inner = f"sgpu-gc-{tag}", f"sgo{tag}", f"sgi{tag}"
+        octet = 16 + os.getpid() % 200
+        self.outer_ip, self.inner_ip = f"10.231.{octet}.1", f"10.231.{octet}.2"
+        self.rate = rate
+
+    def __enter__(self) -> "SlowNode":
+        ns = ["ip", "netns", "exec", self.ns]
+        steps = [["ip", "netns", "add", self.ns],
+                 ["ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner],
+                 ["ip", "link", "set", self.inner, "netns", self.ns],
+                 ["ip", "addr", "add", f"{self.outer_ip}/30", "dev", self.outer],
+                 ["ip", "link", "set", self.outer, "up"],
+                 [*ns, "ip", "addr", "add", f"{self.inner_ip}/30", "dev", self.inner],
+                 [*ns, "ip", "link", "set", self.inner, "up"], [*ns, "ip", "link", "set", "lo", "up"],
+                 ["tc", "qdisc", "add", "dev", self.outer, "root", "tbf", "rate", self.rate, "burst", "32kbit",
+                  "latency", "400ms"],
+                 [*ns, "tc", "qdisc", "add", "dev", self.inner, "root", "tbf", "rate", self.rate, "burst", "32kbit",
+                  "latency", "400ms"]]
+        try:
+            for step in steps:
+                subprocess.run(step, check=True, capture_output=True, timeout=30)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        subprocess.run(["ip", "link", "del", self.outer], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
+
+
+@pytest.mark.skipif(not _can_shape_links(), reason="needs root, ip and tc to give a node a slow link of its own")
+def test_a_node_behind_a_slow_link_is_named_by_the_bandwidth_table(tmp_path: Path) -> None:
+    # three nodes of one rank: nodes 0 and 2 here, node 1 in its own namespace behind a 40 Mbit/s link
+    with SlowNode() as slow_node:
+        results = _gang(tmp_path, world=3, per_node=1, host=slow_node.outer_ip, nbytes=1 << 20, node_env={
+            0: {"GLOO_SOCKET_IFNAME": slow_node.outer}, 2: {"GLOO_SOCKET_IFNAME": slow_node.outer},
+            1: {"GLOO_SOCKET_IFNAME": slow_node.inner}}, wrap={1: ["ip", "netns", "exec", slow_node.ns]})
+    report = results[0]["report"]
+    assert [results[r]["user_sum"] for r in range(3)] == [3.0] * 3
+    speed = {(link["from node"], link["to node"]): link["GB/s"] for link in report["links"]}
+    assert set(speed) == {(0, 1), (1, 2), (2, 0)}
+    assert max(speed[0, 1], speed[1, 2]) < 0.006 < speed[2, 0], speed  # 40 Mbit/s is 0.005 GB/s
+    assert report["slow_nodes"] == [1], report
+    assert len(report["slow_links"]) == 2 and all("node 1" in text for text in report["slow_links"])
+    _, warnings = gang_check.describe(report)
+    assert "gang check: node 1 is on every slow link" in warnings
 
 
 def test_slow_links_and_the_node_on_all_of_them_are_named() -> None:
