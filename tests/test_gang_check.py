@@ -136,8 +136,10 @@ class SlowNode:
     def __init__(self, rate: str = "40mbit") -> None:
         tag = f"{os.getpid() % 100000}{uuid.uuid4().hex[:3]}"
         self.ns, self.outer, self.inner = f"sgpu-gc-{tag}", f"sgo{tag}", f"sgi{tag}"
-        octet = 16 + os.getpid() % 200
-        self.outer_ip, self.inner_ip = f"10.231.{octet}.1", f"10.231.{octet}.2"
+        # a /30 of its own among 16384 (two suites side by side each pick theirs)
+        block = int(uuid.uuid4().hex[:4], 16) % 16384
+        third, fourth = block // 64, block % 64 * 4
+        self.outer_ip, self.inner_ip = f"10.231.{third}.{fourth + 1}", f"10.231.{third}.{fourth + 2}"
         self.rate = rate
 
     def __enter__(self) -> "SlowNode":
