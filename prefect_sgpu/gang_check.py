@@ -9,11 +9,14 @@ loaded or large job may start minutes apart; a rank that fails says so at once, 
 2. **Device** (ranks on a GPU). The rank's GPU computes a sum whose value is known; where
    ``nvidia-ml-py`` is installed, NVML must report no uncorrectable ECC error since boot (volatile)
    and no hardware slowdown (thermal, power brake), which are named as warnings.
-3. **A process group of the job's backend** (nccl on GPUs, gloo on CPU), on keys of its own in
+3. **Reachability** (two nodes or more). Each node's first rank listens on the address its
+   backend sends from and connects to the previous and the next node's; a node on every broken
+   link is named at once (a process group would wait out its timeout).
+4. **A process group of the job's backend** (nccl on GPUs, gloo on CPU), on keys of its own in
    the store, so the user's ``init_process_group`` later starts as if the check had not run.
-4. **Known results.** ``all_gather`` of ``rank + 1`` from every rank: a wrong entry names its rank;
+5. **Known results.** ``all_gather`` of ``rank + 1`` from every rank: a wrong entry names its rank;
    ``all_reduce`` of the same must give ``world * (world + 1) / 2``.
-5. **Links.** Around a ring over the nodes, one link at a time, each node's first rank asks the
+6. **Links.** Around a ring over the nodes, one link at a time, each node's first rank asks the
    previous node's first rank for a buffer a few times; the median time gives the link's bandwidth.
    A link slower than the faster half of the links (their median) by ``SLOW_FACTOR`` is named
    slow, and a node on every slow link (with three nodes or more) is named a slow node. Slowness is reported, not fatal.
@@ -52,6 +55,8 @@ SLOW_FACTOR = 4.0
 #: seconds a failing rank waits for its peers' errors before it raises (they see the failure in 0.1 s)
 GRACE_S = 3.0
 _POLL_S = 0.1
+#: seconds a node's first rank tries to connect to a neighbour before it calls the link broken
+PROBE_TIMEOUT_S = 10.0
 
 
 class _PeerFailed(Exception):
@@ -166,6 +171,8 @@ class GangCheck:
         self._wait_present()
         if self.device == "cuda":
             self._step("device check", self._check_device)
+        if self.nodes > 1:
+            self._step("reachability", self._reachability)
         self._step("process group", self._init_group)
         try:
             self._step("known results", self._known_results)
@@ -202,6 +209,47 @@ class GangCheck:
         if faults:
             raise _StepFailed("; ".join(faults))
         self.warnings.extend(warnings)
+
+    def _reachability(self) -> None:
+        """Each node's first rank listens on the address its backend will use and connects to the
+        previous and the next node's: a node that reaches no peer (or none reaches) is named at
+        once, where a process group would wait out its timeout."""
+        if self.local_rank == 0:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listener.bind((data_address(self.device), 0))
+                listener.listen(16)
+                host, port = listener.getsockname()[:2]
+                self.store.set(f"probe/{self.node}", f"{host}:{port}")
+                self.store.add("probes", 1)
+                threading.Thread(target=_accept_all, args=(listener,), daemon=True).start()
+                while int(self.store.add("probes", 0)) < self.nodes:
+                    time.sleep(_POLL_S / 2)
+                reached: dict[str, str] = {}
+                for peer in sorted({(self.node + 1) % self.nodes, (self.node - 1) % self.nodes} - {self.node}):
+                    host, _, port = self.store.get(f"probe/{peer}").decode().rpartition(":")
+                    try:
+                        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+                        reached[str(peer)] = ""
+                    except OSError as exc:
+                        reached[str(peer)] = f"{host}:{port}: {exc.strerror or exc}"
+                self.store.set(f"reach/{self.node}", json.dumps(reached))
+                self.store.add("reached", 1)
+                while int(self.store.add("reached", 0)) < self.nodes:
+                    time.sleep(_POLL_S / 2)
+            finally:
+                listener.close()
+        else:
+            while int(self.store.add("reached", 0)) < self.nodes:
+                time.sleep(_POLL_S / 2)
+        failed = {(node, int(peer)): error for node in range(self.nodes)
+                  for peer, error in json.loads(self.store.get(f"reach/{node}").decode()).items() if error}
+        if failed:
+            ends = set.intersection(*({a, b} for a, b in failed))
+            culprits = sorted(ends) if ends else sorted({n for link in failed for n in link})
+            raise _StepFailed("no connection: " + "; ".join(f"node {a} -> node {b} ({error})"
+                                                            for (a, b), error in sorted(failed.items())),
+                              blame=[n * self.local_world for n in culprits])
 
     def _init_group(self) -> None:
         import datetime
@@ -363,6 +411,35 @@ class GangCheck:
                         failed[blamed] = {**where[int(blamed)], "error": f"named by rank {rank}: {record['error']}",
                                           "collateral": False}
         return failed
+
+
+def data_address(device: str) -> str:
+    """The IPv4 address this rank's backend sends from: the first interface of ``GLOO_SOCKET_IFNAME``
+    (CPU) or ``NCCL_SOCKET_IFNAME`` (GPU) where one is named, else the host name's address, as gloo's
+    default device takes it."""
+    import fcntl
+    import struct
+
+    names = os.environ.get("NCCL_SOCKET_IFNAME" if device == "cuda" else "GLOO_SOCKET_IFNAME", "")
+    name = names.split(",")[0].strip().lstrip("=")
+    if not name or name.startswith("^"):
+        return socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:  # SIOCGIFADDR: the interface's IPv4 address
+            packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        except OSError as exc:
+            raise _StepFailed(f"no IPv4 address on network interface {name!r} (named by "
+                              f"{'NCCL' if device == 'cuda' else 'GLOO'}_SOCKET_IFNAME): {exc.strerror or exc}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _accept_all(listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return  # closed: the probe is over
+        conn.close()
 
 
 def slow(links: list[dict[str, Any]], factor: float = SLOW_FACTOR) -> tuple[list[str], list[int]]:

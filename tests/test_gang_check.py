@@ -96,7 +96,8 @@ def test_a_sound_gang_passes_reports_each_link_and_leaves_the_user_a_clean_start
     assert report["where"]["3"]["instance"] == "i-node1" and report["where"]["0"]["node"] == 0
     info, warnings = gang_check.describe(report)
     assert "gang check passed: 4 rank(s) on 2 node(s)" in info and "node 0 -> 1" in info
-    assert warnings == []
+    # no verdict on speed here: on a loaded machine a loopback link can measure 4x slower than the other
+    assert all(w.startswith("gang check: slow link node ") for w in warnings), warnings
 
 
 def test_a_node_whose_network_device_fails_is_named_with_its_instance_not_after_a_timeout(tmp_path: Path) -> None:
@@ -129,11 +130,11 @@ def _can_shape_links() -> bool:
     return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("tc"))
 
 
-class SlowNode:
+class NodeNamespace:
     """A network namespace of this test's own, joined to this one by a veth pair whose two ends
     pass at most ``rate`` (tc's token bucket): a node in it reaches every other node slowly."""
 
-    def __init__(self, rate: str = "40mbit") -> None:
+    def __init__(self, rate: str) -> None:
         tag = f"{os.getpid() % 100000}{uuid.uuid4().hex[:3]}"
         self.ns, self.outer, self.inner = f"sgpu-gc-{tag}", f"sgo{tag}", f"sgi{tag}"
         # a /30 of its own among 16384 (two suites side by side each pick theirs)
@@ -142,7 +143,7 @@ class SlowNode:
         self.outer_ip, self.inner_ip = f"10.231.{third}.{fourth + 1}", f"10.231.{third}.{fourth + 2}"
         self.rate = rate
 
-    def __enter__(self) -> "SlowNode":
+    def __enter__(self) -> "NodeNamespace":
         ns = ["ip", "netns", "exec", self.ns]
         steps = [["ip", "netns", "add", self.ns],
                  ["ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner],
@@ -170,20 +171,36 @@ class SlowNode:
 
 @pytest.mark.skipif(not _can_shape_links(), reason="needs root, ip and tc to give a node a slow link of its own")
 def test_a_node_behind_a_slow_link_is_named_by_the_bandwidth_table(tmp_path: Path) -> None:
-    # three nodes of one rank: nodes 0 and 2 here, node 1 in its own namespace behind a 40 Mbit/s link
-    with SlowNode() as slow_node:
-        results = _gang(tmp_path, world=3, per_node=1, host=slow_node.outer_ip, nbytes=1 << 20, node_env={
+    # three nodes of one rank: nodes 0 and 2 here, node 1 in its own namespace behind a 10 Mbit/s link
+    # (0.00125 GB/s)
+    with NodeNamespace(rate="10mbit") as slow_node:
+        results = _gang(tmp_path, world=3, per_node=1, host=slow_node.outer_ip, nbytes=1 << 19, node_env={
             0: {"GLOO_SOCKET_IFNAME": slow_node.outer}, 2: {"GLOO_SOCKET_IFNAME": slow_node.outer},
             1: {"GLOO_SOCKET_IFNAME": slow_node.inner}}, wrap={1: ["ip", "netns", "exec", slow_node.ns]})
     report = results[0]["report"]
     assert [results[r]["user_sum"] for r in range(3)] == [3.0] * 3
     speed = {(link["from node"], link["to node"]): link["GB/s"] for link in report["links"]}
     assert set(speed) == {(0, 1), (1, 2), (2, 0)}
-    assert max(speed[0, 1], speed[1, 2]) < 0.006 < speed[2, 0], speed  # 40 Mbit/s is 0.005 GB/s
+    assert max(speed[0, 1], speed[1, 2]) < 0.0015 and speed[2, 0] > 4 * max(speed[0, 1], speed[1, 2]), speed
     assert report["slow_nodes"] == [1], report
     assert len(report["slow_links"]) == 2 and all("node 1" in text for text in report["slow_links"])
     _, warnings = gang_check.describe(report)
     assert "gang check: node 1 is on every slow link" in warnings
+
+
+@pytest.mark.skipif(not _can_shape_links(), reason="needs root and ip to give a node a network namespace of its own")
+def test_a_node_that_cannot_reach_its_peers_is_named_at_once(tmp_path: Path) -> None:
+    # node 1 reaches the store (on the veth) but not its peers' data address (127.0.0.1 here is not
+    # theirs inside its namespace); they reach its own
+    with NodeNamespace(rate="1gbit") as ns:
+        results = _gang(tmp_path, world=3, per_node=1, host=ns.outer_ip, timeout=300.0, node_env={
+            0: {"GLOO_SOCKET_IFNAME": "lo"}, 2: {"GLOO_SOCKET_IFNAME": "lo"}, 1: {"GLOO_SOCKET_IFNAME": ns.inner}},
+            wrap={1: ["ip", "netns", "exec", ns.ns]})
+    for out in results.values():
+        assert out.get("nodes") == [1], out
+        assert "node 1 -> node 0" in out["message"] and "node 1 -> node 2" in out["message"], out["message"]
+        assert "did not finish within" not in out["message"]  # named by the probe, not at the 300 s timeout
+    assert results[0]["failed"]["1"]["instance"] == "i-node1"
 
 
 def test_slow_links_and_the_node_on_all_of_them_are_named() -> None:
