@@ -118,11 +118,14 @@ def test_a_node_whose_network_device_fails_is_named_with_its_instance_not_after_
 
 
 def test_a_rank_that_never_arrives_is_named_with_its_node_from_its_peer(tmp_path: Path) -> None:
-    results = _gang(tmp_path, absent={3}, timeout=4.0)
+    # 10 s: on a loaded machine the present ranks finish importing torch seconds apart
+    results = _gang(tmp_path, absent={3}, timeout=10.0)
     assert sorted(results) == [0, 1, 2]
     for out in results.values():
         assert out["nodes"] == [1], out
-        assert "rank(s) [3] did not reach the gang check within 4 s" in out["message"]
+        culprits = {k for k, v in out["failed"].items() if not v["collateral"]}
+        assert culprits == {"3"}, out["message"]
+        assert "did not reach the gang check within 10 s" in out["failed"]["3"]["error"], out["message"]
     assert results[0]["failed"]["3"]["instance"] == "i-node1"  # from rank 2, its peer on node 1
 
 
