@@ -22,7 +22,7 @@ loaded or large job may start minutes apart; a rank that fails says so at once, 
    slow, and a node on every slow link (with three nodes or more) is named a slow node. Slowness is reported, not fatal.
 
 A rank whose step fails writes its error to the store and counts it; every other rank sees the
-count within a tenth of a second, stops waiting, and all raise the same
+count within a fifth of a second, stops waiting, and all raise the same
 :class:`~prefect_sgpu.errors.GangCheckFailed` that names each failing rank with its node, host and
 instance id: a broken node costs seconds, not a collective timeout. Rank 0 returns the report
 (the driver puts it in ``JobResult.gang_check`` and the task's artifact).
@@ -54,7 +54,7 @@ EXCHANGES = 3
 SLOW_FACTOR = 4.0
 #: seconds a failing rank waits for its peers' errors before it raises (they see the failure in 0.1 s)
 GRACE_S = 3.0
-_POLL_S = 0.1
+_POLL_S = 0.2
 #: seconds a node's first rank tries to connect to a neighbour before it calls the link broken
 PROBE_TIMEOUT_S = 10.0
 
@@ -193,7 +193,7 @@ class GangCheck:
                 missing = [r for r in range(self.world) if not self._has(f"id/{r}")]
                 raise _StepFailed(f"rank(s) {missing} did not reach the gang check within {self.timeout:g} s",
                                   blame=missing)
-            time.sleep(_POLL_S / 2)
+            time.sleep(_POLL_S)
 
     def _check_device(self) -> None:
         import torch
@@ -224,7 +224,7 @@ class GangCheck:
                 self.store.add("probes", 1)
                 threading.Thread(target=_accept_all, args=(listener,), daemon=True).start()
                 while int(self.store.add("probes", 0)) < self.nodes:
-                    time.sleep(_POLL_S / 2)
+                    time.sleep(_POLL_S)
                 reached: dict[str, str] = {}
                 for peer in sorted({(self.node + 1) % self.nodes, (self.node - 1) % self.nodes} - {self.node}):
                     host, _, port = self.store.get(f"probe/{peer}").decode().rpartition(":")
@@ -236,12 +236,12 @@ class GangCheck:
                 self.store.set(f"reach/{self.node}", json.dumps(reached))
                 self.store.add("reached", 1)
                 while int(self.store.add("reached", 0)) < self.nodes:
-                    time.sleep(_POLL_S / 2)
+                    time.sleep(_POLL_S)
             finally:
                 listener.close()
         else:
             while int(self.store.add("reached", 0)) < self.nodes:
-                time.sleep(_POLL_S / 2)
+                time.sleep(_POLL_S)
         failed = {(node, int(peer)): error for node in range(self.nodes)
                   for peer, error in json.loads(self.store.get(f"reach/{node}").decode()).items() if error}
         if failed:
@@ -402,14 +402,15 @@ class GangCheck:
     def _compose(self) -> dict[int, dict[str, Any]]:
         where = self._where()
         failed: dict[int, dict[str, Any]] = {}
-        for rank in range(self.world):
-            record = self._json(f"err/{rank}")
+        records = {rank: self._json(f"err/{rank}") for rank in range(self.world)}
+        for rank, record in records.items():  # each rank's own word first
             if record is not None:
                 failed[rank] = {**where[rank], "error": record["error"], "collateral": record["collateral"]}
-                for blamed in record.get("blame") or []:
-                    if blamed != rank and (blamed not in failed or failed[blamed].get("collateral")):
-                        failed[blamed] = {**where[int(blamed)], "error": f"named by rank {rank}: {record['error']}",
-                                          "collateral": False}
+        for rank, record in records.items():  # then whom it named: a named rank is at fault, even one
+            for blamed in (record or {}).get("blame") or []:  # that stopped for another's error itself
+                if blamed != rank and (blamed not in failed or failed[blamed].get("collateral")):
+                    failed[blamed] = {**where[int(blamed)], "error": f"named by rank {rank}: {record['error']}",
+                                      "collateral": False}
         return failed
 
 
