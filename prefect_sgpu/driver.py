@@ -546,8 +546,7 @@ class Job:
             mlflow_tracking_uri=self.tracked.tracking_uri if self.tracked else None,
             logs_uri=self.store.uri(self.run_id, "logs"),
             duration_s=time.monotonic() - self.started_at,
-            gang_check=next((getattr(e, "gang_check", None) for e in envelopes.values()
-                             if getattr(e, "gang_check", None)), None),
+            gang_check=next((e.gang_check for e in envelopes.values() if e.gang_check), None),
         )
 
     def _failure(self, codes: dict[int, int], statuses: dict[int, NodeStatus],
