@@ -27,7 +27,7 @@ from prefect_sgpu import progress_watch
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
                                        NodeUp, Released, Request, rank_prefect_environment)
 from prefect_sgpu.errors import (EnvironmentMismatch, HeartbeatExpired, InfrastructureLost, JobCancelled, JobHung,
-                                 LaunchTimeout, RankFailedError, SGPUConfigError, SGPUError)
+                                 LaunchTimeout, ProvisioningError, RankFailedError, SGPUConfigError, SGPUError)
 from prefect_sgpu.heartbeat import HEARTBEAT_INTERVAL_S, DriverHeartbeat, Outage
 from prefect_sgpu.jobfolder import GANG_ENV, HEARTBEAT_STOP, JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
@@ -63,11 +63,16 @@ class Recovery:
     reprovision_s: float
     #: seconds of the lost gang's run after its last complete checkpoint (work redone)
     lost_work_s: float | None
+    #: "nodes": only the lost nodes were replaced, the others kept; "gang": the whole gang was
+    replaced: str = "gang"
+    #: the nodes kept (index -> instance or host) when only the lost ones were replaced
+    kept: dict[int, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"gang": self.gang, "nodes": {str(k): v for k, v in self.nodes.items()}, "reason": self.reason,
                 "resumed_from_step": self.resumed_from_step, "reprovision_s": round(self.reprovision_s, 1),
-                "lost_work_s": None if self.lost_work_s is None else round(self.lost_work_s, 1)}
+                "lost_work_s": None if self.lost_work_s is None else round(self.lost_work_s, 1),
+                "replaced": self.replaced, "kept": {str(k): v for k, v in self.kept.items()}}
 
 
 @dataclass
@@ -381,10 +386,13 @@ class Job:
                 self.sink.warning(f"{self.call.name}: {line}")
 
     def _run_gangs(self, request: Request, folder: JobFolder, deadline: float, tailer: LogTailer) -> _GangEnd:
-        """Acquire, start and wait; after infrastructure loss, release and do it again (``max_recoveries``)."""
+        """Acquire, start and wait; after infrastructure loss, replace what was lost (only the lost nodes
+        where the compute can, else the whole gang) and do it again (``max_recoveries``)."""
         gang = 0
+        allocation: Allocation | None = None
         while True:
-            allocation = self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
+            if allocation is None:
+                allocation = self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
             tailer.node_of = lambda rank, a=allocation: self.compute.node_of_rank(a, rank)
             self.plan = allocation.plan  # a job compute may refine the device it got
             endpoint = self.compute.rendezvous_endpoint(allocation)
@@ -407,13 +415,14 @@ class Job:
                     recoveries=[r.as_dict() for r in self.recoveries])
             noticed, noticed_at = time.monotonic(), time.time()
             gang += 1
-            self.sink.warning(f"{self.call.name}: {reason}; relaunching the job on new capacity "
-                              f"(recovery {gang} of at most {self.spec.max_recoveries})")
+            self.sink.warning(f"{self.call.name}: {reason}; replacing it (recovery {gang} of at most "
+                              f"{self.spec.max_recoveries})")
             try:
                 self.compute.stop(allocation)
-            finally:
+            except BaseException:
                 self._released.append(self.compute.release(allocation))
-            self.allocation = None
+                self.allocation = None
+                raise
             # read once the lost gang is gone: a save it was sealing when the loss was seen may have
             # completed since, and the next gang resumes from that one
             step, lost_work = self._checkpoint_progress(noticed - gang_started, noticed_at)
@@ -421,9 +430,38 @@ class Job:
                 self.relay.restart()
             tailer.restart(lambda g=gang: folder.reset_for_relaunch(g))
             request = self.compute.replan(request, gang)
-            self.recoveries.append(Recovery(gang=gang, nodes={i: hosts.get(i, "?") for i in lost}, reason=reason,
-                                            resumed_from_step=step, reprovision_s=0.0, lost_work_s=lost_work))
+            replaced = self._replace_lost(allocation, set(lost), request, deadline)
+            recovery = Recovery(gang=gang, nodes={i: hosts.get(i, "?") for i in lost}, reason=reason,
+                                resumed_from_step=step, reprovision_s=0.0, lost_work_s=lost_work,
+                                replaced="nodes" if replaced else "gang",
+                                kept={n.index: n.instance_id or n.host for n in allocation.nodes
+                                      if n.index not in lost} if replaced else {})
+            if not replaced:
+                try:
+                    self._released.append(self.compute.release(allocation))
+                finally:
+                    self.allocation = allocation = None
+                folder.reset_nodes()  # what the nodes of a replacement given up wrote
+            self.recoveries.append(recovery)
             self._reprovision_started = noticed
+
+    def _replace_lost(self, allocation: Allocation, lost: set[int], request: Request, deadline: float) -> bool:
+        """Only the lost nodes replaced, the others kept (True); False when the compute cannot, the nodes it
+        would keep are unfit, or the new nodes could not be had (the whole gang is replaced then)."""
+        try:
+            released = self.compute.replace_nodes(allocation, lost, request, deadline, self.cancel_event)
+        except (ProvisioningError, LaunchTimeout, EnvironmentMismatch) as exc:
+            if self.cancel_event.is_set() or time.monotonic() >= deadline:
+                raise
+            self.sink.warning(f"{self.call.name}: the lost node(s) could not be replaced alone ({exc}); "
+                              "relaunching the whole gang on new capacity")
+            return False
+        if released is None:
+            return False
+        self._released.append(released)
+        self.sink.info(f"{self.call.name}: node(s) {sorted(lost)} replaced by new capacity, "
+                       f"{len(allocation.nodes) - len(lost)} node(s) kept")
+        return True
 
     def _checkpoint_progress(self, gang_ran_s: float, noticed_at: float) -> tuple[int | None, float | None]:
         """The newest complete checkpoint step and the seconds of work the lost gang did after it, until

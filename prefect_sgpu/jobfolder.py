@@ -86,7 +86,7 @@ BUNDLE_MAGIC = b"SGPU2-LAUNCH\n"
 _DIGEST = 32
 
 Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result", "assign",
-               "checkpoint", "metrics"]
+               "rejoin", "checkpoint", "metrics"]
 
 # --- keys ------------------------------------------------------------------------------
 
@@ -108,6 +108,8 @@ CONTROL = (PAYLOAD, RESULTS, STOP, NODES, HEARTBEAT, METRICS)
 LAUNCH_KEY = f"{NODES}/launch"
 #: in a warm lease's folder: every node's next job, one object (:class:`Assign`)
 ASSIGN_KEY = f"{NODES}/assign"
+#: in a job's folder after a node was replaced: the kept nodes serve the next gang (:class:`Rejoin`)
+REJOIN_KEY = f"{NODES}/rejoin"
 #: a rank's gang of its job (0, or the relaunch it belongs to): what its result is bound to
 GANG_ENV = "SGPU_GANG"
 #: what a run id (or lease id) may look like: it names folders, SSM parameters and tags
@@ -201,6 +203,9 @@ class LaunchDocument(_Doc):
     env: dict[str, str] = Field(default_factory=dict)
     #: the job has ``secrets=``: the node reads them from :func:`ssm_secrets_parameter`, never from here
     secrets: bool = False
+    #: the gang it starts (0, or the relaunch): a node runs only its own gang's, so a lost gang's
+    #: launch written back into the store never starts that gang again on a node kept for the next
+    gang: int = Field(default=0, ge=0)
 
 
 class Assign(_Doc):
@@ -214,6 +219,14 @@ class Assign(_Doc):
     run_id: str = Field(pattern=RUN_ID_PATTERN)
     seq: int
     gang: int = Field(default=0, ge=0)
+
+
+class Rejoin(_Doc):
+    """A node of a cold job that the driver kept after another node was lost serves gang ``gang`` next
+    (in the same folder, with the same key). A node takes only a gang above the one it served, so an
+    old one written back is never served twice."""
+
+    gang: int = Field(ge=1)
 
 
 class Alive(_Doc):
@@ -465,6 +478,14 @@ class JobFolder:
         return self._bundle_entry(LAUNCH_KEY, "launch", LaunchDocument, node, instance_id,
                                   f"launch document of node {node}")
 
+    def put_rejoins(self, docs: Mapping[int, tuple[Rejoin, str | None]]) -> None:
+        """The kept nodes' next gang, each sealed and bound to its node and instance, in one write."""
+        self._put_bundle(REJOIN_KEY, "rejoin", docs)
+
+    def rejoin(self, node: int, instance_id: str | None = None) -> Rejoin | None:
+        """This node's rejoin document; DocumentRefused if what is there is not the driver's."""
+        return self._bundle_entry(REJOIN_KEY, "rejoin", Rejoin, node, instance_id, f"rejoin document of node {node}")
+
     # assignments in a warm lease's folder (driver -> idle node) ---------------------------
 
     def put_assignments(self, docs: Mapping[int, tuple[Assign, str | None]]) -> None:
@@ -555,6 +576,11 @@ class JobFolder:
             data = self.store.get(self.run_id, key)
             if data is not None:
                 self.store.put(self.run_id, f"{LOGS}/gang-{gang}/{key.rsplit('/', 1)[-1]}", data)
+            self.store.delete(self.run_id, key)
+
+    def reset_nodes(self) -> None:
+        """The node documents and the stop go (new machines are about to announce themselves)."""
+        for key in (STOP, NODES):
             self.store.delete(self.run_id, key)
 
     def delete_control_files(self) -> None:

@@ -279,12 +279,14 @@ def _report(job: Job, result: JobResult) -> None:
     recoveries = ""
     if result.recoveries:
         lines = "\n".join(
-            f"| {r.gang} | {r.reason} | {r.resumed_from_step if r.resumed_from_step is not None else 'start'} | "
+            f"| {r.gang} | {r.reason} | {_replaced_text(r)} | "
+            f"{r.resumed_from_step if r.resumed_from_step is not None else 'start'} | "
             f"{r.reprovision_s:.1f} | {'?' if r.lost_work_s is None else f'{r.lost_work_s:.1f}'} |"
             for r in result.recoveries)
-        recoveries = ("**Recovered from infrastructure loss** (relaunched on new capacity):\n\n"
-                      "| relaunch | what was lost | resumed from step | re-provisioning (s) | work redone (s) |\n"
-                      f"| --- | --- | --- | --- | --- |\n{lines}\n\n")
+        recoveries = ("**Recovered from infrastructure loss** (new capacity for what was lost):\n\n"
+                      "| relaunch | what was lost | replaced | resumed from step | re-provisioning (s) | "
+                      "work redone (s) |\n"
+                      f"| --- | --- | --- | --- | --- | --- |\n{lines}\n\n")
     stragglers = ""
     if result.stragglers:
         lines = "\n".join(f"| {s.rank} | {s.where()} | {s.step} | {s.rate:.3g} | {s.median_rate:.3g} |"
@@ -324,3 +326,10 @@ def _gang_check_section(key: str, result: JobResult) -> str:
                                                 *(report.get("warnings") or [])])
     return (f"**Gang check** passed in {report['seconds']:g} s over {report['backend']} "
             f"({report['bytes'] / 2**20:g} MiB per exchange):\n\n{table}" + (notes + "\n" if notes else ""))
+
+
+def _replaced_text(recovery: Any) -> str:
+    if recovery.replaced == "nodes":
+        kept = ", ".join(f"{i} ({where})" for i, where in sorted(recovery.kept.items()))
+        return f"the lost node(s) only; kept {kept}"
+    return "the whole gang"

@@ -292,6 +292,16 @@ class Compute(ABC):
         folder goes; no compute writes it.
         """
 
+    def replace_nodes(self, allocation: Allocation, lost: set[int], request: Request, deadline: float,
+                      cancel: threading.Event) -> Released | None:
+        """After infrastructure loss and ``stop``: keep the allocation's other nodes, end the ``lost``
+        ones and put new nodes in their places (the same indices), ready for the next ``start``
+        (``request``: ``replan``'s, for the gang that starts next). Returns what was ended, with its
+        cost; None when this compute cannot, or the nodes it would keep are unfit: the allocation is
+        then as it was, and the driver releases it and acquires a whole new one. An exception leaves
+        everything to ``release``, as after ``acquire``."""
+        return None
+
     @abstractmethod
     def start(self, allocation: Allocation, launch: JobLaunch) -> None:
         """Start the job: node computes run ``launch.commands`` (one agent per node);

@@ -57,7 +57,7 @@ from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.jobfolder import (HEARTBEAT, HEARTBEAT_STOP, LOGS, PAYLOAD, RESULTS, Alive, JobFolder,
-                                    LaunchDocument, NodeStatus, Notice, agent_output_key, ssm_key_parameter,
+                                    LaunchDocument, NodeStatus, Notice, Rejoin, agent_output_key, ssm_key_parameter,
                                     ssm_secrets_parameter, unseal)
 from prefect_sgpu.launch.node_host import NodeHost, NodeIdentity
 from prefect_sgpu.launch.lease_node import ForkedAgent, LeaseServing
@@ -95,10 +95,12 @@ class NodeBootstrap(LeaseServing):
         key_wait: float = 60.0,
         host: NodeHost | None = None,
         gang: int = 0,
+        node_index: int | None = None,
     ) -> None:
         """``host``: the cloud as this node sees it (default: EC2, :mod:`prefect_sgpu.launch.ec2_host`,
         with ``region`` and ``endpoint_url``). ``gang``: which gang of its job a cold node serves (its
-        boot arguments say; a lease's node learns each job's from its assignment)."""
+        boot arguments say; a lease's node learns each job's from its assignment). ``node_index``: the
+        node it replaces, for a machine launched alone in place of a lost one (else its launch index)."""
         if host is None:
             from prefect_sgpu.launch.ec2_host import EC2NodeHost
 
@@ -107,7 +109,7 @@ class NodeBootstrap(LeaseServing):
         self.store = store
         self.run_id = run_id
         self.identity = identity
-        self.index = identity.launch_index
+        self.index = identity.launch_index if node_index is None else node_index
         self.node_dir = node_dir
         self.job_dir = node_dir / run_id
         #: this instance serves a warm lease (``run_id`` is the lease's id until a job is assigned)
@@ -315,7 +317,10 @@ class NodeBootstrap(LeaseServing):
                 self._refused(exc)
             except Exception as exc:  # noqa: BLE001
                 self._store_error("reading the launch document", exc)
-            if doc is not None:
+            if doc is not None and doc.gang != self.gang:
+                self._refused(DocumentRefused(f"launch document of gang {doc.gang} of job {self.run_id}: this "
+                                              f"node serves gang {self.gang}: refused"))
+            elif doc is not None:
                 return doc
             if self.stop_requested():
                 return None
@@ -607,11 +612,17 @@ class NodeBootstrap(LeaseServing):
         self.start_alive()
         if self.lease:
             return self.serve_lease()
-        try:
-            code = self.serve_job()
-        finally:
-            self.drop_scratch()
-        return self.watch_until_gone() if code is None else code
+        while True:
+            try:
+                code = self.serve_job()
+            finally:
+                self.drop_scratch()
+            if code is not None:
+                return code
+            rejoin = self.watch_until_gone()
+            if isinstance(rejoin, int):
+                return rejoin
+            self.rejoin(rejoin)
 
     def serve_job(self) -> int | None:
         """One job in the current folder, from waiting for its launch to its reported end.
@@ -656,17 +667,45 @@ class NodeBootstrap(LeaseServing):
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
             time.sleep(self.interval)
 
-    def watch_until_gone(self) -> int:
+    def watch_until_gone(self) -> "int | Rejoin":
         """The work is done; the driver terminates this instance. If it never does, do it.
 
         Silent: after its status a node writes nothing more to the store, so the driver's
         deletion of the job's control files (right after it terminates the instances) is final.
+        Unless the driver keeps this node for the job's next gang, after another node was lost:
+        a verified rejoin document for a higher gang than this node served is returned.
         """
         self.quiet()
+        assert self.folder is not None
         while True:
             if self.heartbeat_stale():
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
+            doc = None
+            try:
+                doc = self.folder.rejoin(self.index, instance_id=self.identity.instance_id)
+            except DocumentRefused as exc:
+                self._refused(exc)
+            except Exception as exc:  # noqa: BLE001
+                self._store_error("reading the rejoin document", exc)
+            if doc is not None and doc.gang > self.gang:
+                return doc
+            if doc is not None and doc.gang < self.gang:
+                self._refused(DocumentRefused(f"rejoin for gang {doc.gang} of job {self.run_id} is older than "
+                                              f"gang {self.gang}, already served (replayed): refused"))
             time.sleep(self.interval)
+
+    def rejoin(self, doc: "Rejoin") -> None:
+        """Serve gang ``doc.gang`` of the same job: nothing of the gang before stays (its local folder,
+        processes and uploads), and the node announces itself in the job's folder again."""
+        import shutil
+
+        _log(f"kept for gang {doc.gang} of job {self.run_id}")
+        if self._agent is not None and self._agent.poll() is None:
+            self.stop_agent(self._agent)
+        assert self.key is not None
+        with self._alive_lock:
+            shutil.rmtree(self.job_dir, ignore_errors=True)
+            self._enter(self.run_id, self.key, doc.gang)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -683,6 +722,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the instance belongs to a warm lease (--run-id is the lease's id): serve its assigned jobs")
     p.add_argument("--gang", type=int, default=0,
                    help="which gang of the job the instance serves (a relaunch: 1, 2, ...); only its stop is obeyed")
+    p.add_argument("--node-index", type=int, default=None,
+                   help="the node this instance replaces (launched alone after a loss); default: its launch index")
     p.add_argument("--backstop-marker", default=None,
                    help="created once this program has taken over from the user-data's backstop")
     return p.parse_args(argv)
@@ -703,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
                         kms_key_id=args.store_kms_key, bucket_owner=args.bucket_owner)
         node_dir = Path(os.environ.get(NODE_DIR_ENV) or default_home() / "node-jobs")
         node = NodeBootstrap(store, args.run_id, identity, node_dir, args.heartbeat_ttl, interval=args.interval,
-                             lease=args.lease, host=host, gang=args.gang)
+                             lease=args.lease, host=host, gang=args.gang,
+                             node_index=args.node_index)
         if args.backstop_marker:
             Path(args.backstop_marker).touch()  # from here on this program watches the node
         return node.run()

@@ -62,23 +62,27 @@ def _node_instance(ec2: EC2Env, run_id: str, index: int) -> str:
     return live[0]["InstanceId"]
 
 
-def _recovered_exactly_once(ec2: EC2Env, job: Any, outcome: dict[str, Any], lost: str) -> Any:
+def _recovered_exactly_once(ec2: EC2Env, job: Any, outcome: dict[str, Any], lost: str, kept: str) -> Any:
+    """One recovery that replaced the lost node 1 alone: node 0 ran both gangs on the same instance."""
     assert "error" not in outcome, repr(outcome.get("error"))
     result = outcome["result"]
     rank0 = result.values[0]
     assert rank0["optimizer_steps"] == STEPS, "the model saw exactly 60 optimizer steps over both gangs"
     assert rank0["start"] >= 20 and rank0["start"] + rank0["ran"] == STEPS, rank0
     (recovery,) = result.recoveries
-    assert recovery.gang == 1 and lost in recovery.nodes.values(), recovery
+    assert recovery.gang == 1 and recovery.nodes == {1: lost}, recovery
+    assert recovery.replaced == "nodes" and recovery.kept == {0: kept}, recovery
     assert recovery.resumed_from_step == rank0["start"], "the second gang resumed from the newest checkpoint"
     assert recovery.reprovision_s > 0
     instances = ec2.instances(job.run_id)
-    assert len(instances) == 4 and all(i["State"]["Name"] == "terminated" for i in instances), \
-        "one replacement gang was provisioned, and every instance is gone"
+    assert len(instances) == 3 and all(i["State"]["Name"] == "terminated" for i in instances), \
+        "exactly one new instance was launched, and every instance is gone"
     tokens = {c.params["ClientToken"] for c in ec2.proxy.calls("RunInstances")} if ec2.proxy else set()
-    assert len(tokens) == 2, "exactly one replacement provisioning"
-    ran_on = {v["instance"] for v in result.values}
-    assert None not in ran_on and lost not in ran_on, "the results came from the new instances"
+    assert len(tokens) == 2 or not ec2.proxy, "exactly one replacement provisioning"
+    ran_on = [v["instance"] for v in result.values]
+    assert ran_on[0] == kept, "node 0 ran the second gang on the instance it ran the first"
+    assert ran_on[1] not in (None, lost, kept), "node 1 ran the second gang on the new instance"
+    assert lost in result.released and ran_on[1] in result.released
     assert ec2.leftovers(job.run_id) == []
     return result
 
@@ -88,11 +92,11 @@ def test_spot_notice_checkpoints_at_once_and_the_job_resumes_on_new_instances(ec
     job = fn.job(step_s=0.5)  # 40 steps left after the notice: longer than the 8 s to termination
     thread, outcome = _drive(job)
     _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
-    node1 = _node_instance(ec2, job.run_id, 1)
+    node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
     ec2.simulator.reclaim(node1, after=8.0)  # two minutes on AWS
     thread.join(timeout=400)
     assert not thread.is_alive(), "the job did not finish"
-    _recovered_exactly_once(ec2, job, outcome, node1)
+    _recovered_exactly_once(ec2, job, outcome, node1, node0)
     logs = ec2.objects(job.run_id)
     gang1 = b"".join(v for k, v in logs.items() if f"/{LOGS}/gang-1/" in k)
     assert b"reclaim notice: saving a checkpoint at step" in gang1, "the notice made every rank save at once"
@@ -103,11 +107,11 @@ def test_a_terminated_instance_is_replaced_and_the_job_resumes(ec2: EC2Env) -> N
     job = fn.job()
     thread, outcome = _drive(job)
     _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
-    node1 = _node_instance(ec2, job.run_id, 1)
+    node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
     ec2.aws.client("ec2").terminate_instances(InstanceIds=[node1])
     thread.join(timeout=400)
     assert not thread.is_alive(), "the job did not finish"
-    _recovered_exactly_once(ec2, job, outcome, node1)
+    _recovered_exactly_once(ec2, job, outcome, node1, node0)
 
 
 def test_an_fsdp2_checkpoint_on_s3_is_restored_by_a_gang_on_other_nodes(ec2: EC2Env) -> None:
@@ -167,6 +171,53 @@ def test_a_lost_gangs_stop_written_back_does_not_stop_the_relaunched_gang(fake_c
     second = machines()[-1]
     console = (second.home / "console.log").read_text(errors="replace")
     assert "expected kind=stop" in console and "gang=1" in console, console[-3000:]
+
+
+def _gang_and_machine() -> dict[str, Any]:
+    from prefect_sgpu import runtime
+
+    gang = int(os.environ.get("SGPU_GANG") or 0)
+    print(f"gang {gang} is up", flush=True)
+    if gang == 0:
+        time.sleep(300)  # node 1's machine is lost meanwhile
+    return {"gang": gang, "machine": runtime.instance_id()}
+
+
+def test_a_lost_node_alone_is_replaced_and_the_kept_node_refuses_the_lost_gangs_launch(fake_case: Any) -> None:
+    """The fake cloud (real bootstraps over a local store), 2 nodes: node 1's machine is lost. Node 0's
+    machine is kept and serves gang 1, node 1 gets one new machine. A store writer puts gang 0's launch
+    documents back while node 0 waits for gang 1's: node 0 refuses them (another gang's)."""
+    from prefect_sgpu.jobfolder import LAUNCH_KEY, REJOIN_KEY, log_key
+
+    provider, store = fake_case.provider, fake_case.compute.store
+    fn = distributed(**fake_case.options(gpus=2, timeout=300, max_recoveries=1))(_gang_and_machine)
+    job = fn.job()
+    thread, outcome = _drive(job)
+    machines = lambda: [m for m in provider.machines.values() if m.launch_id == job.run_id]  # noqa: E731
+    up = lambda: all(b"gang 0 is up" in (store.get(job.run_id, log_key(r)) or b"") for r in (0, 1))  # noqa: E731
+    _when(up, 120, "gang 0's ranks", thread, outcome)
+    gang0_launch = store.get(job.run_id, LAUNCH_KEY)
+    first0, first1 = sorted(machines(), key=lambda m: m.index)
+    os.killpg(first1.proc.pid, signal.SIGKILL)  # node 1's machine is lost
+    refused = "launch document of gang 0 of job"
+    replays = 0
+    while thread.is_alive() and refused not in (first0.home / "console.log").read_text(errors="replace"):
+        if store.get(job.run_id, REJOIN_KEY) is not None and store.get(job.run_id, LAUNCH_KEY) is None:
+            store.put(job.run_id, LAUNCH_KEY, gang0_launch)  # before the driver writes gang 1's
+            replays += 1
+        time.sleep(0.05)
+    thread.join(timeout=120)
+    assert "error" not in outcome, repr(outcome.get("error"))
+    result = outcome["result"]
+    (second1,) = [m for m in machines() if m.id not in (first0.id, first1.id)]
+    assert result.values == [{"gang": 1, "machine": first0.id}, {"gang": 1, "machine": second1.id}]
+    (recovery,) = result.recoveries
+    assert recovery.replaced == "nodes" and recovery.nodes == {1: first1.id} and recovery.kept == {0: first0.id}
+    assert provider.sent == [(job.run_id, 2), (job.run_id, 1)], "one machine launched in place of the lost one"
+    assert replays >= 1
+    console = (first0.home / "console.log").read_text(errors="replace")
+    assert f"kept for gang 1 of job {job.run_id}" in console and "this node serves gang 1: refused" in console
+    assert fake_case.leftovers(job.run_id) == []
 
 
 def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path,

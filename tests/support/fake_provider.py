@@ -145,6 +145,18 @@ class FakeProvider:
             wait_gone(f"--machine-id={machine.id}")
         return gone
 
+    def terminate_machines(self, ids: list[str]) -> list[str]:
+        gone = []
+        for machine in [self.machines[i] for i in ids if i in self.machines]:
+            if machine.proc.poll() is None:
+                try:
+                    os.killpg(machine.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                gone.append(machine.id)
+            machine.proc.wait(timeout=30)
+        return gone
+
     def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:
         path = secret_path(self.secrets, name)
         tmp = path.with_name(path.name + ".tmp")
@@ -211,6 +223,14 @@ class FakeCompute(RemoteNodeCompute):
             raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning")
         gang = 0 if request.lease_id else allocation.folder.gang  # a lease's assignment names the gang
         return self.provisioner.provision(launch_id, request.plan.nodes, bool(request.lease_id), cancel, gang)
+
+    #: a lost node's machine is replaced alone, the others kept (as on EC2)
+    replaces_nodes = True
+
+    def _provision_node(self, allocation: RemoteAllocation, node: int, deadline: float,
+                        cancel: threading.Event) -> Any:
+        self.provisioner.sent.append((allocation.run_id, 1))
+        return self.provisioner._boot(allocation.run_id, node, False, allocation.folder.gang)
 
     def _console_output(self, machine_id: str) -> str:
         machine = self.provisioner.machines.get(machine_id)

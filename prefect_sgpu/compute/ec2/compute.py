@@ -123,6 +123,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
                          kms_key_id=settings.kms_key_id)
         self.region, self.session, self.endpoint_url = settings.region, session, settings.endpoint_url  # where AWS is
         self.heartbeat_ttl_s = settings.heartbeat_ttl
+        self.replaces_nodes = settings.replace_lost == "nodes"
         self.python, self.setup_commands = settings.python, settings.setup_commands  # what the nodes boot with
         self._account: str | None = None
 
@@ -175,15 +176,17 @@ class EC2InstanceCompute(RemoteNodeCompute):
                                   "Keep large values (files, certificates) in S3 or a mounted secret "
                                   "and pass where they are")
 
-    def user_data(self, run_id: str, lease: bool = False, environment: Any = None, gang: int = 0) -> str:
+    def user_data(self, run_id: str, lease: bool = False, environment: Any = None, gang: int = 0,
+                  node_index: int | None = None) -> str:
         """``environment``: the job's captured environment; mode "driver" builds it on the node.
-        ``gang``: the gang of a cold job the instances serve (its stop is bound to it)."""
+        ``gang``: the gang of a cold job the instances serve (its stop is bound to it); ``node_index``:
+        the node an instance launched alone replaces."""
         return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
                                    endpoint_url=self.endpoint_url, python=self.python,
                                    setup=self.setup_commands,
                                    backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
                                    kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner,
-                                   lease=lease, environment=environment, gang=gang)
+                                   lease=lease, environment=environment, gang=gang, node_index=node_index)
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
@@ -286,6 +289,32 @@ class EC2InstanceCompute(RemoteNodeCompute):
             raise
         except TimeoutError as exc:
             raise LaunchTimeout(request.run_id, self.agent_timeout_s, phase="provisioning") from exc
+
+    def _provision_node(self, allocation: RemoteAllocation, node: int, deadline: float,  # type: ignore[override]
+                        cancel: threading.Event) -> Instance:
+        """One instance in the run's groups, launched alone for node ``node`` of the job's current gang:
+        the request's tries in order, each with a ClientToken of its own for that gang and node, and
+        user-data that names both (its launch index is 0)."""
+        request = allocation.request
+        assert isinstance(request, EC2Request) and isinstance(allocation, EC2Allocation)
+        gang = allocation.folder.gang
+        user_data = self.user_data(request.run_id, environment=request.spec.environment, gang=gang, node_index=node)
+        one = replace(request.plan, nodes=1)
+        attempts = tuple(replace(a, params={**a.params, "UserData": user_data,
+                                            "ClientToken": rq.client_token(request.run_id, i, gang, node)})
+                         for i, a in enumerate(self.provisioner.attempts(request.run_id, one, user_data)))
+        try:
+            (instance,) = self.provisioner.provision(
+                request.run_id, one, user_data,
+                progress=lambda text: allocation.progress("provisioning", f"node {node}: {text}"),
+                should_stop=cancel.is_set, attempts=attempts, deadline=deadline, sent=allocation.sent)
+        except LaunchTimeout:
+            if time.monotonic() >= deadline:
+                raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning") from None
+            raise
+        except TimeoutError as exc:
+            raise LaunchTimeout(request.run_id, self.agent_timeout_s, phase="provisioning") from exc
+        return instance
 
     def account(self) -> str:
         """The AWS account the driver's credentials belong to (asked once)."""

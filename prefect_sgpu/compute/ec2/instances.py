@@ -552,6 +552,11 @@ class EC2Provisioner:
                     gone.append(f"security group {group['GroupId']}")
         return gone
 
+    def terminate_machines(self, ids: list[str]) -> list[str]:
+        """Terminate these instances alone (a lost node's, replaced by one new instance); the run's
+        groups stay for the instances it keeps. Idempotent."""
+        return self._terminate_ids(sorted(set(ids))) if ids else []
+
     def _wait_terminated(self, ids: list[str]) -> None:
         """Until every one of ``ids`` is terminated, for at most ``running_timeout_s``.
 

@@ -62,10 +62,13 @@ def created_group_placeholder(run_id: str) -> str:
     return f"<created: {security_group_name(run_id)}>"
 
 
-def client_token(run_id: str, attempt: int, gang: int = 0) -> str:
+def client_token(run_id: str, attempt: int, gang: int = 0, node: int | None = None) -> str:
     """Same run, gang and attempt, same token: a retried launch returns the first one; a
-    relaunch after lost capacity (``gang`` > 0) gets new instances."""
+    relaunch after lost capacity (``gang`` > 0) gets new instances; ``node``: the one instance that
+    replaces that lost node in that gang."""
     seed = f"{run_id}:{attempt}" if gang == 0 else f"{run_id}:gang-{gang}:{attempt}"
+    if node is not None:
+        seed += f":node-{node}"
     digest = hashlib.sha256(seed.encode()).hexdigest()[:40]
     return f"sgpu-{digest}"
 
@@ -276,6 +279,7 @@ def render_user_data(
     lease: bool = False,
     environment: "Environment | None" = None,
     gang: int = 0,
+    node_index: int | None = None,
 ) -> str:
     """The instance's user-data: a short shell script, with no credential and no key in it.
 
@@ -291,7 +295,8 @@ def render_user_data(
 
     ``gang``: which gang of the job the instance serves (a relaunch after infrastructure loss is
     gang 1, 2, ...): the job's stop is bound to it, so the node refuses a lost gang's stop written
-    back into the store. Only the first gang's user-data goes without it.
+    back into the store. Only the first gang's user-data goes without it. ``node_index``: the node an
+    instance launched alone replaces (its launch index is 0), when only a lost node is replaced.
 
     ``setup`` (shell lines, e.g. installing prefect-sgpu into the AMI's Python) runs first.
     The bootstrap derives the SSM parameter of the job key from ``run_id`` itself.
@@ -319,6 +324,8 @@ def render_user_data(
         argv.append("--lease")
     if gang:
         argv.append(f"--gang={gang}")
+    if node_index is not None:
+        argv.append(f"--node-index={int(node_index)}")
     backstop = float(backstop_s or heartbeat_ttl)
     marker = f"${{HOME:-/root}}/.prefect-sgpu-{run_id}.up"
     lines = [

@@ -137,6 +137,12 @@ class EC2ComputeFields(BaseModel):
     node_silence_s: float = Field(
         default=120.0, gt=0, description="Seconds a running node may go without reporting before the job fails."
     )
+    replace_lost: Literal["nodes", "gang"] = Field(
+        default="nodes", description=(
+            "After a node is lost or reclaimed: 'nodes' launches one instance per lost node and keeps the "
+            "others (their agents start the next gang in place); 'gang' replaces every instance. 'nodes' "
+            "falls back to 'gang' when a kept node did not end cleanly or a lone instance cannot be had.")
+    )
     rendezvous_port: int = Field(
         default=29400, ge=1024, le=65535, description="Port of the c10d rendezvous on node 0."
     )

@@ -83,6 +83,8 @@ class RemoteAllocation(Allocation):
     lease: WarmLease | None = None
     #: a node was lost or received a reclaim notice: its lease serves no other job
     lost: bool = False
+    #: machines of lost nodes, ended when new ones took their places (:meth:`RemoteNodeCompute.replace_nodes`)
+    retired: list[Any] = field(default_factory=list)
     #: release gave the lease back to the pool (its machines wait for the next job)
     kept: bool = False
 
@@ -366,6 +368,60 @@ class RemoteNodeCompute(Compute):
             allocation.progress("rendezvous", f"c10d on node 0 at {endpoint}")
         return endpoint
 
+    # -- replacing a lost node -----------------------------------------------------------
+
+    #: whether this cloud can launch one machine in place of a lost node (:meth:`_provision_node`)
+    replaces_nodes = False
+
+    def _provision_node(self, allocation: RemoteAllocation, node: int, deadline: float,
+                        cancel: threading.Event) -> Machine:
+        """One machine launched alone for node ``node`` of gang ``allocation.folder.gang`` of the job, running.
+        Errors as :meth:`_provision`'s."""
+        raise NotImplementedError
+
+    def replace_nodes(self, allocation: Allocation, lost: set[int], request: Request, deadline: float,
+                      cancel: threading.Event) -> Released | None:
+        """A cold job's lost machines are ended and a new one launched for each (same node index); the
+        others are kept: each reported its end and its machine runs. They are told, by a sealed rejoin
+        document bound to node and machine, to serve the next gang in the same folder (the driver
+        reset it: ``JobFolder.reset_for_relaunch``), and every node announces itself again. A warm
+        lease's job, and a job whose kept nodes did not all report or whose machines are gone, are
+        not replaced node by node (None)."""
+        from prefect_sgpu.jobfolder import Rejoin
+
+        assert isinstance(allocation, RemoteAllocation) and isinstance(request, RemoteRequest)
+        kept = [n for n in allocation.nodes if n.index not in lost]
+        if not self.replaces_nodes or allocation.lease is not None or not kept or not lost:
+            return None
+        states = self.provisioner.instance_states([n.instance_id or "" for n in kept])
+        unfit = [n.index for n in kept if n.index not in allocation.reported
+                 or states.get(n.instance_id or "") in (None, *self.provisioner.dead_states)]
+        if unfit:
+            logger.info("job %s: node(s) %s did not end cleanly: the whole gang is replaced", allocation.run_id, unfit)
+            return None
+        retired = [allocation.instances[i] for i in sorted(lost)]
+        gone = self.provisioner.terminate_machines([m.id for m in retired])
+        cost = None
+        try:
+            cost = self.provisioner.cost(retired, allocation.started, time.time())
+        except Exception:  # noqa: BLE001 - a missing price must not stop the recovery
+            logger.warning("could not estimate the cost of job %s's lost machines", allocation.run_id, exc_info=True)
+        allocation.retired += retired
+        allocation.request = request
+        for index in sorted(lost):
+            machine = self._provision_node(allocation, index, deadline, cancel)
+            allocation.instances[index] = machine
+            allocation.progress("running", f"node {index} on {self._describe(machine)}, in place of {retired[0].id}"
+                                if len(retired) == 1 else f"node {index} on {self._describe(machine)}")
+        # what the driver tracked of the gang before
+        allocation.announced, allocation.reported, allocation.noticed = set(), set(), set()
+        allocation.alive_version, allocation.alive_changed, allocation.states = {}, {}, {}
+        allocation.launched, allocation.lost, allocation.polled, allocation.states_checked = False, False, 0.0, 0.0
+        allocation.folder.put_rejoins({n.index: (Rejoin(gang=allocation.folder.gang), n.instance_id)
+                                       for n in kept})
+        self._wait_for_agents(allocation, deadline, cancel)
+        return Released(gone=gone, cost=cost)
+
     # -- running ------------------------------------------------------------------------
 
     def start(self, allocation: Allocation, launch: JobLaunch) -> None:
@@ -377,7 +433,8 @@ class RemoteNodeCompute(Compute):
             self._put_secret(allocation, ssm_secrets_parameter(allocation.run_id, self.store.scope), json.dumps(launch.secrets),
                              "prefect-sgpu secrets= of one job (deleted when the job ends)", "secrets_parameter")
         allocation.folder.put_launches({
-            command.node: (LaunchDocument(argv=list(command.argv), env=env, secrets=bool(launch.secrets)),
+            command.node: (LaunchDocument(argv=list(command.argv), env=env, secrets=bool(launch.secrets),
+                                          gang=allocation.folder.gang),
                            allocation.instance_id(command.node))
             for command in launch.commands})
         allocation.launched = True

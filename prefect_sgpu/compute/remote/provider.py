@@ -37,6 +37,10 @@ class Provider(Protocol):
         """End every machine (and group) launched for ``launch_id`` (a run id or a lease id),
         whether or not this process launched it. Idempotent; returns what it removed."""
 
+    def terminate_machines(self, ids: list[str]) -> list[str]:
+        """End these machines alone (a lost node's, when only it is replaced); idempotent, the groups
+        stay. Returns those ended."""
+
     def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:
         """Store ``value`` encrypted under ``name`` where the run's nodes (and only they, through
         the run's identity) read it; overwritten if it exists. Raises on failure."""
