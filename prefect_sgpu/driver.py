@@ -26,7 +26,7 @@ from prefect_sgpu import payload as payload_mod
 from prefect_sgpu import progress_watch
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
                                        NodeUp, Released, Request, rank_prefect_environment)
-from prefect_sgpu.errors import (EnvironmentMismatch, HeartbeatExpired, InfrastructureLost, JobCancelled, JobHung,
+from prefect_sgpu.errors import (EnvironmentMismatch, GangCheckFailed, HeartbeatExpired, InfrastructureLost, JobCancelled, JobHung,
                                  LaunchTimeout, ProvisioningError, RankFailedError, SGPUConfigError, SGPUError)
 from prefect_sgpu.heartbeat import HEARTBEAT_INTERVAL_S, DriverHeartbeat, Outage
 from prefect_sgpu.jobfolder import GANG_ENV, HEARTBEAT_STOP, JobFolder, NodeStatus, new_key
@@ -401,6 +401,10 @@ class Job:
             gang_started = time.monotonic()
             end = self._wait(deadline)
             lost = end.infrastructure() if not end.ok else {}
+            unfit = self._failed_gang_check(allocation) if not end.ok and not lost else {}
+            if unfit and len(self.recoveries) >= self.spec.max_recoveries:
+                return end  # the gang check's own error is the job's
+            lost = lost or unfit
             if not lost or _stopped_for_heartbeat(end.statuses):
                 return end  # a node that stopped itself for a stale heartbeat was not lost: it is the error
             hosts = {n.index: n.instance_id or n.host for n in allocation.nodes}
@@ -444,6 +448,24 @@ class Job:
                 folder.reset_nodes()  # what the nodes of a replacement given up wrote
             self.recoveries.append(recovery)
             self._reprovision_started = noticed
+
+    def _failed_gang_check(self, allocation: Allocation) -> dict[int, str]:
+        """The nodes the gang check found at fault, when they are some of a remote gang's nodes (not all:
+        a fault every node shares is the job's, not a machine's): replaced like lost ones, what each saw."""
+        if not self.compute.remote or len(allocation.nodes) < 2:
+            return {}
+        for envelope in sorted((e for e in self._envelopes().values() if not e.ok), key=lambda e: e.finished):
+            exc = envelope.exception()
+            if not isinstance(exc, GangCheckFailed):
+                continue
+            nodes = exc.nodes
+            if not 0 < len(nodes) < len(allocation.nodes):
+                return {}
+            own = {r: info for r, info in exc.failed.items() if not info.get("collateral")}
+            return {node: "failed the gang check: " + "; ".join(
+                        f"rank {r}: {info.get('error', '?')}" for r, info in sorted(own.items())
+                        if info.get("node") == node) for node in nodes}
+        return {}
 
     def _replace_lost(self, allocation: Allocation, lost: set[int], request: Request, deadline: float) -> bool:
         """Only the lost nodes replaced, the others kept (True); False when the compute cannot, the nodes it

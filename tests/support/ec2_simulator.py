@@ -186,6 +186,9 @@ class EC2Simulator:
         self.env_overrides: dict[str, str | None] = {}
         #: more variables of one instance (given moto's description of it), as that one image's settings
         self.image_env: Callable[[dict[str, Any]], dict[str, str | None]] = lambda _inst: {}
+        #: seconds from an instance's first sight until its user-data runs (a real GPU instance's boot)
+        self.boot_delay_s = 0.0
+        self._seen: dict[str, float] = {}
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -221,6 +224,8 @@ class EC2Simulator:
                     if node is not None and not node.killed:
                         self._power_off(node)
                 elif node is None and iid not in self.skipped:
+                    if time.monotonic() - self._seen.setdefault(iid, time.monotonic()) < self.boot_delay_s:
+                        continue
                     if self.boot(inst):
                         self.nodes[iid] = self._boot(inst)
                     else:
