@@ -144,7 +144,11 @@ def test_a_lost_gangs_stop_written_back_after_the_relaunch_stops_no_node_of_the_
         time.sleep(0.02)
     assert jobfolder.STOP in new.folder._refused, "the node never read the replayed stop"
     assert thread.is_alive(), f"the node stopped waiting on gang 0's stop: {waited}"
-    doc = jobfolder.LaunchDocument(argv=["python", "-c", "pass"])
+    # gang 0's launch (bound to this node and instance, but of the lost gang) is waited past too
+    driver.put_launches({0: (jobfolder.LaunchDocument(argv=["python", "-c", "pass"]), new.identity.instance_id)})
+    time.sleep(1.0)
+    assert thread.is_alive(), f"the node took gang 0's launch document: {waited}"
+    doc = jobfolder.LaunchDocument(argv=["python", "-c", "pass"], gang=1)
     driver.put_launches({0: (doc, new.identity.instance_id)})
     thread.join(timeout=30)
     assert waited.get("doc") == doc
