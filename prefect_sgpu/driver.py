@@ -25,7 +25,7 @@ from prefect_sgpu import interrupts
 from prefect_sgpu import payload as payload_mod
 from prefect_sgpu import progress_watch
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
-                                       NodeUp, Released, Request, rank_prefect_environment)
+                                       NodeUp, Released, Request, rank_prefect_environment, total_cost)
 from prefect_sgpu.errors import (EnvironmentMismatch, GangCheckFailed, HeartbeatExpired, InfrastructureLost, JobCancelled, JobHung,
                                  LaunchTimeout, ProvisioningError, RankFailedError, SGPUConfigError, SGPUError)
 from prefect_sgpu.heartbeat import HEARTBEAT_INTERVAL_S, DriverHeartbeat, Outage
@@ -369,7 +369,7 @@ class Job:
             released = interrupts.shielded(self._cleanup, outcome, tailer)
         assert result is not None
         every = [*self._released, *([released] if released is not None else [])]
-        result.cost = _total_cost([r.cost for r in every])
+        result.cost = total_cost([r.cost for r in every])
         result.released = [g for r in every for g in r.gone]
         result.recoveries = list(self.recoveries)
         result.stragglers = list(self.stragglers)
@@ -716,18 +716,3 @@ class Job:
                 except Exception:  # noqa: BLE001 - the job's outcome matters more than tidiness
                     logger.warning("could not delete the control files of job %s", self.run_id, exc_info=True)
         return released
-
-
-def _total_cost(costs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """One job's cost over every gang it ran: numbers add up, the rest is the last gang's."""
-    known = [c for c in costs if c]
-    if len(known) <= 1:
-        return known[0] if known else None
-    total: dict[str, Any] = {}
-    for cost in known:
-        for key, value in cost.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(total.get(key, 0), (int, float)):
-                total[key] = round(total.get(key, 0) + value, 6)
-            else:
-                total[key] = value
-    return total

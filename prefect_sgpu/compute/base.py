@@ -231,6 +231,22 @@ class Released:
     cost: dict[str, Any] | None = None
 
 
+def total_cost(costs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Several costs as one (a job's gangs, machines that ran for different times): numbers add up,
+    the rest is the last one's."""
+    known = [c for c in costs if c]
+    if len(known) <= 1:
+        return known[0] if known else None
+    total: dict[str, Any] = {}
+    for cost in known:
+        for key, value in cost.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(total.get(key, 0), (int, float)):
+                total[key] = round(total.get(key, 0) + value, 6)
+            else:
+                total[key] = value
+    return total
+
+
 class Compute(ABC):
     """Where jobs run. Every method's promise is part of the contract.
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefect_sgpu.compute.base import (MASKED_ENV, AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeExited,
-                                       NodeLost, NodeNotice, NodeUp, Released, Request)
+                                       NodeLost, NodeNotice, NodeUp, Released, Request, total_cost)
 from prefect_sgpu.compute.remote.lease import WarmLease
 from prefect_sgpu.compute.remote.provider import Machine, Provider
 from prefect_sgpu.errors import EnvironmentMismatch, JobCancelled, LaunchTimeout, ProvisioningError
@@ -85,6 +85,15 @@ class RemoteAllocation(Allocation):
     lost: bool = False
     #: machines of lost nodes, ended when new ones took their places (:meth:`RemoteNodeCompute.replace_nodes`)
     retired: list[Any] = field(default_factory=list)
+    #: when (wall clock) each machine that took a lost node's place was launched; the others: ``started``
+    joined: dict[str, float] = field(default_factory=dict)
+
+    def cost(self, provisioner: Any, machines: list[Any], ended: float) -> dict[str, Any] | None:
+        """What ``machines`` cost from each one's launch to ``ended`` (may raise: prices are optional)."""
+        since: dict[float, list[Any]] = {}
+        for machine in machines:
+            since.setdefault(self.joined.get(machine.id, self.started), []).append(machine)
+        return total_cost([provisioner.cost(group, start, ended) for start, group in since.items()])
     #: release gave the lease back to the pool (its machines wait for the next job)
     kept: bool = False
 
@@ -403,14 +412,15 @@ class RemoteNodeCompute(Compute):
         gone = self.provisioner.terminate_machines([m.id for m in retired])
         cost = None
         try:
-            cost = self.provisioner.cost(retired, allocation.started, time.time())
+            cost = allocation.cost(self.provisioner, retired, time.time())
         except Exception:  # noqa: BLE001 - a missing price must not stop the recovery
             logger.warning("could not estimate the cost of job %s's lost machines", allocation.run_id, exc_info=True)
         allocation.retired += retired
         allocation.request = request
         for index in sorted(lost):
+            launched = time.time()
             machine = self._provision_node(allocation, index, deadline, cancel)
-            allocation.instances[index] = machine
+            allocation.instances[index], allocation.joined[machine.id] = machine, launched
             allocation.progress("running", f"node {index} on {self._describe(machine)}, in place of {retired[0].id}"
                                 if len(retired) == 1 else f"node {index} on {self._describe(machine)}")
         # what the driver tracked of the gang before
@@ -549,7 +559,7 @@ class RemoteNodeCompute(Compute):
         released = self._give_back(allocation)
         cost = None
         try:
-            cost = self.provisioner.cost(allocation.instances, allocation.started, time.time())
+            cost = allocation.cost(self.provisioner, allocation.instances, time.time())
         except Exception:  # noqa: BLE001 - a missing price must not hide the job's outcome
             logger.warning("could not estimate the cost of job %s", allocation.run_id, exc_info=True)
         released.cost = cost
