@@ -210,6 +210,17 @@ class NodeBootstrap(LeaseServing):
                 self._store_error(f"reading the job key from secret {name}", exc)
             time.sleep(self.interval)
 
+    def read_doc(self, what: str, read: Any) -> Any:
+        """``read()``: a document the driver wrote, or None; one that is not the driver's is refused (logged
+        once) and a store error logged, both read as None: the caller's loop asks again."""
+        try:
+            return read()
+        except DocumentRefused as exc:
+            self._refused(exc)
+        except Exception as exc:  # noqa: BLE001
+            self._store_error(f"reading {what}", exc)
+        return None
+
     def _refused(self, exc: Exception) -> None:
         """A document that is not the driver's: say so once, act as if it were absent."""
         text = str(exc)
@@ -310,13 +321,8 @@ class NodeBootstrap(LeaseServing):
         """This node's verified launch document, or None when the driver stopped the job or went away."""
         assert self.folder is not None
         while True:
-            doc = None
-            try:
-                doc = self.folder.launch(self.index, instance_id=self.identity.instance_id)
-            except DocumentRefused as exc:
-                self._refused(exc)
-            except Exception as exc:  # noqa: BLE001
-                self._store_error("reading the launch document", exc)
+            doc = self.read_doc("the launch document",
+                                lambda: self.folder.launch(self.index, instance_id=self.identity.instance_id))
             if doc is not None and doc.gang != self.gang:
                 self._refused(DocumentRefused(f"launch document of gang {doc.gang} of job {self.run_id}: this "
                                               f"node serves gang {self.gang}: refused"))
@@ -680,13 +686,8 @@ class NodeBootstrap(LeaseServing):
         while True:
             if self.heartbeat_stale():
                 return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
-            doc = None
-            try:
-                doc = self.folder.rejoin(self.index, instance_id=self.identity.instance_id)
-            except DocumentRefused as exc:
-                self._refused(exc)
-            except Exception as exc:  # noqa: BLE001
-                self._store_error("reading the rejoin document", exc)
+            doc = self.read_doc("the rejoin document",
+                                lambda: self.folder.rejoin(self.index, instance_id=self.identity.instance_id))
             if doc is not None and doc.gang > self.gang:
                 return doc
             if doc is not None and doc.gang < self.gang:

@@ -80,14 +80,9 @@ class LeaseServing:
         one taken), or None when the lease was closed or its driver went away."""
         assert self.folder is not None
         while True:
-            doc = None
-            try:
-                self.watch_notices()
-                doc = self.folder.assignment(self.index, instance_id=self.identity.instance_id)
-            except DocumentRefused as exc:
-                self._refused(exc)
-            except Exception as exc:  # noqa: BLE001
-                self._store_error("reading the lease's assignment", exc)
+            self.read_doc("the host's reclaim notice", self.watch_notices)
+            doc = self.read_doc("the lease's assignment",
+                                lambda: self.folder.assignment(self.index, instance_id=self.identity.instance_id))
             if doc is not None and doc.seq > self._assigned:
                 self._assigned = doc.seq
                 return doc

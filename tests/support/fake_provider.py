@@ -132,18 +132,7 @@ class FakeProvider:
         return states
 
     def terminate(self, launch_id: str) -> list[str]:
-        gone = []
-        for machine in [m for m in list(self.machines.values()) if m.launch_id == launch_id]:
-            if machine.proc.poll() is None:
-                try:
-                    os.killpg(machine.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                gone.append(machine.id)
-            machine.proc.wait(timeout=30)
-            # a terminated VM is gone as a whole: wait for the node host, its namespace's init, too
-            wait_gone(f"--machine-id={machine.id}")
-        return gone
+        return self.terminate_machines([m.id for m in list(self.machines.values()) if m.launch_id == launch_id])
 
     def terminate_machines(self, ids: list[str]) -> list[str]:
         gone = []
@@ -155,6 +144,8 @@ class FakeProvider:
                     pass
                 gone.append(machine.id)
             machine.proc.wait(timeout=30)
+            # a terminated VM is gone as a whole: wait for the node host, its namespace's init, too
+            wait_gone(f"--machine-id={machine.id}")
         return gone
 
     def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:

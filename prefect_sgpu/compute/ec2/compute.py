@@ -277,18 +277,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
         lease's); a deadline reached while they start is the job's ``LaunchTimeout``."""
         request = allocation.request
         assert isinstance(request, EC2Request) and isinstance(allocation, EC2Allocation)
-        try:
-            return self.provisioner.provision(
-                launch_id, request.plan, request.user_data,
-                progress=lambda text: allocation.progress("provisioning", text), should_stop=cancel.is_set,
-                attempts=request.run_instances, deadline=deadline, sent=allocation.sent,
-            )
-        except LaunchTimeout:
-            if time.monotonic() >= deadline:
-                raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning") from None
-            raise
-        except TimeoutError as exc:
-            raise LaunchTimeout(request.run_id, self.agent_timeout_s, phase="provisioning") from exc
+        return self._launch(allocation, launch_id, request.plan, request.user_data, request.run_instances,
+                            deadline, cancel, "")
 
     def _provision_node(self, allocation: RemoteAllocation, node: int, deadline: float,  # type: ignore[override]
                         cancel: threading.Event) -> Instance:
@@ -296,25 +286,36 @@ class EC2InstanceCompute(RemoteNodeCompute):
         the request's tries in order, each with a ClientToken of its own for that gang and node, and
         user-data that names both (its launch index is 0)."""
         request = allocation.request
-        assert isinstance(request, EC2Request) and isinstance(allocation, EC2Allocation)
+        assert isinstance(request, EC2Request)
         gang = allocation.folder.gang
         user_data = self.user_data(request.run_id, environment=request.spec.environment, gang=gang, node_index=node)
         one = replace(request.plan, nodes=1)
         attempts = tuple(replace(a, params={**a.params, "UserData": user_data,
                                             "ClientToken": rq.client_token(request.run_id, i, gang, node)})
                          for i, a in enumerate(self.provisioner.attempts(request.run_id, one, user_data)))
+        (instance,) = self._launch(allocation, request.run_id, one, user_data, attempts, deadline, cancel,
+                                   f"node {node}: ")
+        return instance
+
+    def _launch(self, allocation: RemoteAllocation, launch_id: str, plan: Any, user_data: str,
+                attempts: tuple[LaunchAttempt, ...], deadline: float, cancel: threading.Event,
+                label: str) -> list[Instance]:
+        """``provisioner.provision`` with its timeouts as the job's: the job's deadline reached is its
+        ``LaunchTimeout`` of the whole job, the provisioner's own wait one of ``agent_timeout_s``."""
+        request = allocation.request
+        assert isinstance(allocation, EC2Allocation)
         try:
-            (instance,) = self.provisioner.provision(
-                request.run_id, one, user_data,
-                progress=lambda text: allocation.progress("provisioning", f"node {node}: {text}"),
-                should_stop=cancel.is_set, attempts=attempts, deadline=deadline, sent=allocation.sent)
+            return self.provisioner.provision(
+                launch_id, plan, user_data,
+                progress=lambda text: allocation.progress("provisioning", label + text), should_stop=cancel.is_set,
+                attempts=attempts, deadline=deadline, sent=allocation.sent,
+            )
         except LaunchTimeout:
             if time.monotonic() >= deadline:
                 raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning") from None
             raise
         except TimeoutError as exc:
             raise LaunchTimeout(request.run_id, self.agent_timeout_s, phase="provisioning") from exc
-        return instance
 
     def account(self) -> str:
         """The AWS account the driver's credentials belong to (asked once)."""
