@@ -220,6 +220,41 @@ def test_a_lost_node_alone_is_replaced_and_the_kept_node_refuses_the_lost_gangs_
     assert fake_case.leftovers(job.run_id) == []
 
 
+def _machine() -> str | None:
+    from prefect_sgpu import runtime
+
+    return runtime.instance_id()
+
+
+def test_a_warm_leases_lost_node_alone_is_replaced_and_the_lease_serves_the_next_job(fake_warm_case: Any) -> None:
+    """A job on a warm lease of 2 fake machines loses node 1's: one machine joins the lease in its place,
+    node 0's serves the next gang, and the lease, whole again, serves the next job with no new machine."""
+    from prefect_sgpu.compute.remote.lease import lease_id
+    from prefect_sgpu.jobfolder import log_key
+
+    provider, store = fake_warm_case.provider, fake_warm_case.compute.store
+    options = fake_warm_case.options(gpus=2, timeout=300, max_recoveries=1)
+    job = distributed(**options)(_gang_and_machine).job()
+    thread, outcome = _drive(job)
+    lease = lease_id(job.run_id)
+    up = lambda: all(b"gang 0 is up" in (store.get(job.run_id, log_key(r)) or b"") for r in (0, 1))  # noqa: E731
+    _when(up, 120, "gang 0's ranks", thread, outcome)
+    first0, first1 = sorted((m for m in provider.machines.values() if m.launch_id == lease), key=lambda m: m.index)
+    os.killpg(first1.proc.pid, signal.SIGKILL)  # node 1's machine is lost mid-job
+    thread.join(timeout=120)
+    assert "error" not in outcome, repr(outcome.get("error"))
+    result = outcome["result"]
+    (second1,) = [m for m in provider.machines.values() if m.id not in (first0.id, first1.id)]
+    assert second1.launch_id == lease, "the new machine belongs to the lease"
+    assert result.values == [{"gang": 1, "machine": first0.id}, {"gang": 1, "machine": second1.id}]
+    (recovery,) = result.recoveries
+    assert recovery.replaced == "nodes" and recovery.kept == {0: first0.id}, recovery
+    assert provider.sent == [(lease, 2), (lease, 1)]
+    # the next job of the same shape: the lease, with its new machine, takes it
+    assert distributed(**options)(_machine).distributed() == [first0.id, second1.id]
+    assert provider.sent == [(lease, 2), (lease, 1)], "no machine launched for the next job"
+
+
 def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking import MlflowClient

@@ -220,7 +220,10 @@ class FakeCompute(RemoteNodeCompute):
 
     def _provision_node(self, allocation: RemoteAllocation, node: int, deadline: float,
                         cancel: threading.Event) -> Any:
-        self.provisioner.sent.append((allocation.run_id, 1))
+        lease = allocation.lease
+        self.provisioner.sent.append((lease.lease_id if lease else allocation.run_id, 1))
+        if lease is not None:  # the lease's assignment names the gang
+            return self.provisioner._boot(lease.lease_id, node, True)
         return self.provisioner._boot(allocation.run_id, node, False, allocation.folder.gang)
 
     def _console_output(self, machine_id: str) -> str:

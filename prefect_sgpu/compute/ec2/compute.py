@@ -282,18 +282,21 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
     def _provision_node(self, allocation: RemoteAllocation, node: int, deadline: float,  # type: ignore[override]
                         cancel: threading.Event) -> Instance:
-        """One instance in the run's groups, launched alone for node ``node`` of the job's current gang:
-        the request's tries in order, each with a ClientToken of its own for that gang and node, and
-        user-data that names both (its launch index is 0)."""
+        """One instance in the run's groups (a warm lease's: the lease's), launched alone for node ``node``
+        of the job's current gang: the request's tries in order, each with a ClientToken of its own for
+        that gang and node, and user-data that names the node (its launch index is 0) and a cold job's gang."""
         request = allocation.request
         assert isinstance(request, EC2Request)
         gang = allocation.folder.gang
-        user_data = self.user_data(request.run_id, environment=request.spec.environment, gang=gang, node_index=node)
+        lease = allocation.lease.lease_id if allocation.lease is not None else None
+        launch_id = lease or request.run_id
+        user_data = self.user_data(launch_id, lease=bool(lease), environment=request.spec.environment,
+                                   gang=0 if lease else gang, node_index=node)  # a lease's assignment names the gang
         one = replace(request.plan, nodes=1)
         attempts = tuple(replace(a, params={**a.params, "UserData": user_data,
-                                            "ClientToken": rq.client_token(request.run_id, i, gang, node)})
-                         for i, a in enumerate(self.provisioner.attempts(request.run_id, one, user_data)))
-        (instance,) = self._launch(allocation, request.run_id, one, user_data, attempts, deadline, cancel,
+                                            "ClientToken": rq.client_token(launch_id, i, gang, node)})
+                         for i, a in enumerate(self.provisioner.attempts(launch_id, one, user_data)))
+        (instance,) = self._launch(allocation, launch_id, one, user_data, attempts, deadline, cancel,
                                    f"node {node}: ")
         return instance
 

@@ -384,23 +384,24 @@ class RemoteNodeCompute(Compute):
 
     def _provision_node(self, allocation: RemoteAllocation, node: int, deadline: float,
                         cancel: threading.Event) -> Machine:
-        """One machine launched alone for node ``node`` of gang ``allocation.folder.gang`` of the job, running.
-        Errors as :meth:`_provision`'s."""
+        """One machine launched alone for node ``node`` of gang ``allocation.folder.gang`` of the job (on a
+        warm lease: for the lease, ``allocation.lease``), running. Errors as :meth:`_provision`'s."""
         raise NotImplementedError
 
     def replace_nodes(self, allocation: Allocation, lost: set[int], request: Request, deadline: float,
                       cancel: threading.Event) -> Released | None:
-        """A cold job's lost machines are ended and a new one launched for each (same node index); the
-        others are kept: each reported its end and its machine runs. They are told, by a sealed rejoin
-        document bound to node and machine, to serve the next gang in the same folder (the driver
-        reset it: ``JobFolder.reset_for_relaunch``), and every node announces itself again. A warm
-        lease's job, and a job whose kept nodes did not all report or whose machines are gone, are
-        not replaced node by node (None)."""
+        """The lost machines are ended and a new one launched for each (same node index); the others are
+        kept: each reported its end and its machine runs. A cold job's kept nodes are told, by a sealed
+        rejoin document bound to node and machine, to serve the next gang in the same folder (the
+        driver reset it: ``JobFolder.reset_for_relaunch``); on a warm lease the new machine joins the
+        lease and every node of the lease is assigned the next gang. Every node announces itself again.
+        A job whose kept nodes did not all report or whose machines are gone is not replaced node by
+        node (None)."""
         from prefect_sgpu.jobfolder import Rejoin
 
         assert isinstance(allocation, RemoteAllocation) and isinstance(request, RemoteRequest)
         kept = [n for n in allocation.nodes if n.index not in lost]
-        if not self.replaces_nodes or allocation.lease is not None or not kept or not lost:
+        if not self.replaces_nodes or not kept or not lost:
             return None
         states = self.provisioner.instance_states([n.instance_id or "" for n in kept])
         unfit = [n.index for n in kept if n.index not in allocation.reported
@@ -421,15 +422,20 @@ class RemoteNodeCompute(Compute):
             launched = time.time()
             machine = self._provision_node(allocation, index, deadline, cancel)
             allocation.instances[index], allocation.joined[machine.id] = machine, launched
+            if allocation.lease is not None:
+                allocation.lease.instances[index] = machine
             allocation.progress("running", f"node {index} on {self._describe(machine)}, in place of {retired[0].id}"
                                 if len(retired) == 1 else f"node {index} on {self._describe(machine)}")
         # what the driver tracked of the gang before
         allocation.announced, allocation.reported, allocation.noticed = set(), set(), set()
         allocation.alive_version, allocation.alive_changed, allocation.states = {}, {}, {}
         allocation.launched, allocation.lost, allocation.polled, allocation.states_checked = False, False, 0.0, 0.0
-        allocation.folder.put_rejoins({n.index: (Rejoin(gang=allocation.folder.gang), n.instance_id)
-                                       for n in kept})
-        self._wait_for_agents(allocation, deadline, cancel)
+        if allocation.lease is not None:
+            self._assign(allocation, deadline, cancel)  # the kept nodes went back to the lease's folder
+        else:
+            allocation.folder.put_rejoins({n.index: (Rejoin(gang=allocation.folder.gang), n.instance_id)
+                                           for n in kept})
+            self._wait_for_agents(allocation, deadline, cancel)
         return Released(gone=gone, cost=cost)
 
     # -- running ------------------------------------------------------------------------
