@@ -12,7 +12,15 @@ real user-data as local processes (``tests/support``). Three 2-node jobs of a tr
 For each: the wall time of the job, the seconds from the job's start to every agent up, and the
 stage's own seconds as the nodes printed them (built / reused).
 
-    ./dev bench env
+Then the store's pack of a built environment, at full size (the driver's own environment: a
+CUDA torch venv of several GB; too large for moto, so the store's transfer is left out and the
+stage's own steps are timed on this machine): a cold build with an **empty** uv cache, its
+wheels downloaded from the index (PyPI), as a bare node's first boot on AWS does; packing that
+venv (tar and sha256, what node 0 adds before its bootstrap); unpacking it under another root
+(checked entry by entry, the venv's Python run), what a later cold boot does instead of the
+build. ``--no-pack`` skips this part (it downloads several GB and writes three copies of the venv).
+
+    ./dev bench env [--no-pack]
 
 On AWS a cold build downloads the wheels from the index (several GB with CUDA torch) instead of
 linking them from a warm cache: the cold number here is a lower bound.
@@ -78,6 +86,59 @@ def one(env: Any, label: str, watcher: AgentsUp, environment: str | None) -> dic
     return row
 
 
+def pack_rows(work: Path, aws: Any) -> list[tuple[str, float, str]]:
+    """(step, seconds, what) of the stage's steps on the driver's full environment (see the module doc)."""
+    import subprocess
+    import uuid
+
+    from prefect_sgpu import environment_ship
+    from prefect_sgpu.environment import capture
+    from prefect_sgpu.launch import node_env, node_pack
+    from prefect_sgpu.store_s3 import S3Store
+    from support.ec2_simulator import bare_image
+
+    env = capture()
+    bucket = f"sgpu-bench-{uuid.uuid4().hex[:8]}"
+    aws.client("s3").create_bucket(Bucket=bucket)
+    store = S3Store(f"s3://{bucket}/jobs", session=aws.session(), endpoint_url=aws.endpoint_url)
+    environment_ship.ship(store, env)
+    sha = environment_ship.manifest_sha256(env)
+    base = f"jobs/.environments/{env.digest}"
+    s3 = node_env.S3(bucket, aws.env.get("AWS_DEFAULT_REGION", "us-east-1"), aws.endpoint_url, None)
+    manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
+    saved = dict(os.environ)
+    rows = []
+    try:
+        os.environ["PATH"] = f"{bare_image() / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}"  # uv: ./dev's
+        os.environ["UV_CACHE_DIR"] = str(work / "empty-uv-cache")  # nothing cached: every wheel from the index
+        os.environ.pop("UV_OFFLINE", None)
+        os.environ[node_env.ENV_ROOT_ENV] = str(work / "builder")
+        started = time.monotonic()
+        venv, how = node_env.ensure(manifest, s3, f"{base}/files")
+        assert how == "built", how
+        size = subprocess.run(["du", "-sb", str(venv)], capture_output=True, text=True).stdout.split()[0]
+        rows.append(("cold build, empty uv cache, wheels from PyPI", time.monotonic() - started,
+                     f"{len(manifest['pins'])} distributions, venv {int(size) / 2**30:.2f} GiB"))
+        started = time.monotonic()
+        archive = work / "pack.tar"
+        digest, packed = node_pack.pack(venv, archive)
+        rows.append(("pack (tar + sha256), node 0 of the first job", time.monotonic() - started,
+                     f"{packed / 2**30:.2f} GiB"))
+        other = work / "fresh-node"
+        other.mkdir()
+        started = time.monotonic()
+        node_pack.unpack(archive, other, other / venv.name, manifest["python"])
+        rows.append(("unpack (check + extract + run), a later cold boot", time.monotonic() - started,
+                     "the download from S3 is not included"))
+        done = subprocess.run([str(other / venv.name / "bin" / "python"), "-c", "import torch, prefect_sgpu"],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return rows
+
+
 def main() -> None:
     watcher = AgentsUp()
     logging.getLogger("prefect_sgpu.compute.remote.nodes").addHandler(watcher)
@@ -92,12 +153,18 @@ def main() -> None:
                              env_root=work / "node-envs") as env:
             rows.append(one(env, "bare image, cold", watcher, "driver"))
             rows.append(one(env, "bare image, reused", watcher, "driver"))
+        packs = [] if "--no-pack" in sys.argv else pack_rows(work, aws)
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     print("\n| date | machine | job | wall s | agents up s | env stage s (per node) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {dt.date.today()} | {machine} | {row['label']} | {row['wall']:.1f} | {row['agents_up']:.1f} "
               f"| {row['stage']} |")
+    if packs:
+        print("\n| date | machine | step (the driver's whole environment) | s | what |")
+        print("| --- | --- | --- | --- | --- |")
+        for step, seconds, what in packs:
+            print(f"| {dt.date.today()} | {machine} | {step} | {seconds:.1f} | {what} |")
 
 
 if __name__ == "__main__":

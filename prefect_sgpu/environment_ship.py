@@ -11,6 +11,12 @@ and the manifest last (``.environments/<digest>/manifest-<sha256 of the manifest
 user-data names that sha256, so the node checks the manifest against what the launcher wrote
 and every file against the manifest. :func:`stage_lines` renders the user-data lines that run the stage.
 
+The first node to build an environment cold packs it into the store (``.environments/<digest>/
+packs/<sha256>.tar``) and offers it in a document sealed with the job key; :func:`take_offers`
+reads the offers before any rank starts and records each pack, sealed with a key only drivers
+hold (:func:`pack_records_key`); :func:`recorded_packs` names the recorded packs to the next
+launch's nodes, which download, check and unpack one instead of building.
+
 Nothing here is installed by an unpinned name, and prefect-sgpu itself always travels as files
 (its editable source, or its installed files), never as a name from an index.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import shlex
 import zlib
@@ -263,18 +270,19 @@ def stage_text() -> str:
 @lru_cache(maxsize=1)
 def _stage_source() -> str:
     """The node stage, compressed for the user-data."""
-    return base64.b64encode(zlib.compress(stage_text().encode(), 9)).decode()
+    return base64.b85encode(zlib.compress(stage_text().encode(), 9)).decode()  # a sixteenth smaller than base64
 
 
 def stage_lines(python: str, digest: str, manifest_sha: str, store_uri: str, run_id: str, region: str,
-                endpoint_url: str | None, bucket_owner: str | None) -> tuple[list[str], str]:
+                endpoint_url: str | None, bucket_owner: str | None, packs: list[str] | tuple[str, ...] = (),
+                offer_pack: bool = False) -> tuple[list[str], str]:
     """User-data lines that write the stage out, and the shell words that run it (the bootstrap's
     own arguments, without its Python, follow them)."""
-    unpack = "import base64,sys,zlib;open(sys.argv[1],'wb').write(zlib.decompress(base64.b64decode(sys.argv[2])))"
+    unpack = "import base64,sys,zlib;open(sys.argv[1],'wb').write(zlib.decompress(base64.b85decode(sys.argv[2])))"
     lines = [
         "# the environment stage: build or reuse the driver's environment (a venv by digest), then the bootstrap",
         'stage="$(mktemp -d)/prefect_sgpu_node_env.py"',
-        f'{shlex.quote(python)} -c {shlex.quote(unpack)} "$stage" {_stage_source()}',
+        f'{shlex.quote(python)} -c {shlex.quote(unpack)} "$stage" {shlex.quote(_stage_source())}',
     ]
     args = [f"--store={store_uri}", f"--run-id={run_id}", f"--region={region}", f"--environment={digest}",
             f"--manifest={manifest_sha}"]
@@ -282,4 +290,111 @@ def stage_lines(python: str, digest: str, manifest_sha: str, store_uri: str, run
         args.append(f"--endpoint-url={endpoint_url}")
     if bucket_owner:
         args.append(f"--bucket-owner={bucket_owner}")
+    args += [f"--pack={value}" for value in packs]
+    if offer_pack:
+        args.append("--offer-pack")
     return lines, f'{shlex.quote(python)} "$stage" {shlex.join(args)} --'
+
+
+# --- packs of built environments ----------------------------------------------------------------
+
+#: what the stage seals its offer with: the job key's own purpose (``jobfolder.derive_key``)
+OFFER_PURPOSE = b"env-pack"
+_RECORD_PURPOSE = b"sgpu-env-pack\0"
+
+
+def pack_records_key(store: "Store", environment: "Environment", create: bool = False) -> str | None:
+    """The key that seals the records of ``environment``'s packs in ``store``: derived from the driver's
+    secret (the checkpoint secret: a store writer does not hold it) and the environment's folder.
+    None when this process has no secret (and ``create`` is false): no record can be checked."""
+    from prefect_sgpu import checkpoint_manifest
+
+    secret = checkpoint_manifest.driver_secret() if create else checkpoint_manifest.read_secret()
+    if secret is None:
+        return None
+    folder = f"{store.root_uri}/{STORE_FOLDER}/{environment.digest}"
+    return hmac.new(bytes.fromhex(secret), _RECORD_PURPOSE + folder.encode(), hashlib.sha256).hexdigest()
+
+
+def _pack_body(raw: bytes, environment: "Environment") -> dict[str, Any]:
+    """A pack's description (from an offer or a record), refused unless well formed and of ``environment``."""
+    from prefect_sgpu.errors import DocumentRefused
+    from prefect_sgpu.launch import node_env, node_pack
+
+    try:
+        body = json.loads(raw)
+        ok = (body["format"] == node_pack.PACK_FORMAT and body["digest"] == environment.digest
+              and node_env.NAME.match(body["platform"]) and node_env.SHA.match(body["sha256"])
+              and isinstance(body["size"], int) and body["size"] > 0 and body["python"] == environment.python.minor)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise DocumentRefused(f"pack description {raw[:200]!r} is not one of environment {environment.digest[:16]}")
+    return body
+
+
+def recorded_packs(store: "Store", environment: "Environment | None") -> list[str]:
+    """The ``--pack`` values (``<platform>:<sha256>:<size>``) of every pack recorded for ``environment``
+    whose record this driver can check; a record that does not check out is logged and passed over."""
+    import logging
+
+    from prefect_sgpu.errors import DocumentRefused
+    from prefect_sgpu.jobfolder import unseal
+
+    if not builds_on_node(environment):
+        return []
+    assert environment is not None
+    key = pack_records_key(store, environment)
+    if key is None:
+        return []
+    found = []
+    for name in store.list(STORE_FOLDER, f"{environment.digest}/packs"):
+        if not name.endswith(".json"):
+            continue
+        blob = store.get(STORE_FOLDER, name)
+        try:
+            body = _pack_body(unseal(blob or b"", key, "envpack", environment.digest, what=f"pack record {name}"),
+                              environment)
+        except DocumentRefused as exc:
+            logging.getLogger("prefect_sgpu.environment").warning("%s: not used", exc)
+            continue
+        found.append(f"{body['platform']}:{body['sha256']}:{body['size']}")
+    return sorted(found)
+
+
+def take_offers(store: "Store", environment: "Environment | None", folder_id: str, job_key: str,
+                machines: list[str]) -> list[str]:
+    """Record the packs ``machines`` offered in job folder ``folder_id`` (``setup/pack-<machine>.json``,
+    sealed with the job key's pack key and bound to the machine). Call it before any rank runs: the
+    ranks hold the job key. What was recorded, as :func:`recorded_packs` names it."""
+    import logging
+
+    from prefect_sgpu.errors import DocumentRefused
+    from prefect_sgpu.jobfolder import derive_key, seal, unseal
+
+    if not builds_on_node(environment) or not machines:
+        return []
+    assert environment is not None
+    offer_key = derive_key(job_key, OFFER_PURPOSE)
+    recorded = []
+    there = set(store.list(folder_id, "setup"))
+    for machine in machines:
+        if f"setup/pack-{machine}.json" not in there:
+            continue
+        try:
+            raw = unseal(store.get(folder_id, f"setup/pack-{machine}.json") or b"", offer_key, "envpack", folder_id,
+                         instance_id=machine, what=f"environment pack offer of {machine}")
+            body = _pack_body(raw, environment)
+        except DocumentRefused as exc:
+            logging.getLogger("prefect_sgpu.environment").warning("%s", exc)
+            continue
+        if f"{environment.digest}/packs/{body['sha256']}.tar" not in store.list(STORE_FOLDER,
+                                                                                f"{environment.digest}/packs"):
+            continue
+        canonical = json.dumps(body, sort_keys=True).encode()
+        record_key = pack_records_key(store, environment, create=True)
+        assert record_key is not None
+        store.put(STORE_FOLDER, f"{environment.digest}/packs/{body['platform']}.json",
+                  seal(record_key, "envpack", environment.digest, canonical))
+        recorded.append(f"{body['platform']}:{body['sha256']}:{body['size']}")
+    return recorded

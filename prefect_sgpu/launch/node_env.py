@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -139,9 +140,12 @@ def instance_id() -> str:
 
 
 def signed(method: str, url: str, service: str, region: str, creds: tuple[str, str, str | None],
-           body: bytes = b"", extra: dict[str, str] | None = None) -> urllib.request.Request:
-    """A request signed with Signature V4 (``url`` already quoted, no query string)."""
+           body: bytes = b"", extra: dict[str, str] | None = None,
+           query: dict[str, str] | None = None) -> urllib.request.Request:
+    """A request signed with Signature V4 (``url`` already quoted, without its query: ``query``)."""
     parts = urllib.parse.urlsplit(url)
+    canonical_query = "&".join(f"{urllib.parse.quote(k, safe=_UNRESERVED)}={urllib.parse.quote(v, safe=_UNRESERVED)}"
+                               for k, v in sorted((query or {}).items()))
     now = _dt.datetime.now(_dt.timezone.utc)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
     payload = hashlib.sha256(body).hexdigest()
@@ -150,7 +154,7 @@ def signed(method: str, url: str, service: str, region: str, creds: tuple[str, s
     if token:
         headers["x-amz-security-token"] = token
     names = sorted(headers)
-    canonical = "\n".join([method, parts.path or "/", "", *(f"{n}:{headers[n].strip()}" for n in names), "",
+    canonical = "\n".join([method, parts.path or "/", canonical_query, *(f"{n}:{headers[n].strip()}" for n in names), "",
                            ";".join(names), payload])
     scope = f"{day}/{region}/{service}/aws4_request"
     to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
@@ -161,8 +165,8 @@ def signed(method: str, url: str, service: str, region: str, creds: tuple[str, s
     headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access}/{scope}, "
                                 f"SignedHeaders={';'.join(names)}, Signature={signature}")
     del headers["host"]
-    return urllib.request.Request(url, data=body if method in ("PUT", "POST") else None, method=method,
-                                  headers=headers)
+    return urllib.request.Request(url + (f"?{canonical_query}" if canonical_query else ""),
+                                  data=body if method in ("PUT", "POST") else None, method=method, headers=headers)
 
 
 def read_parameter(name: str, region: str, endpoint_url: str | None, creds: tuple[str, str, str | None]) -> str:
@@ -189,24 +193,29 @@ class S3:
             self.base, self.path_prefix = f"https://{bucket}.s3.{region}.amazonaws.com", ""
         self.creds = credentials()
 
-    def _request(self, method: str, key: str, body: bytes = b"") -> urllib.request.Request:
+    def _request(self, method: str, key: str, body: bytes = b"", query: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None) -> urllib.request.Request:
         path = self.path_prefix + "/" + urllib.parse.quote(key, safe="/" + _UNRESERVED)
-        headers = {"content-type": "text/plain; charset=utf-8"} if method == "PUT" else {}  # else urllib says
-        if self.owner:                                                                   # form data
+        headers = dict(headers or {})
+        if method in ("PUT", "POST"):  # else urllib says form data
+            headers.setdefault("content-type", "application/octet-stream")
+        if self.owner:
             headers["x-amz-expected-bucket-owner"] = self.owner
-        return signed(method, self.base + path, "s3", self.region, self.creds, body, headers)
+        return signed(method, self.base + path, "s3", self.region, self.creds, body, headers, query)
+
+    def _call(self, what: str, request: urllib.request.Request, timeout: float = 60):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return resp.read(), resp.headers
+        except urllib.error.HTTPError as exc:
+            raise SetupError(what, f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
 
     def get(self, key: str) -> bytes:
-        try:
-            with urllib.request.urlopen(self._request("GET", key), timeout=60) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as exc:
-            raise SetupError(f"reading s3://{self.bucket}/{key}", f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
+        return self._call(f"reading s3://{self.bucket}/{key}", self._request("GET", key))[0]
 
-    def put(self, key: str, body: bytes) -> None:
-        with urllib.request.urlopen(self._request("PUT", key, body), timeout=60):
-            pass
-
+    def put(self, key: str, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+        self._call(f"writing s3://{self.bucket}/{key}", self._request("PUT", key, body,
+                                                                      headers={"content-type": content_type}))
 
 # --- the manifest -------------------------------------------------------------------------------
 
@@ -442,11 +451,17 @@ def revealed_index(manifest: dict, read_secret) -> dict | None:
 
 
 def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index: dict | None = None) -> None:
-    """``index``: the revealed index settings (credentials only in uv's environment), else the manifest's."""
+    """``index``: the revealed index settings (credentials only in uv's environment), else the manifest's.
+
+    The venv is relocatable (uv's entry points find their Python beside them, the ``.pth`` of shipped
+    trees names them relative to site-packages), and a Python uv downloads lands under the
+    environments' root (``python/``, unless the image sets ``UV_PYTHON_INSTALL_DIR``): a pack of both
+    works under another root."""
     tool = uv(manifest["index"] if index is None else index)
     if venv.exists():  # an earlier build that did not finish
         shutil.rmtree(venv)
-    run("creating the venv", [tool, "venv", "-q", "--python", manifest["python"], str(venv)])
+    pythons = {} if os.environ.get("UV_PYTHON_INSTALL_DIR") else {"UV_PYTHON_INSTALL_DIR": str(venv.parent / "python")}
+    run("creating the venv", [tool, "venv", "-q", "--relocatable", "--python", manifest["python"], str(venv)], pythons)
     python = venv / "bin" / "python"
     work = venv / "sgpu"
     work.mkdir()
@@ -481,27 +496,80 @@ def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index
             if entry_points:  # plugins (MLflow's tracking stores, ...) are found by their entry points
                 (info / "entry_points.txt").write_text(entry_points)
             (info / "INSTALLER").write_text("prefect-sgpu\n")
-    (site / "prefect_sgpu_environment.pth").write_text("".join(f"{r}\n" for r in roots))
+    # relative to site-packages (site.py joins them to it): the venv stays relocatable
+    (site / "prefect_sgpu_environment.pth").write_text("".join(f"{os.path.relpath(r, site)}\n" for r in roots))
     (venv / COMPLETE).write_text(manifest["digest"] + "\n")
 
 
-def ensure(manifest: dict, s3: S3, files_key: str, read_secret=None) -> tuple[Path, bool]:
-    """The venv of this manifest's digest on this node: (its folder, whether it was built now).
-    ``read_secret``: the job's secrets SecureString, read only when there is something to build."""
+def platform_key() -> str:
+    """What a built venv is bound to besides its digest: the OS and the machine."""
+    return f"{sys.platform}-{platform.machine()}"
+
+
+#: where this project's own code lies in its shipped tree (the pack code, loaded from there)
+PACK_MODULE = "prefect_sgpu/launch/node_pack.py"
+
+
+def pack_module(manifest: dict, s3: S3, files_key: str, cache: Path):
+    """:mod:`prefect_sgpu.launch.node_pack`, from this environment's own prefect-sgpu files (checked
+    against the manifest's sha256, like every shipped file); None when the manifest has none."""
+    for tree in manifest["trees"]:
+        if tree["name"] != "prefect-sgpu":
+            continue
+        want = "/".join(p for p in (tree.get("root") or "", PACK_MODULE) if p) if tree["kind"] == "path" else PACK_MODULE
+        for path, _size, sha in tree["files"]:
+            if path == want:
+                module = types.ModuleType("prefect_sgpu_node_pack")
+                code = fetch_file(s3, files_key, cache, sha).read_bytes()
+                exec(compile(code, PACK_MODULE, "exec"), module.__dict__)  # noqa: S102 - checked by sha256
+                return module
+    return None
+
+
+def ensure(manifest: dict, s3: S3, files_key: str, read_secret=None, packs: dict | None = None,
+           offer_to=None) -> tuple[Path, str]:
+    """The venv of this manifest's digest on this node: (its folder, ``"reused"``, ``"unpacked"`` from
+    the store's pack or ``"built"``). ``read_secret``: the job's secrets SecureString, read only when
+    there is something to build. ``packs``: platform → (sha256, size) of the packs the driver recorded
+    (:mod:`prefect_sgpu.launch.node_pack`). ``offer_to(venv, node_pack)``: called after a build, to
+    offer its pack."""
     root = env_root()
-    key = f"{manifest['digest']}-{sys.platform}-{platform.machine()}"
+    key = f"{manifest['digest']}-{platform_key()}"
     venv = root / key
     if (venv / COMPLETE).exists():
-        return venv, False
+        return venv, "reused"
     cache = root / "files"
     cache.mkdir(exist_ok=True)
     with open(root / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second boot beside this one waits, then reuses
         if (venv / COMPLETE).exists():
-            return venv, False
+            return venv, "reused"
+        named = (packs or {}).get(platform_key())
+        if named is not None or offer_to is not None:
+            try:
+                packing = pack_module(manifest, s3, files_key, cache)
+            except Exception as exc:  # noqa: BLE001 - a pack only saves time: build
+                log(f"the pack code could not be loaded ({type(exc).__name__}: {exc})")
+                packing = None
+        if named is not None and packing is not None:
+            if venv.exists():
+                shutil.rmtree(venv)
+            try:
+                packing.from_pack(s3, files_key.rsplit("/", 1)[0] + "/packs", named[0], named[1], root, venv,
+                                  manifest["python"])
+                (venv / COMPLETE).write_text(manifest["digest"] + "\n")
+                return venv, "unpacked"
+            except Exception as exc:  # noqa: BLE001 - whatever is wrong with a pack, the node builds
+                log(f"the store's pack {named[0][:16]} of this environment was not used "
+                    f"({type(exc).__name__}: {exc}): building it")
         index = revealed_index(manifest, read_secret) if read_secret is not None else None
         build(venv, manifest, s3, files_key, cache, index)
-    return venv, True
+        if offer_to is not None and packing is not None:
+            try:
+                offer_to(venv, packing)
+            except Exception as exc:  # noqa: BLE001 - a pack only saves later boots time
+                log(f"the environment was not packed into the store: {type(exc).__name__}: {exc}")
+    return venv, "built"
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -515,7 +583,31 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--manifest", required=True, help="sha256 of the environment's manifest")
     p.add_argument("--endpoint-url", default=None)
     p.add_argument("--bucket-owner", default=None)
+    p.add_argument("--pack", action="append", default=[],
+                   help="<platform>:<sha256>:<size> of a pack of this environment the driver recorded")
+    p.add_argument("--offer-pack", action="store_true", help="node 0: pack what it builds into the store")
     return p.parse_args(own), rest
+
+
+def parse_packs(values: list[str]) -> dict[str, tuple[str, int]]:
+    packs = {}
+    for value in values:
+        plat, sha, size = (value.rsplit(":", 2) + ["", ""])[:3]
+        if not (NAME.match(plat) and SHA.match(sha) and size.isdigit()):
+            raise SystemExit(f"--pack={value!r} is not allowed: <platform>:<sha256>:<size>")
+        packs[plat] = (sha, int(size))
+    return packs
+
+
+def node_index(bootstrap: list[str]) -> int:
+    """This node's index: the bootstrap's ``--node-index`` (a machine launched alone), else its launch index."""
+    for arg in bootstrap:
+        if arg.startswith("--node-index="):
+            return int(arg.split("=", 1)[1])
+    try:
+        return int(_imds("/latest/meta-data/ami-launch-index", _imds("/latest/api/token", method="PUT")).strip())
+    except (OSError, ValueError, urllib.error.URLError):
+        return -1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -537,8 +629,18 @@ def main(argv: list[str] | None = None) -> int:
         # jobfolder.ssm_secrets_parameter: under the store's scope (sha256 of its URI, as S3Store.root_uri writes it)
         scope = hashlib.sha256(f"s3://{bucket}/{prefix}".rstrip("/").encode()).hexdigest()[:16]
         secrets = f"/prefect-sgpu/{scope}/{args.run_id}/secrets"
-        venv, built = ensure(manifest, s3, f"{base}/files",
-                             lambda: read_parameter(secrets, args.region, args.endpoint_url, s3.creds))
+        offer_to = None
+        if args.offer_pack and node_index(bootstrap) == 0:
+            instance = instance_id()
+            key_parameter = f"/prefect-sgpu/{scope}/{args.run_id}/payload-key"
+            offer_key = "/".join(p for p in (prefix, args.run_id, "setup", f"pack-{instance}.json") if p)
+            offer_to = lambda venv, packing: packing.offer(  # noqa: E731
+                s3, f"{base}/packs", offer_key, venv, manifest, platform_key(),
+                lambda: read_parameter(key_parameter, args.region, args.endpoint_url, s3.creds).strip(),
+                args.run_id, instance)
+        venv, how = ensure(manifest, s3, f"{base}/files",
+                           lambda: read_parameter(secrets, args.region, args.endpoint_url, s3.creds),
+                           parse_packs(args.pack), offer_to)
     except Exception as exc:  # noqa: BLE001 - every failure ends this node, with its reason where the driver reads
         text = str(exc) if isinstance(exc, SetupError) else f"environment setup failed: {type(exc).__name__}: {exc}"
         text = mask(text)
@@ -550,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as put_exc:  # noqa: BLE001 - the console still has it
                 log(f"could not write {key}: {put_exc}")
         return 3
-    log(("built" if built else "reused") + f" environment {manifest['digest'][:16]} at {venv} "
+    log(f"{how} environment {manifest['digest'][:16]} at {venv} "
         f"in {time.monotonic() - started:.1f}s")
     python = str(venv / "bin" / "python")
     os.environ.pop(UV_INDEX_ENV, None)  # the stage's own (it may hold a mirror's token): not the ranks'

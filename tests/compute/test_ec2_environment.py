@@ -86,12 +86,14 @@ def test_the_manifest_pins_index_distributions_and_ships_local_code_by_sha256(pr
 
 def test_the_user_data_names_the_manifest_and_carries_the_stage(project: Path) -> None:
     env = capture(working_dir=project)
-    script = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env)
-    assert f"--manifest={environment_ship.manifest_sha256(env)}" in script
+    pack = f"linux-x86_64:{'a' * 64}:{7 << 30}"  # a recorded pack of 7 GiB
+    script = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env, packs=[pack],
+                              offer_pack=True)
+    assert f"--manifest={environment_ship.manifest_sha256(env)}" in script and f"--pack={pack}" in script
     assert "-m prefect_sgpu.launch.bootstrap" in script and "pip install" not in script
     # the stage travels without its docstrings and comments: room is left for setup_commands
     assert len(script.encode()) <= 12 * 1024 < environment_ship.USER_DATA_LIMIT
-    carried = zlib.decompress(base64.b64decode(max(script.split(), key=len))).decode()
+    carried = zlib.decompress(base64.b85decode(max(script.split(), key=len).strip("'"))).decode()
     assert carried == environment_ship.stage_text() and '"""' not in carried
     assert "def uv(" in carried and "def main(" in carried and node_env.UV_WHEELS["x86_64"][1] in carried
     image = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env.model_copy(
@@ -117,11 +119,14 @@ def test_a_job_role_reads_its_own_environment_and_no_other() -> None:
     digest = "ab" * 32
     policy = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"], "0123456789abcdef",
                                environment_uri=f"s3://b/jobs/{environment_ship.STORE_FOLDER}/{digest}")
-    own = [s for s in policy["Statement"] if s["Sid"] == "OwnEnvironment"]
+    own = [s for s in policy["Statement"] if s["Sid"].startswith("OwnEnvironment")]
     assert own == [{"Sid": "OwnEnvironment", "Effect": "Allow", "Action": "s3:GetObject",
-                    "Resource": f"arn:aws:s3:::b/jobs/.environments/{digest}/*"}]
+                    "Resource": f"arn:aws:s3:::b/jobs/.environments/{digest}/*"},
+                   {"Sid": "OwnEnvironmentPack", "Effect": "Allow",  # node 0's pack of what it built
+                    "Action": ["s3:PutObject", "s3:AbortMultipartUpload"],
+                    "Resource": f"arn:aws:s3:::b/jobs/.environments/{digest}/packs/*"}]
     without = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"], "0123456789abcdef")
-    assert not [s for s in without["Statement"] if s["Sid"] == "OwnEnvironment"], "no environment, no access"
+    assert not [s for s in without["Statement"] if s["Sid"].startswith("OwnEnvironment")], "no environment, no access"
 
 
 @pytest.mark.parametrize("path", ["../escape.py", "/etc/passwd", "a//b", "./a", "a/../../b", ""])
@@ -186,7 +191,8 @@ def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_
         sha = environment_ship.manifest_sha256(environment)
         base = f"jobs/.environments/{environment.digest}"
         manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
-        return node_env.ensure(manifest, s3, f"{base}/files")
+        venv, how = node_env.ensure(manifest, s3, f"{base}/files")
+        return venv, how == "built"
 
     def imports(venv: Path, code: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
@@ -214,6 +220,137 @@ def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_
     monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "fresh-node"))
     with pytest.raises(node_env.SetupError, match="does not match its sha256"):
         boot(env)
+
+
+def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_installing_nothing(
+        aws_env: Any, project: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 of the first job builds cold and packs the venv into the store (a multipart upload); the
+    driver records the offer; a node with an empty uv cache, offline, under another root, unpacks it.
+    A forged offer or record is refused, and a pack whose bytes changed is passed over: that node builds."""
+    import subprocess
+    from importlib import metadata
+
+    from prefect_sgpu.jobfolder import new_key, seal
+    from support.ec2_simulator import bare_image
+    from support.wheel_index import uv_index
+
+    import shutil
+
+    from prefect_sgpu.environment import Distribution
+    from prefect_sgpu.environment_files import scan
+    from prefect_sgpu.launch import node_pack
+
+    (project / "table.bin").write_bytes(os.urandom(11 << 20))  # a pack of three 5 MiB parts
+    bucket, store, env = _store_and_small_environment(aws_env, project)
+    # the pack code reaches the node as a file of the environment's own prefect-sgpu (here only that file)
+    own = tmp_path / "prefect-sgpu-source"
+    (own / "prefect_sgpu" / "launch").mkdir(parents=True)
+    shutil.copy(node_pack.__file__, own / "prefect_sgpu" / "launch" / "node_pack.py")
+    env = env.model_copy(update={
+        "distributions": (*env.distributions, Distribution(name="prefect-sgpu", version="0.0.0", source="editable")),
+        "local_packages": (scan("prefect-sgpu", own, "environment.local_packages"),)})
+    environment_ship.ship(store, env)
+    monkeypatch.setenv("SGPU_CHECKPOINT_SECRET", new_key())  # the driver's secret, which seals pack records
+    monkeypatch.setenv("PATH", f"{bare_image() / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setenv(node_env.UV_INDEX_ENV, uv_index().url)
+    monkeypatch.setenv("UV_OFFLINE", "1")
+    monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
+    monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
+    monkeypatch.setattr(node_pack, "part_size", lambda size: 5 << 20)  # S3's smallest part: a multipart upload
+    s3 = node_env.S3(bucket, aws_env.region, aws_env.endpoint_url, None)
+    sha = environment_ship.manifest_sha256(env)
+    base = f"jobs/.environments/{env.digest}"
+    manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
+    job_key = new_key()
+
+    def boot(root: str, packs: list[str], offer_as: str | None = None) -> tuple[Path, str]:
+        monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / root))
+        offer_to = None
+        if offer_as:
+            offer_to = lambda venv, packing: packing.offer(  # noqa: E731
+                s3, f"{base}/packs", f"jobs/run-1/setup/pack-{offer_as}.json", venv, manifest,
+                node_env.platform_key(), lambda: job_key, "run-1", offer_as)
+        return node_env.ensure(manifest, s3, f"{base}/files", packs=node_env.parse_packs(packs), offer_to=offer_to)
+
+    def runs(venv: Path) -> str:
+        done = subprocess.run([str(venv / "bin" / "python"), "-c", "import six, features.encode; "
+                               "print(six.__version__, features.encode.tokenize('ab'))"],
+                              capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    first, how = boot("node-a", [], offer_as="i-a")
+    assert how == "built"
+    packs = [n for n in store.list(environment_ship.STORE_FOLDER, f"{env.digest}/packs")]
+    assert len(packs) == 1 and packs[0].endswith(".tar")
+    size = aws_env.client("s3").head_object(Bucket=bucket, Key=f"{base}/packs/{packs[0].rsplit('/', 1)[-1]}")
+    assert size["ContentLength"] > 5 << 20 and "-" in size["ETag"], "one object from a multipart upload"
+
+    # the driver, before any rank runs: an offer sealed with another key, or for another machine, is refused
+    forged = seal(new_key(), "envpack", "run-1", store.get("run-1", "setup/pack-i-a.json")[-400:], instance_id="i-x")
+    store.put("run-1", "setup/pack-i-x.json", forged)
+    assert environment_ship.take_offers(store, env, "run-1", job_key, ["i-x"]) == []
+    recorded = environment_ship.take_offers(store, env, "run-1", job_key, ["i-a", "i-x"])
+    assert recorded == environment_ship.recorded_packs(store, env)
+    assert recorded == [f"{node_env.platform_key()}:{packs[0].rsplit('/', 1)[-1][:-4]}:{size['ContentLength']}"]
+
+    # a fresh node under another root, with an empty uv cache and offline: it can only unpack
+    empty = tmp_path / "empty-uv-cache"
+    empty.mkdir()
+    monkeypatch.setenv("UV_CACHE_DIR", str(empty))
+    second, how = boot("node-b", recorded)
+    assert how == "unpacked" and second.parent != first.parent
+    assert runs(second) == runs(first) == f"{metadata.version('six')} [6, 0]"
+    assert list(empty.iterdir()) == [], "uv never ran"
+    assert boot("node-b", recorded) == (second, "reused")
+
+    # the next launch's user-data names the recorded pack (and asks node 0 to offer one where none fits)
+    from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
+
+    settings = {"region": aws_env.region, "store_uri": f"s3://{bucket}/jobs", "endpoint_url": aws_env.endpoint_url}
+    script = EC2InstanceCompute.from_settings(settings, session=aws_env.session()).user_data("run-2", environment=env)
+    assert f"--pack={recorded[0]}" in script and "--offer-pack" in script
+    script = EC2InstanceCompute.from_settings({**settings, "pack_environments": False}, session=aws_env.session()
+                                              ).user_data("run-2", environment=env)
+    assert "--pack" not in script and "--offer-pack" not in script
+
+    # a record sealed without the driver's secret is not used
+    record = f"{env.digest}/packs/{node_env.platform_key()}.json"
+    good = store.get(environment_ship.STORE_FOLDER, record)
+    store.put(environment_ship.STORE_FOLDER, record, seal(new_key(), "envpack", env.digest, good[-300:]))
+    assert environment_ship.recorded_packs(store, env) == []
+    store.put(environment_ship.STORE_FOLDER, record, good)
+
+    # whoever writes the store changes the pack's bytes: the node checks its sha256, passes it over and builds
+    tar_key = f"{base}/packs/{packs[0].rsplit('/', 1)[-1]}"
+    aws_env.client("s3").put_object(Bucket=bucket, Key=tar_key, Body=b"not the pack")
+    monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
+    third, how = boot("node-c", [f"{recorded[0].rsplit(':', 1)[0]}:12"])
+    assert how == "built" and runs(third) == runs(first)
+
+
+@pytest.mark.parametrize("name,link", [("venv/../../escape", None), ("venv/lib/evil", "/etc"),
+                                       ("venv/lib/up", "../../../etc"), ("python/../x", None), ("etc/x", None)])
+def test_the_stage_refuses_a_pack_entry_that_leaves_its_folder(tmp_path: Path, name: str, link: str | None) -> None:
+    import io
+    import tarfile
+
+    from prefect_sgpu.launch import node_pack
+
+    archive = tmp_path / "pack.tar"
+    with tarfile.open(archive, "w") as tar:
+        info = tarfile.TarInfo(name)
+        if link:
+            info.type, info.linkname = tarfile.SYMTYPE, link
+            tar.addfile(info)
+        else:
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"evil"))
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(node_pack.PackError, match="is not allowed|neither under|links to"):
+        node_pack.unpack(archive, root, root / "venv-x", "3.11")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["pack.tar", "root"], "nothing unpacked anywhere"
 
 
 def _other_minor_python() -> str | None:

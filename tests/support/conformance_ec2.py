@@ -142,6 +142,10 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
         "rendezvous_port": free_port(),
         "running_timeout_s": 60.0,
         "waiter_delay_s": 0.5,
+        # the jobs' environment is this checkout's venv (6.6 GB with CUDA torch): node 0 of a cold build
+        # would pack all of it into moto. tests/compute/test_ec2_environment.py packs a small one, and
+        # bench/env.py measures the full size
+        "pack_environments": False,
     }
     # what an instance profile would give the nodes; the user-data itself carries no key
     node_env = {k: v for k, v in aws_env.env.items() if k != "AWS_ENDPOINT_URL"}

@@ -125,6 +125,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
         self.heartbeat_ttl_s = settings.heartbeat_ttl
         self.replaces_nodes = settings.replace_lost == "nodes"
         self.python, self.setup_commands = settings.python, settings.setup_commands  # what the nodes boot with
+        self.packs_environments = settings.pack_environments
         self._account: str | None = None
 
     def __repr__(self) -> str:
@@ -181,12 +182,22 @@ class EC2InstanceCompute(RemoteNodeCompute):
         """``environment``: the job's captured environment; mode "driver" builds it on the node.
         ``gang``: the gang of a cold job the instances serve (its stop is bound to it); ``node_index``:
         the node an instance launched alone replaces."""
+        packs: list[str] = []
+        if self.packs_environments:
+            from prefect_sgpu import environment_ship
+
+            try:
+                packs = environment_ship.recorded_packs(self.store, environment)
+            except Exception as exc:  # noqa: BLE001 - without a pack the nodes build, as they did
+                logger.warning("the packs of environment %s could not be read (%s: %s): nodes build it",
+                               getattr(environment, "digest", "?")[:16], type(exc).__name__, exc)
         return rq.render_user_data(self.store.root_uri, run_id, self.region, self.heartbeat_ttl_s,
                                    endpoint_url=self.endpoint_url, python=self.python,
                                    setup=self.setup_commands,
                                    backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
                                    kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner,
-                                   lease=lease, environment=environment, gang=gang, node_index=node_index)
+                                   lease=lease, environment=environment, gang=gang, node_index=node_index,
+                                   packs=packs, offer_pack=self.packs_environments)
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))

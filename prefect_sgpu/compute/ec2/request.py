@@ -280,6 +280,8 @@ def render_user_data(
     environment: "Environment | None" = None,
     gang: int = 0,
     node_index: int | None = None,
+    packs: list[str] | tuple[str, ...] = (),
+    offer_pack: bool = False,
 ) -> str:
     """The instance's user-data: a short shell script, with no credential and no key in it.
 
@@ -297,6 +299,8 @@ def render_user_data(
     gang 1, 2, ...): the job's stop is bound to it, so the node refuses a lost gang's stop written
     back into the store. Only the first gang's user-data goes without it. ``node_index``: the node an
     instance launched alone replaces (its launch index is 0), when only a lost node is replaced.
+    ``packs``: the recorded packs of the environment (``environment_ship.recorded_packs``) a node may
+    unpack instead of building; ``offer_pack``: node 0, building cold, packs what it built into the store.
 
     ``setup`` (shell lines, e.g. installing prefect-sgpu into the AMI's Python) runs first.
     The bootstrap derives the SSM parameter of the job key from ``run_id`` itself.
@@ -347,7 +351,7 @@ def render_user_data(
         assert environment is not None
         manifest = environment_ship.manifest_sha256(environment)
         stage, runs = environment_ship.stage_lines(python, environment.digest, manifest, store_uri, run_id, region,
-                                                   endpoint_url, bucket_owner)
+                                                   endpoint_url, bucket_owner, packs, offer_pack)
         lines += [*stage, f'{runs} {shlex.join(argv[1:])} --backstop-marker="$marker"']
     else:
         lines.append(shlex.join(argv) + ' --backstop-marker="$marker"')

@@ -201,6 +201,7 @@ class RemoteNodeCompute(Compute):
             allocation.instances = self._provision(allocation, request.run_id, deadline, cancel)
             allocation.progress("running", ", ".join(self._describe(m) for m in allocation.instances))
             self._wait_for_agents(allocation, deadline, cancel)
+            self._take_pack_offers(allocation, allocation.run_id, allocation.folder.key, allocation.instances)
         except BaseException:
             self._give_back(allocation)
             raise
@@ -232,6 +233,25 @@ class RemoteNodeCompute(Compute):
         allocation.progress("environment", f"{environment.digest[:16]}: {shipped['uploaded']} file(s) uploaded "
                             f"({shipped['bytes']} bytes), {shipped['skipped']} already in the store, "
                             f"{time.monotonic() - started:.1f}s")
+
+    def _take_pack_offers(self, allocation: RemoteAllocation, folder_id: str, key: str, machines: list) -> None:
+        """Record the environment packs the new machines' stages offered (node 0, building cold), now:
+        every agent is up and no rank has run (ranks hold the key that seals an offer)."""
+        from prefect_sgpu import environment_ship
+
+        environment = allocation.request.spec.environment
+        if not (self.ships_environment and getattr(self, "packs_environments", False)
+                and environment_ship.builds_on_node(environment)):
+            return
+        try:
+            recorded = environment_ship.take_offers(self.store, environment, folder_id, key, [m.id for m in machines])
+        except Exception as exc:  # noqa: BLE001 - a pack only saves later boots time
+            logger.warning("job %s: environment packs were not recorded (%s: %s)", allocation.run_id,
+                           type(exc).__name__, exc)
+            return
+        if recorded:
+            allocation.progress("environment", f"{environment.digest[:16]}: recorded the pack "
+                                f"{', '.join(recorded)} for later boots")
 
     def _setup_output(self, allocation: RemoteAllocation, machine_id: str, limit: int = 4000) -> str:
         """What the node's environment stage wrote when it failed (``setup/<machine>.log`` in the folder the
@@ -273,8 +293,9 @@ class RemoteNodeCompute(Compute):
                     allocation.lease = None
                     POOL.discard(lease)
             self._sweep(request)
-            self._new_lease(allocation, deadline, cancel)
+            lease = self._new_lease(allocation, deadline, cancel)
             self._assign(allocation, deadline, cancel)
+            self._take_pack_offers(allocation, lease.lease_id, lease.folder.key, lease.instances)
         except BaseException:
             self._give_back(allocation)
             raise
