@@ -11,8 +11,9 @@ and the manifest last (``.environments/<digest>/manifest-<sha256 of the manifest
 user-data names that sha256, so the node checks the manifest against what the launcher wrote
 and every file against the manifest. :func:`stage_lines` renders the user-data lines that run the stage.
 
-The first node to build an environment cold packs it into the store (``.environments/<digest>/
-packs/<sha256>.tar``) and offers it in a document sealed with the job key; :func:`take_offers`
+The first node to install an environment's packages cold packs them into the store
+(``.environments/packages-<packages digest>/<sha256>.tar``, :func:`packages_folder`) and offers the
+pack in a document sealed with the job key; :func:`take_offers`
 reads the offers before any rank starts and records each pack, sealed with a key only drivers
 hold (:func:`pack_records_key`); :func:`recorded_packs` names the recorded packs to the next
 launch's nodes, which download, check and unpack one instead of building.
@@ -303,16 +304,24 @@ OFFER_PURPOSE = b"env-pack"
 _RECORD_PURPOSE = b"sgpu-env-pack\0"
 
 
+def packages_folder(environment: "Environment") -> str:
+    """Where the packs of ``environment``'s packages live, under :data:`STORE_FOLDER`: one folder per
+    packages digest (the Python, pins, requirements and index settings, not the shipped files)."""
+    from prefect_sgpu.launch import node_env
+
+    return f"packages-{node_env.packages_digest(json.loads(manifest_bytes(environment)))}"
+
+
 def pack_records_key(store: "Store", environment: "Environment", create: bool = False) -> str | None:
     """The key that seals the records of ``environment``'s packs in ``store``: derived from the driver's
-    secret (the checkpoint secret: a store writer does not hold it) and the environment's folder.
+    secret (the checkpoint secret: a store writer does not hold it) and the packs' folder.
     None when this process has no secret (and ``create`` is false): no record can be checked."""
     from prefect_sgpu import checkpoint_manifest
 
     secret = checkpoint_manifest.driver_secret() if create else checkpoint_manifest.read_secret()
     if secret is None:
         return None
-    folder = f"{store.root_uri}/{STORE_FOLDER}/{environment.digest}"
+    folder = f"{store.root_uri}/{STORE_FOLDER}/{packages_folder(environment)}"
     return hmac.new(bytes.fromhex(secret), _RECORD_PURPOSE + folder.encode(), hashlib.sha256).hexdigest()
 
 
@@ -323,13 +332,14 @@ def _pack_body(raw: bytes, environment: "Environment") -> dict[str, Any]:
 
     try:
         body = json.loads(raw)
-        ok = (body["format"] == node_pack.PACK_FORMAT and body["digest"] == environment.digest
+        ok = (body["format"] == node_pack.PACK_FORMAT and body["packages"] == packages_folder(environment)[9:]
               and node_env.NAME.match(body["platform"]) and node_env.SHA.match(body["sha256"])
               and isinstance(body["size"], int) and body["size"] > 0 and body["python"] == environment.python.minor)
     except (ValueError, KeyError, TypeError):
         ok = False
     if not ok:
-        raise DocumentRefused(f"pack description {raw[:200]!r} is not one of environment {environment.digest[:16]}")
+        raise DocumentRefused(f"pack description {raw[:200]!r} is not one of the packages of environment "
+                              f"{environment.digest[:16]}")
     return body
 
 
@@ -348,13 +358,13 @@ def recorded_packs(store: "Store", environment: "Environment | None") -> list[st
     if key is None:
         return []
     found = []
-    for name in store.list(STORE_FOLDER, f"{environment.digest}/packs"):
+    folder = packages_folder(environment)
+    for name in store.list(STORE_FOLDER, folder):
         if not name.endswith(".json"):
             continue
         blob = store.get(STORE_FOLDER, name)
         try:
-            body = _pack_body(unseal(blob or b"", key, "envpack", environment.digest, what=f"pack record {name}"),
-                              environment)
+            body = _pack_body(unseal(blob or b"", key, "envpack", folder, what=f"pack record {name}"), environment)
         except DocumentRefused as exc:
             logging.getLogger("prefect_sgpu.environment").warning("%s: not used", exc)
             continue
@@ -388,13 +398,12 @@ def take_offers(store: "Store", environment: "Environment | None", folder_id: st
         except DocumentRefused as exc:
             logging.getLogger("prefect_sgpu.environment").warning("%s", exc)
             continue
-        if f"{environment.digest}/packs/{body['sha256']}.tar" not in store.list(STORE_FOLDER,
-                                                                                f"{environment.digest}/packs"):
+        folder = packages_folder(environment)
+        if f"{folder}/{body['sha256']}.tar" not in store.list(STORE_FOLDER, folder):
             continue
         canonical = json.dumps(body, sort_keys=True).encode()
         record_key = pack_records_key(store, environment, create=True)
         assert record_key is not None
-        store.put(STORE_FOLDER, f"{environment.digest}/packs/{body['platform']}.json",
-                  seal(record_key, "envpack", environment.digest, canonical))
+        store.put(STORE_FOLDER, f"{folder}/{body['platform']}.json", seal(record_key, "envpack", folder, canonical))
         recorded.append(f"{body['platform']}:{body['sha256']}:{body['size']}")
     return recorded

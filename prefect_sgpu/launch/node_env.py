@@ -450,8 +450,18 @@ def revealed_index(manifest: dict, read_secret) -> dict | None:
     return index
 
 
-def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index: dict | None = None) -> None:
-    """``index``: the revealed index settings (credentials only in uv's environment), else the manifest's.
+def packages_digest(manifest: dict) -> str:
+    """What a venv holds before the shipped files are laid out in it: the Python, the pins, the extra
+    requirements and the index settings (as the manifest shows them). Packs are keyed by it, so a pack
+    serves every environment of the same packages, whatever the project's files."""
+    keys = ("format", "implementation", "python", "pins", "requirements", "index")
+    return hashlib.sha256(json.dumps({k: manifest.get(k) for k in keys}, sort_keys=True,
+                                     separators=(",", ":")).encode()).hexdigest()
+
+
+def install(venv: Path, manifest: dict, index: dict | None = None) -> None:
+    """The venv with the driver's Python and packages, nothing shipped yet. ``index``: the revealed index
+    settings (credentials only in uv's environment), else the manifest's.
 
     The venv is relocatable (uv's entry points find their Python beside them, the ``.pth`` of shipped
     trees names them relative to site-packages), and a Python uv downloads lands under the
@@ -475,17 +485,21 @@ def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index
         run("installing the extra requirements", [*common, "-c", str(pins), "-r", str(extra)], env)
     if manifest["pins"]:  # exactly the driver's set: nothing to resolve
         run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(pins)], env)
+
+
+def lay_out_trees(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path) -> None:
+    """Every shipped file (fetched by sha256, checked) in the venv, then the marker."""
     shas = sorted({sha for tree in manifest["trees"] for _p, _s, sha in tree["files"]})
     log(f"fetching {len(shas)} shipped file(s)")
     with ThreadPoolExecutor(8) as pool:
         blobs = dict(zip(shas, pool.map(lambda sha: fetch_file(s3, files_key, cache, sha), shas)))
-    site = site_packages(python)
+    site = site_packages(venv / "bin" / "python")
     roots = []
     for tree in manifest["trees"]:
         if tree["kind"] == "site":  # an installed distribution's own files: where its RECORD put them
             lay_out(site, tree["files"], blobs)
             continue
-        base = work / "paths" / tree["name"]
+        base = venv / "sgpu" / "paths" / tree["name"]
         lay_out(base, tree["files"], blobs)
         roots.append(base / tree["root"] if tree.get("root") else base)
         if tree.get("dist"):
@@ -499,6 +513,11 @@ def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index
     # relative to site-packages (site.py joins them to it): the venv stays relocatable
     (site / "prefect_sgpu_environment.pth").write_text("".join(f"{os.path.relpath(r, site)}\n" for r in roots))
     (venv / COMPLETE).write_text(manifest["digest"] + "\n")
+
+
+def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index: dict | None = None) -> None:
+    install(venv, manifest, index)
+    lay_out_trees(venv, manifest, s3, files_key, cache)
 
 
 def platform_key() -> str:
@@ -527,12 +546,13 @@ def pack_module(manifest: dict, s3: S3, files_key: str, cache: Path):
 
 
 def ensure(manifest: dict, s3: S3, files_key: str, read_secret=None, packs: dict | None = None,
-           offer_to=None) -> tuple[Path, str]:
+           offer_to=None, packs_key: str | None = None) -> tuple[Path, str]:
     """The venv of this manifest's digest on this node: (its folder, ``"reused"``, ``"unpacked"`` from
     the store's pack or ``"built"``). ``read_secret``: the job's secrets SecureString, read only when
-    there is something to build. ``packs``: platform → (sha256, size) of the packs the driver recorded
-    (:mod:`prefect_sgpu.launch.node_pack`). ``offer_to(venv, node_pack)``: called after a build, to
-    offer its pack."""
+    there is something to build. ``packs``: platform → (sha256, size) of the packs of this
+    environment's packages the driver recorded, in the store under ``packs_key``
+    (:mod:`prefect_sgpu.launch.node_pack`). ``offer_to(venv, node_pack)``: called once the packages
+    are installed, before the shipped files are laid out, to offer a pack of them."""
     root = env_root()
     key = f"{manifest['digest']}-{platform_key()}"
     venv = root / key
@@ -545,30 +565,30 @@ def ensure(manifest: dict, s3: S3, files_key: str, read_secret=None, packs: dict
         if (venv / COMPLETE).exists():
             return venv, "reused"
         named = (packs or {}).get(platform_key())
+        packing = None
         if named is not None or offer_to is not None:
             try:
                 packing = pack_module(manifest, s3, files_key, cache)
             except Exception as exc:  # noqa: BLE001 - a pack only saves time: build
                 log(f"the pack code could not be loaded ({type(exc).__name__}: {exc})")
-                packing = None
-        if named is not None and packing is not None:
+        if named is not None and packing is not None and packs_key:
             if venv.exists():
                 shutil.rmtree(venv)
             try:
-                packing.from_pack(s3, files_key.rsplit("/", 1)[0] + "/packs", named[0], named[1], root, venv,
-                                  manifest["python"])
-                (venv / COMPLETE).write_text(manifest["digest"] + "\n")
+                packing.from_pack(s3, packs_key, named[0], named[1], root, venv, manifest["python"])
+                lay_out_trees(venv, manifest, s3, files_key, cache)
                 return venv, "unpacked"
             except Exception as exc:  # noqa: BLE001 - whatever is wrong with a pack, the node builds
-                log(f"the store's pack {named[0][:16]} of this environment was not used "
-                    f"({type(exc).__name__}: {exc}): building it")
+                log(f"the store's pack {named[0][:16]} of these packages was not used "
+                    f"({type(exc).__name__}: {exc}): building")
         index = revealed_index(manifest, read_secret) if read_secret is not None else None
-        build(venv, manifest, s3, files_key, cache, index)
+        install(venv, manifest, index)
         if offer_to is not None and packing is not None:
             try:
                 offer_to(venv, packing)
             except Exception as exc:  # noqa: BLE001 - a pack only saves later boots time
-                log(f"the environment was not packed into the store: {type(exc).__name__}: {exc}")
+                log(f"the packages were not packed into the store: {type(exc).__name__}: {exc}")
+        lay_out_trees(venv, manifest, s3, files_key, cache)
     return venv, "built"
 
 
@@ -629,18 +649,20 @@ def main(argv: list[str] | None = None) -> int:
         # jobfolder.ssm_secrets_parameter: under the store's scope (sha256 of its URI, as S3Store.root_uri writes it)
         scope = hashlib.sha256(f"s3://{bucket}/{prefix}".rstrip("/").encode()).hexdigest()[:16]
         secrets = f"/prefect-sgpu/{scope}/{args.run_id}/secrets"
+        # packs of the environment's packages, whatever its files (environment_ship.packages_folder)
+        packs_key = "/".join(p for p in (prefix, ".environments", f"packages-{packages_digest(manifest)}") if p)
         offer_to = None
         if args.offer_pack and node_index(bootstrap) == 0:
             instance = instance_id()
             key_parameter = f"/prefect-sgpu/{scope}/{args.run_id}/payload-key"
             offer_key = "/".join(p for p in (prefix, args.run_id, "setup", f"pack-{instance}.json") if p)
             offer_to = lambda venv, packing: packing.offer(  # noqa: E731
-                s3, f"{base}/packs", offer_key, venv, manifest, platform_key(),
+                s3, packs_key, offer_key, venv, manifest, packages_digest(manifest), platform_key(),
                 lambda: read_parameter(key_parameter, args.region, args.endpoint_url, s3.creds).strip(),
                 args.run_id, instance)
         venv, how = ensure(manifest, s3, f"{base}/files",
                            lambda: read_parameter(secrets, args.region, args.endpoint_url, s3.creds),
-                           parse_packs(args.pack), offer_to)
+                           parse_packs(args.pack), offer_to, packs_key)
     except Exception as exc:  # noqa: BLE001 - every failure ends this node, with its reason where the driver reads
         text = str(exc) if isinstance(exc, SetupError) else f"environment setup failed: {type(exc).__name__}: {exc}"
         text = mask(text)

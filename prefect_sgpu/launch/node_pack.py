@@ -5,10 +5,15 @@ Standard library only, and runnable on the image's own Python (3.7 or later): th
 it loads it from the environment's own shipped prefect-sgpu files, each checked against the sha256
 in the manifest the user-data names (:func:`prefect_sgpu.launch.node_env.pack_module`).
 
-- **Offer.** Node 0 of a job whose driver asks for it (``--offer-pack``), having built the venv cold,
-  tars it (and the Python uv downloaded for it, when it lies under the environments' root) into
-  ``.environments/<digest>/packs/<sha256>.tar`` (one PUT, or a multipart upload: S3 takes at most
-  5 GB in one PUT), then writes ``<run>/setup/pack-<instance>.json``: the pack's description sealed
+A pack holds a venv's *packages* (the Python, the pinned distributions, the extra requirements),
+not the files shipped beside them (the project, local packages): it is keyed by the packages'
+digest (:func:`prefect_sgpu.launch.node_env.packages_digest`), so a changed project file does
+not make a new pack, and the shipped files are laid out after unpacking as after a build.
+
+- **Offer.** Node 0 of a job whose driver asks for it (``--offer-pack``), having installed the
+  packages cold, tars the venv (and the Python uv downloaded for it, when it lies under the
+  environments' root) into ``.environments/packages-<packages digest>/<sha256>.tar`` (one PUT, or a
+  multipart upload: S3 takes at most 5 GB in one PUT), then writes ``<run>/setup/pack-<instance>.json``: the pack's description sealed
   as :func:`prefect_sgpu.jobfolder.seal` seals a document of kind ``envpack`` bound to the instance,
   with the job key's ``env-pack`` key. All of this happens before the bootstrap starts: no rank has
   run. The driver reads the offer before it launches any rank and records the pack, sealed with a
@@ -263,19 +268,20 @@ def seal_offer(job_key: str, run_id: str, instance: str, body: bytes) -> bytes:
     return b"SGPU2\n" + hmac.new(key, message, hashlib.sha256).digest() + message
 
 
-def offer(s3, packs_key: str, offer_key: str, venv: Path, manifest: dict, platform: str, read_key,
+def offer(s3, packs_key: str, offer_key: str, venv: Path, manifest: dict, packages: str, platform: str, read_key,
           run_id: str, instance: str) -> None:
-    """Pack ``venv``, put the pack in the store, and offer it to the driver (see the module doc)."""
+    """Pack ``venv`` (its packages installed, nothing shipped laid out yet), put the pack in the store under
+    ``packs_key``, and offer it to the driver (see the module doc). ``packages``: the packages' digest."""
     started = time.monotonic()
     archive = venv.parent / f".pack-{os.getpid()}.tar"
     try:
         sha, size = pack(venv, archive)
         upload(s3, f"{packs_key}/{sha}.tar", archive, part_size(size))
-        body = json.dumps({"format": PACK_FORMAT, "digest": manifest["digest"], "platform": platform,
+        body = json.dumps({"format": PACK_FORMAT, "packages": packages, "platform": platform,
                            "python": manifest["python"], "sha256": sha, "size": size}, sort_keys=True).encode()
         s3.put(offer_key, seal_offer(read_key(), run_id, instance, body), "application/octet-stream")
     finally:
         if archive.exists():
             archive.unlink()
-    log(f"packed environment {manifest['digest'][:16]} ({size / 2**20:.1f} MiB, sha256 {sha[:16]}) into the "
+    log(f"packed the packages {packages[:16]} of environment {manifest['digest'][:16]} ({size / 2**20:.1f} MiB, sha256 {sha[:16]}) into the "
         f"store in {time.monotonic() - started:.1f}s")

@@ -116,15 +116,16 @@ def test_an_index_with_credentials_never_reaches_the_user_data(project: Path) ->
 def test_a_job_role_reads_its_own_environment_and_no_other() -> None:
     from prefect_sgpu.compute.ec2 import roles
 
-    digest = "ab" * 32
+    digest, packages = "ab" * 32, "cd" * 32
     policy = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"], "0123456789abcdef",
-                               environment_uri=f"s3://b/jobs/{environment_ship.STORE_FOLDER}/{digest}")
+                               environment_uri=f"s3://b/jobs/{environment_ship.STORE_FOLDER}/{digest}",
+                               packages_uri=f"s3://b/jobs/{environment_ship.STORE_FOLDER}/packages-{packages}")
     own = [s for s in policy["Statement"] if s["Sid"].startswith("OwnEnvironment")]
     assert own == [{"Sid": "OwnEnvironment", "Effect": "Allow", "Action": "s3:GetObject",
                     "Resource": f"arn:aws:s3:::b/jobs/.environments/{digest}/*"},
-                   {"Sid": "OwnEnvironmentPack", "Effect": "Allow",  # node 0's pack of what it built
-                    "Action": ["s3:PutObject", "s3:AbortMultipartUpload"],
-                    "Resource": f"arn:aws:s3:::b/jobs/.environments/{digest}/packs/*"}]
+                   {"Sid": "OwnEnvironmentPacks", "Effect": "Allow",  # the packs of its packages: read, and offer one
+                    "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
+                    "Resource": f"arn:aws:s3:::b/jobs/.environments/packages-{packages}/*"}]
     without = roles.node_policy("train-1", "eu-west-1", "210987654321", ["s3://b/jobs/train-1"], "0123456789abcdef")
     assert not [s for s in without["Statement"] if s["Sid"].startswith("OwnEnvironment")], "no environment, no access"
 
@@ -240,14 +241,14 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     from prefect_sgpu.environment_files import scan
     from prefect_sgpu.launch import node_pack
 
-    (project / "table.bin").write_bytes(os.urandom(11 << 20))  # a pack of three 5 MiB parts
     bucket, store, env = _store_and_small_environment(aws_env, project)
     # the pack code reaches the node as a file of the environment's own prefect-sgpu (here only that file)
     own = tmp_path / "prefect-sgpu-source"
     (own / "prefect_sgpu" / "launch").mkdir(parents=True)
     shutil.copy(node_pack.__file__, own / "prefect_sgpu" / "launch" / "node_pack.py")
-    env = env.model_copy(update={
-        "distributions": (*env.distributions, Distribution(name="prefect-sgpu", version="0.0.0", source="editable")),
+    env = env.model_copy(update={  # numpy: a pack of several 5 MiB parts
+        "distributions": (*env.distributions, Distribution(name="numpy", version=metadata.version("numpy")),
+                          Distribution(name="prefect-sgpu", version="0.0.0", source="editable")),
         "local_packages": (scan("prefect-sgpu", own, "environment.local_packages"),)})
     environment_ship.ship(store, env)
     monkeypatch.setenv("SGPU_CHECKPOINT_SECRET", new_key())  # the driver's secret, which seals pack records
@@ -262,15 +263,21 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     base = f"jobs/.environments/{env.digest}"
     manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
     job_key = new_key()
+    packages = node_env.packages_digest(manifest)
+    folder = environment_ship.packages_folder(env)
+    assert folder == f"packages-{packages}"
+    packs_key = f"jobs/.environments/{folder}"
 
-    def boot(root: str, packs: list[str], offer_as: str | None = None) -> tuple[Path, str]:
+    def boot(root: str, packs: list[str], offer_as: str | None = None, manifest: dict = manifest) -> tuple[Path, str]:
         monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / root))
         offer_to = None
         if offer_as:
             offer_to = lambda venv, packing: packing.offer(  # noqa: E731
-                s3, f"{base}/packs", f"jobs/run-1/setup/pack-{offer_as}.json", venv, manifest,
+                s3, packs_key, f"jobs/run-1/setup/pack-{offer_as}.json", venv, manifest, packages,
                 node_env.platform_key(), lambda: job_key, "run-1", offer_as)
-        return node_env.ensure(manifest, s3, f"{base}/files", packs=node_env.parse_packs(packs), offer_to=offer_to)
+        files = f"jobs/.environments/{manifest['digest']}/files"
+        return node_env.ensure(manifest, s3, files, packs=node_env.parse_packs(packs), offer_to=offer_to,
+                               packs_key=packs_key)
 
     def runs(venv: Path) -> str:
         done = subprocess.run([str(venv / "bin" / "python"), "-c", "import six, features.encode; "
@@ -281,9 +288,10 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
 
     first, how = boot("node-a", [], offer_as="i-a")
     assert how == "built"
-    packs = [n for n in store.list(environment_ship.STORE_FOLDER, f"{env.digest}/packs")]
+    packs = [n for n in store.list(environment_ship.STORE_FOLDER, folder)]
     assert len(packs) == 1 and packs[0].endswith(".tar")
-    size = aws_env.client("s3").head_object(Bucket=bucket, Key=f"{base}/packs/{packs[0].rsplit('/', 1)[-1]}")
+    tar_key = f"{packs_key}/{packs[0].rsplit('/', 1)[-1]}"
+    size = aws_env.client("s3").head_object(Bucket=bucket, Key=tar_key)
     assert size["ContentLength"] > 5 << 20 and "-" in size["ETag"], "one object from a multipart upload"
 
     # the driver, before any rank runs: an offer sealed with another key, or for another machine, is refused
@@ -304,6 +312,19 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     assert list(empty.iterdir()) == [], "uv never ran"
     assert boot("node-b", recorded) == (second, "reused")
 
+    # the project changes (a new environment digest, the same packages): the pack still serves it
+    (project / "features" / "encode.py").write_text("def tokenize(text):\n    return [len(text)]\n")
+    changed = env.model_copy(update={"working_dir": scan("working_dir", project, "environment.working_dir")})
+    assert changed.digest != env.digest and environment_ship.packages_folder(changed) == folder
+    environment_ship.ship(store, changed)
+    assert environment_ship.recorded_packs(store, changed) == recorded
+    changed_sha = environment_ship.manifest_sha256(changed)
+    changed_manifest = node_env.check_manifest(
+        s3.get(f"jobs/.environments/{changed.digest}/manifest-{changed_sha}.json"), changed_sha)
+    fourth, how = boot("node-b", recorded, manifest=changed_manifest)
+    assert how == "unpacked" and fourth != second and runs(fourth) == f"{metadata.version('six')} [2]"
+    assert list(empty.iterdir()) == [], "uv never ran"
+
     # the next launch's user-data names the recorded pack (and asks node 0 to offer one where none fits)
     from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 
@@ -315,14 +336,13 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     assert "--pack" not in script and "--offer-pack" not in script
 
     # a record sealed without the driver's secret is not used
-    record = f"{env.digest}/packs/{node_env.platform_key()}.json"
+    record = f"{folder}/{node_env.platform_key()}.json"
     good = store.get(environment_ship.STORE_FOLDER, record)
     store.put(environment_ship.STORE_FOLDER, record, seal(new_key(), "envpack", env.digest, good[-300:]))
     assert environment_ship.recorded_packs(store, env) == []
     store.put(environment_ship.STORE_FOLDER, record, good)
 
     # whoever writes the store changes the pack's bytes: the node checks its sha256, passes it over and builds
-    tar_key = f"{base}/packs/{packs[0].rsplit('/', 1)[-1]}"
     aws_env.client("s3").put_object(Bucket=bucket, Key=tar_key, Body=b"not the pack")
     monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
     third, how = boot("node-c", [f"{recorded[0].rsplit(':', 1)[0]}:12"])

@@ -58,22 +58,33 @@ class _Store:
             TagSpecifications=[{"ResourceType": "instance", "Tags": [
                 {"Key": rq.STORE_TAG, "Value": self.uri}, {"Key": rq.RUN_ID_TAG, "Value": self.run}]}],
         )["Instances"][0]["InstanceId"]
+        self.group = aws.client("ec2").create_security_group(
+            GroupName=f"sgpu-{self.run}", Description="a run's group",
+            TagSpecifications=[{"ResourceType": "security-group", "Tags": [{"Key": rq.STORE_TAG, "Value": self.uri}]}],
+        )["GroupId"]
         aws.client("s3").put_object(Bucket=bucket, Key=f"{prefix}/{self.run}/payload.bin", Body=b"payload")
 
     def close(self, aws: MotoAWS) -> None:
         roles.delete(aws.client("iam"), self.run)
         aws.client("ec2").terminate_instances(InstanceIds=[self.instance])
+        _code(lambda: aws.client("ec2").delete_security_group(GroupId=self.group))
         ssm = aws.client("ssm")
         for name in (ssm_key_parameter(self.run, self.scope), ssm_secrets_parameter(self.run, self.scope)):
             _code(lambda n=name: ssm.delete_parameter(Name=n))
 
 
-def _reach(session: Any, target: _Store, image: str, launched: list[str]) -> dict[str, str]:
+def _reach(session: Any, target: _Store, image: str, launched: list[str], own_store: str | None = None) -> dict[str, str]:
     """Every call an identity could make on ``target``'s things: its answer code, by what was tried
-    (instances it managed to launch are added to ``launched``)."""
+    (instances it managed to launch are added to ``launched``). ``own_store``: the caller's store, whose
+    tag its launch of ``target``'s role carries (so that only passing the role is in question)."""
     ssm, iam, ec2, s3 = (session.client(s) for s in ("ssm", "iam", "ec2", "s3"))
     key, secrets = ssm_key_parameter(target.run, target.scope), ssm_secrets_parameter(target.run, target.scope)
     name = roles.role_name(target.run)
+    theirs = [{"ResourceType": kind, "Tags": [{"Key": rq.STORE_TAG, "Value": target.uri}]}
+              for kind in ("instance", "volume")]
+    mine = [{"ResourceType": kind, "Tags": [{"Key": rq.STORE_TAG, "Value": own_store or target.uri}]}
+            for kind in ("instance", "volume")]
+    wide_open = [{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]
     return {
         "read the job key": _code(lambda: ssm.get_parameter(Name=key, WithDecryption=True)),
         "overwrite the job key": _code(lambda: ssm.put_parameter(Name=key, Value="forged", Type="SecureString",
@@ -83,11 +94,19 @@ def _reach(session: Any, target: _Store, image: str, launched: list[str]) -> dic
             RoleName=name, PolicyName=roles.ROLE_POLICY_NAME, PolicyDocument=json.dumps(
                 {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))),
         "pass the job role to an instance": _code(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
-            ImageId=image, MinCount=1, MaxCount=1, InstanceType="t3.micro",
+            ImageId=image, MinCount=1, MaxCount=1, InstanceType="t3.micro", TagSpecifications=mine,
             IamInstanceProfile={"Arn": target.role.profile_arn})["Instances"])),
+        "launch a node of its store": _code(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
+            ImageId=image, MinCount=1, MaxCount=1, InstanceType="t3.micro", TagSpecifications=theirs)["Instances"])),
+        "open its security group": _code(lambda: ec2.authorize_security_group_ingress(
+            GroupId=target.group, IpPermissions=wide_open)),
+        "make a security group of its store": _code(lambda: ec2.delete_security_group(GroupId=ec2.create_security_group(
+            GroupName=f"made-{uuid.uuid4().hex[:8]}", Description="x", TagSpecifications=[
+                {"ResourceType": "security-group", "Tags": [{"Key": rq.STORE_TAG, "Value": target.uri}]}])["GroupId"])),
         "terminate a node": _code(lambda: ec2.terminate_instances(InstanceIds=[target.instance])),
         "forge a document": _code(lambda: s3.put_object(Bucket=target.bucket,
                                                         Key=f"{target.prefix}/{target.run}/payload.bin", Body=b"x")),
+        "delete its security group": _code(lambda: ec2.delete_security_group(GroupId=target.group)),
         # last: IAM refuses deleting a role that still has a policy and a profile, after the gate let it through
         "delete the job role": _code(lambda: iam.delete_role(RoleName=name)),
     }
@@ -130,9 +149,9 @@ def test_a_driver_and_a_job_role_of_one_store_are_refused_everything_of_another_
     aws_faults.iam_gate = gate
     launched: list[str] = []
     try:
-        theirs_by_driver = _reach(driver, y, image, launched)
+        theirs_by_driver = _reach(driver, y, image, launched, own_store=x.uri)
         theirs_by_node = _reach(node, y, image, launched)
-        ours_by_y = _reach(driver_y, x, image, launched)  # and the other way round
+        ours_by_y = _reach(driver_y, x, image, launched, own_store=y.uri)  # and the other way round
         mine_refused = len(gate.denied)
         own_by_driver = _reach(driver, x, image, launched)
     finally:
@@ -147,12 +166,51 @@ def test_a_driver_and_a_job_role_of_one_store_are_refused_everything_of_another_
             "delete the job role": "DeleteConflict"}, own_by_driver
         refused = {(d.identity, d.action) for d in gate.denied}
         assert {(f"user/{user}", a) for a in ("iam:PassRole", "iam:PutRolePolicy", "iam:DeleteRole",
-                                              "ssm:GetParameter", "ec2:TerminateInstances")} <= refused, refused
+                                              "ssm:GetParameter", "ec2:TerminateInstances", "ec2:RunInstances",
+                                              "ec2:AuthorizeSecurityGroupIngress", "ec2:CreateSecurityGroup",
+                                              "ec2:DeleteSecurityGroup")} <= refused, refused
     finally:
         if launched:
             aws_env.client("ec2").terminate_instances(InstanceIds=launched)
         for store in (x, y):
             store.close(aws_env)
+
+
+def test_a_driver_tags_only_what_it_creates_and_launches_only_what_it_tags_as_its_store(
+        aws_env: MotoAWS, aws_faults: Any) -> None:
+    """Tags decide which store a node or group belongs to (sweeps, terminations, group edits): a
+    driver may set them only in the call that creates the resource, and may launch only instances
+    and volumes tagged with its own store."""
+    tag = uuid.uuid4().hex[:8]
+    bucket = f"sgpu-iam-{tag}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    x = _Store(aws_env, bucket, "team-x", tag)
+    gate = IAMGate(aws_env.region)
+    user, driver = _as_driver(aws_env, x, tag)
+    gate.watch_user(user)
+    ec2 = driver.client("ec2")
+    ours = [{"ResourceType": kind, "Tags": [{"Key": rq.STORE_TAG, "Value": x.uri}]} for kind in ("instance", "volume")]
+    launched: list[str] = []
+    aws_faults.iam_gate = gate
+    try:
+        codes = {
+            "retag its own node": _code(lambda: ec2.create_tags(Resources=[x.instance],
+                                                                Tags=[{"Key": rq.STORE_TAG, "Value": "s3://other/x"}])),
+            "launch untagged": _code(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
+                ImageId=aws_env.image_id(), MinCount=1, MaxCount=1, InstanceType="t3.micro")["Instances"])),
+            "launch tagged as its store": _code(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
+                ImageId=aws_env.image_id(), MinCount=1, MaxCount=1, InstanceType="t3.micro",
+                TagSpecifications=ours)["Instances"])),
+        }
+    finally:
+        aws_faults.iam_gate = None
+        if launched:
+            aws_env.client("ec2").terminate_instances(InstanceIds=launched)
+        x.close(aws_env)
+    assert codes == {"retag its own node": "UnauthorizedOperation", "launch untagged": "UnauthorizedOperation",
+                     "launch tagged as its store": "allowed"}, codes
+    assert [(d.action, d.resource.split(":")[-1]) for d in gate.denied] == [
+        ("ec2:CreateTags", f"instance/{x.instance}"), ("ec2:RunInstances", "instance/*")], gate.denied
 
 
 def test_the_driver_may_edit_a_role_of_its_store_only_while_the_role_has_the_boundary(

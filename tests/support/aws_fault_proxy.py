@@ -346,6 +346,7 @@ class AWSFaultProxy:
                 body: bytes, service: str, action: str, params: Params) -> tuple[int, list, bytes]:
         gate = self.iam_gate
         if gate is not None:
+            gate.placement_group_tags = lambda name: dict(self._groups[name].tags) if name in self._groups else {}
             refused = gate.check(method, path, headers, body, service, action, params)
             if refused is not None:
                 code, status = {"ec2": ("UnauthorizedOperation", 403), "rest": ("AccessDenied", 403)}.get(

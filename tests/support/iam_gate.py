@@ -6,8 +6,10 @@ so it cannot tell job A's SSM parameter or instance from job B's. This gate does
 does for the calls prefect-sgpu makes: it finds who signed a request (an IAM user's access
 key, or the temporary key of an assumed role, looked up in moto's own IAM and STS state),
 names the action (``ssm:GetParameter``) and every resource it touches (the parameter's,
-object's, bucket's, instance's, role's ARN) with the condition keys AWS sets
-(``ec2:ResourceTag/<key>`` from the instance's tags, ``s3:prefix``,
+object's, bucket's, instance's, security or placement group's, role's ARN; for a call that creates
+EC2 resources, each resource it creates and each it uses, and ``ec2:CreateTags`` on what it tags at
+creation) with the condition keys AWS sets (``ec2:ResourceTag/<key>`` from the resource's tags,
+``aws:RequestTag/<key>`` and ``ec2:CreateAction`` from the request, ``s3:prefix``,
 ``iam:PermissionsBoundary`` (the new role's, or the edited role's own), ``iam:PassedToService``), and evaluates the identity's policies
 and permissions boundary with AWS's rules: an explicit Deny wins, else an Allow is needed
 for every resource, and a boundary must allow too. A request it refuses gets the service's
@@ -94,11 +96,42 @@ def evaluate(documents: list[dict[str, Any]], action: str, resource: str,
     return "allow" if allowed else "neutral"
 
 
+_EC2_KINDS = {"i": "instance", "vol": "volume", "sg": "security-group", "eni": "network-interface",
+              "pg": "placement-group", "ami": "image", "subnet": "subnet", "vpc": "vpc"}
+
+
+def _tagged(tags: dict[str, str]) -> dict[str, list[str]]:
+    return {f"ec2:ResourceTag/{k}": [v] for k, v in tags.items()}
+
+
+def _request_tags(params: dict[str, str], resource_type: str | None) -> dict[str, list[str]]:
+    """``aws:RequestTag/<key>`` of the tags a request sets: those of its TagSpecification of
+    ``resource_type`` (a creating call), or its ``Tag.N`` (CreateTags)."""
+    tags: dict[str, str] = {}
+    if resource_type is None:
+        n = 1
+        while f"Tag.{n}.Key" in params:
+            tags[params[f"Tag.{n}.Key"]] = params.get(f"Tag.{n}.Value", "")
+            n += 1
+    else:
+        n = 1
+        while f"TagSpecification.{n}.ResourceType" in params:
+            if params[f"TagSpecification.{n}.ResourceType"] == resource_type:
+                m = 1
+                while f"TagSpecification.{n}.Tag.{m}.Key" in params:
+                    tags[params[f"TagSpecification.{n}.Tag.{m}.Key"]] = params.get(f"TagSpecification.{n}.Tag.{m}.Value", "")
+                    m += 1
+            n += 1
+    return {f"aws:RequestTag/{k}": [v] for k, v in tags.items()}
+
+
 class IAMGate:
     """Judges requests of watched identities; see the module docstring."""
 
     def __init__(self, region: str = "us-east-1") -> None:
         self.region = region
+        #: a placement group's tags by name (the fault proxy keeps placement groups: moto has none)
+        self.placement_group_tags: Any = None
         self.roles: set[str] = set()
         self.users: set[str] = set()
         self.denied: list[Decision] = []
@@ -173,6 +206,55 @@ class IAMGate:
             return {}
         return {t["key"]: t["value"] for t in inst.get_tags()}
 
+    def _group_tags(self, group_id: str) -> dict[str, str]:
+        from moto.ec2.models import ec2_backends
+
+        try:
+            group = ec2_backends[ACCOUNT][self.region].get_security_group_from_id(group_id)
+        except Exception:  # noqa: BLE001 - unknown: EC2 refuses it itself
+            return {}
+        return {t["key"]: t["value"] for t in group.get_tags()} if group is not None else {}
+
+    #: the calls that create resources, and the resources each one authorizes: (type, tags from the
+    #: request's TagSpecifications of that type, or None: an existing resource the request names)
+    _CREATES = ("RunInstances", "CreateSecurityGroup", "CreatePlacementGroup")
+
+    def _create_needs(self, action: str, params: dict[str, str]) -> list[tuple[str, str, dict[str, list[str]]]]:
+        """As EC2 authorizes a call that creates resources: the action on every resource it creates
+        (with ``aws:RequestTag/*`` of that resource's tag specification) and on every resource it uses,
+        and ``ec2:CreateTags`` (with ``ec2:CreateAction``) on every resource it tags at creation."""
+        region_arn = self._arn
+        created: list[str] = []
+        used: list[str] = []
+        if action == "RunInstances":
+            created = ["instance", "volume"]
+            if params.get("InstanceMarketOptions.MarketType") == "spot":
+                created.append("spot-instances-request")
+            image = params.get("ImageId", "")
+            used.append(f"arn:aws:ec2:{self.region}::image/{image}")
+            for key, value in sorted(params.items()):
+                if key == "SubnetId" or key.endswith(".SubnetId"):
+                    used.append(region_arn("ec2", f"subnet/{value}"))
+                elif key.startswith("SecurityGroupId.") or ".SecurityGroupId." in key:
+                    used.append(region_arn("ec2", f"security-group/{value}"))
+                elif key == "Placement.GroupName":
+                    used.append(region_arn("ec2", f"placement-group/{value}"))
+                elif key == "CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId":
+                    used.append(region_arn("ec2", f"capacity-reservation/{value}"))
+            used.append(region_arn("ec2", "network-interface/*"))
+        elif action == "CreateSecurityGroup":
+            created = ["security-group"]
+            if params.get("VpcId"):
+                used.append(region_arn("ec2", f"vpc/{params['VpcId']}"))
+        else:
+            created = ["placement-group"]
+        out = [(f"ec2:{action}", region_arn("ec2", f"{kind}/*"), _request_tags(params, kind)) for kind in created]
+        out += [(f"ec2:{action}", arn, {}) for arn in dict.fromkeys(used)]
+        tagged_kinds = {params[k] for k in params if k.startswith("TagSpecification.") and k.endswith(".ResourceType")}
+        out += [("ec2:CreateTags", region_arn("ec2", f"{kind}/*"),
+                 {**_request_tags(params, kind), "ec2:CreateAction": [action]}) for kind in sorted(tagged_kinds)]
+        return out
+
     def _iam_arn(self, kind: str, name: str, path: str | None) -> str:
         """``arn:aws:iam::<account>:<kind><path><name>``, the path read from moto's IAM when not given."""
         if path is None:
@@ -208,14 +290,23 @@ class IAMGate:
             return self._s3(method, path, headers, body)
         if service == "ec2":
             ids = [v for k, v in sorted(params.items()) if k.startswith("InstanceId.")]
-            if action == "TerminateInstances":
-                out = []
-                for iid in ids:
-                    tags = self._instance_tags(iid)
-                    out.append((f"ec2:{action}", self._arn("ec2", f"instance/{iid}"),
-                                {f"ec2:ResourceTag/{k}": [v] for k, v in tags.items()}))
-                return out
-            needs = [(f"ec2:{action}", "*", {})]
+            if action in ("TerminateInstances", "GetConsoleOutput"):
+                ids = ids or [params.get("InstanceId", "")]
+                return [(f"ec2:{action}", self._arn("ec2", f"instance/{iid}"), _tagged(self._instance_tags(iid)))
+                        for iid in ids]
+            if action in ("AuthorizeSecurityGroupIngress", "AuthorizeSecurityGroupEgress", "DeleteSecurityGroup"):
+                group = params.get("GroupId", "")
+                return [(f"ec2:{action}", self._arn("ec2", f"security-group/{group}"),
+                         _tagged(self._group_tags(group)))]
+            if action == "DeletePlacementGroup":
+                name = params.get("GroupName", "")
+                tags = self.placement_group_tags(name) if self.placement_group_tags else {}
+                return [(f"ec2:{action}", self._arn("ec2", f"placement-group/{name}"), _tagged(tags))]
+            if action == "CreateTags":  # tags on what exists: no ec2:CreateAction
+                resources = [v for k, v in sorted(params.items()) if k.startswith("ResourceId.")]
+                return [(f"ec2:{action}", self._arn("ec2", f"{_EC2_KINDS.get(r.split('-')[0], 'resource')}/{r}"),
+                         _request_tags(params, None)) for r in resources]
+            needs = self._create_needs(action, params) if action in self._CREATES else [(f"ec2:{action}", "*", {})]
             profile = params.get("IamInstanceProfile.Name") or params.get("IamInstanceProfile.Arn", "").split("/")[-1]
             if action == "RunInstances" and profile:
                 try:

@@ -355,10 +355,12 @@ class EC2InstanceCompute(RemoteNodeCompute):
         assert isinstance(request, EC2Request) and isinstance(allocation, EC2Allocation)
         allocation.job_role = request.job_role
         environment = request.spec.environment
-        own = (self.store.uri(environment_ship.STORE_FOLDER, environment.digest)
-               if environment_ship.builds_on_node(environment) else None)
+        builds = environment_ship.builds_on_node(environment)
+        own = self.store.uri(environment_ship.STORE_FOLDER, environment.digest) if builds else None
+        packs = (self.store.uri(environment_ship.STORE_FOLDER, environment_ship.packages_folder(environment))
+                 if builds and self.packs_environments else None)
         policy = roles.node_policy(request.run_id, self.region, self.account(), self.job_locations(request),
-                                   self.store.scope, self.kms_key_id, environment_uri=own)
+                                   self.store.scope, self.kms_key_id, environment_uri=own, packages_uri=packs)
         tags = {rq.RUN_ID_TAG: request.run_id, **self.provisioner.run_tags}
         roles.create(self._client("iam"), request.run_id, policy, tags, self.store.scope,
                      self.settings.node_permissions_boundary)

@@ -122,15 +122,18 @@ def s3_location(uri: str) -> tuple[str, str]:
 
 
 def node_policy(run_id: str, region: str, account: str, locations: list[str], scope: str,
-                kms_key_id: str | None = None, environment_uri: str | None = None) -> dict[str, Any]:
+                kms_key_id: str | None = None, environment_uri: str | None = None,
+                packages_uri: str | None = None) -> dict[str, Any]:
     """The inline policy of run ``run_id``'s role: its ``s3://`` locations, its SSM path, its instances,
-    and read access to ``environment_uri``, the folder of the environment its nodes build (none when
-    they build none)."""
+    read access to ``environment_uri``, the folder of the environment its nodes build (none when
+    they build none), and read and write access to ``packages_uri``, the folder of the packs of that
+    environment's packages."""
     env_bucket, env_prefix = s3_location(environment_uri) if environment_uri else (None, None)
+    packages_prefix = s3_location(packages_uri)[1] if packages_uri and environment_uri else None
     return render(policy_template("node-policy"),
                   {"Partition": partition(region), "Region": region, "Account": account, "RunId": run_id,
                    "StoreScope": scope, "KmsKeyArn": kms_key_arn(kms_key_id, region, account), "EnvironmentBucket": env_bucket,
-                   "EnvironmentPrefix": env_prefix},
+                   "EnvironmentPrefix": env_prefix, "PackagesPrefix": packages_prefix},
                   [s3_location(uri) for uri in dict.fromkeys(locations)])
 
 

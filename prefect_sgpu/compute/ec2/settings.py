@@ -133,9 +133,9 @@ class EC2ComputeFields(BaseModel):
     )
     pack_environments: bool = Field(
         default=True, description=(
-            "With environment='driver': the first node to build an environment packs it into the store "
-            "(.environments/<digest>/packs/, the size of the venv), and later cold boots of that environment "
-            "unpack it instead of installing from the index (docs/environment.md).")
+            "With environment='driver': the first node to install an environment's packages packs them into "
+            "the store (.environments/packages-<digest>/, about the size of the venv), and later cold boots of "
+            "the same packages unpack them instead of installing from the index (docs/environment.md).")
     )
     agent_timeout_s: float = Field(
         default=900.0, gt=0, description="Seconds from launch until every node's agent must be up."
