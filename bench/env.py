@@ -7,7 +7,8 @@ real user-data as local processes (``tests/support``). Three 2-node jobs of a tr
 2. ``bare cold``: a bare image (the system Python with pip only); the nodes fetch the uv wheel
    the stage pins (from a package index on 127.0.0.1) and build the driver's environment (a venv
    by digest, packages offline from uv's cache, the shipped files from the store);
-3. ``bare reused``: the same environment again on the same node disk: the venv is reused.
+3. ``bare reused``: the same environment again on the same node disk: the venv is reused;
+4. a warm lease (``keep_warm``): its first job boots the machines, the next one is assigned to them.
 
 For each: the wall time of the job, the seconds from the job's start to every agent up, and the
 stage's own seconds as the nodes printed them (built / reused).
@@ -69,9 +70,9 @@ class AgentsUp(logging.Handler):
             self.at = time.monotonic()
 
 
-def one(env: Any, label: str, watcher: AgentsUp, environment: str | None) -> dict[str, Any]:
+def one(env: Any, label: str, watcher: AgentsUp, environment: str | None, compute: Any = None) -> dict[str, Any]:
     fn = distributed(gpus=2, gpu_type="A10", remote=True, mlflow=False, timeout=900,
-                     compute=env.compute(agent_timeout_s=900.0),
+                     compute=compute or env.compute(agent_timeout_s=900.0),
                      **({"environment": environment} if environment else {}))(_rank)
     job = fn.job()
     watcher.at = None
@@ -153,6 +154,12 @@ def main() -> None:
                              env_root=work / "node-envs") as env:
             rows.append(one(env, "bare image, cold", watcher, "driver"))
             rows.append(one(env, "bare image, reused", watcher, "driver"))
+            warm = env.compute(agent_timeout_s=900.0, keep_warm=120.0)
+            try:  # a warm lease: its machines boot once (the venv reused from disk here), then serve jobs
+                rows.append(one(env, "bare image, a new warm lease", watcher, "driver", warm))
+                rows.append(one(env, "bare image, the next job on the warm lease", watcher, "driver", warm))
+            finally:
+                warm.close()  # ends the lease: its instances terminated before the leak check
         packs = [] if "--no-pack" in sys.argv else pack_rows(work, aws)
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     print("\n| date | machine | job | wall s | agents up s | env stage s (per node) |")
