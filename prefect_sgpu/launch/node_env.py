@@ -114,11 +114,22 @@ def log(message: str) -> None:
 
 
 def _imds(path: str, token: str | None = None, method: str = "GET") -> str:
+    """One IMDS read; tried three times (5, 10, 20 s): a busy machine can answer late, and a stage
+    that gives up powers its instance off."""
     base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://169.254.169.254/").rstrip("/")
     headers = {"X-aws-ec2-metadata-token": token} if token else {"X-aws-ec2-metadata-token-ttl-seconds": "300"}
-    req = urllib.request.Request(base + path, method=method, headers=headers)
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        return resp.read().decode()
+    for attempt, timeout in enumerate((5, 10, 20)):
+        req = urllib.request.Request(base + path, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.read().decode()
+        except urllib.error.HTTPError:
+            raise
+        except OSError:  # a timeout, a reset connection
+            if attempt == 2:
+                raise
+            time.sleep(1)
+    raise AssertionError("not reached")
 
 
 def credentials() -> tuple[str, str, str | None]:
