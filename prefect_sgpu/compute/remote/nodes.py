@@ -219,6 +219,8 @@ class RemoteNodeCompute(Compute):
 
     #: whether this cloud's nodes build an environment of mode "driver" themselves (from the store)
     ships_environment = False
+    #: whether node 0 packs the packages it installed into the store for later boots (EC2: a setting)
+    packs_environments = False
 
     def _ship_environment(self, allocation: RemoteAllocation) -> None:
         """The files and manifest of the job's environment, in the store before any machine boots
@@ -240,8 +242,7 @@ class RemoteNodeCompute(Compute):
         from prefect_sgpu import environment_ship
 
         environment = allocation.request.spec.environment
-        if not (self.ships_environment and getattr(self, "packs_environments", False)
-                and environment_ship.builds_on_node(environment)):
+        if not (self.ships_environment and self.packs_environments and environment_ship.builds_on_node(environment)):
             return
         try:
             recorded = environment_ship.take_offers(self.store, environment, folder_id, key, [m.id for m in machines])
