@@ -1097,31 +1097,15 @@ def test_with_job_roles_a_rank_cannot_read_forge_or_stop_another_job(ec2: EC2Env
     under the shipped driver policy and the roles under the shipped boundary, every call judged per
     resource (support.iam_gate). A rank of A gets AccessDenied on B's key, B's launch document and
     B's node; both jobs return the right values; both roles are gone afterwards."""
-    import boto3
-
     from prefect_sgpu.compute.ec2 import roles
-    from support.iam_gate import ACCOUNT, IAMGate
 
     assert ec2.proxy is not None
     iam = ec2.aws.client("iam")
-    store_uri = ec2.settings["store_uri"]
-    tag = uuid.uuid4().hex[:8]
-    boundary = iam.create_policy(PolicyName=f"sgpu-node-boundary-{tag}", PolicyDocument=json.dumps(
-        roles.node_boundary(store_uri, ec2.aws.region, ACCOUNT)))["Policy"]["Arn"]
-    user = f"sgpu-driver-{tag}"
-    iam.create_user(UserName=user)
-    iam.put_user_policy(UserName=user, PolicyName="prefect-sgpu-driver", PolicyDocument=json.dumps(
-        roles.driver_policy(store_uri, ec2.aws.region, ACCOUNT, boundary)))
-    keys = iam.create_access_key(UserName=user)["AccessKey"]
-    gate = IAMGate(ec2.aws.region)
-    gate.watch_user(user)
-    gate.watch_roles_matching("sgpu-*")
-    driver = boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
-                           region_name=ec2.aws.region)
+    driver, gate, boundary = ec2.gated_driver()
+    user = next(iter(gate.users))
     settings = {**ec2.settings, "instance_profile": None, "job_roles": True, "node_permissions_boundary": boundary}
     compute = EC2InstanceCompute.from_settings(settings, session=driver)
     go = tmp_path / "go"
-    ec2.proxy.iam_gate = gate
     try:
         job_b = distributed(gpus=1, gpu_type="A10", remote=True, compute=compute, mlflow=False,
                             timeout=300)(_wait_for_go).job(str(go))

@@ -165,6 +165,87 @@ def _rank() -> int:
     return runtime.rank()
 
 
+def _reach(earlier_run: str, other_run: str, bucket: str, prefix: str) -> dict[str, str]:
+    """From rank 0, with the node's own (instance profile) credentials: this job's own folder and key, a
+    file the job before it on the lease wrote in its folder, another run's key of the same store."""
+    import boto3
+
+    from prefect_sgpu.jobfolder import ssm_key_parameter
+    from prefect_sgpu.store import store_scope
+
+    if runtime.rank() != 0:
+        return {}
+    where = {"endpoint_url": os.environ["SGPU_STORE_ENDPOINT_URL"], "region_name": os.environ["SGPU_STORE_REGION"]}
+    ssm, s3 = (boto3.client(s, **where) for s in ("ssm", "s3"))
+    scope = store_scope(f"s3://{bucket}/{prefix}")
+
+    def code_of(call: Any) -> str:
+        try:
+            call()
+            return "allowed"
+        except Exception as exc:  # noqa: BLE001 - the error code is the answer
+            return getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
+
+    found = {"own": code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{runtime.run_id()}/probe.txt",
+                                                  Body=b"mine")),
+             "own key": code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(runtime.run_id(), scope),
+                                                          WithDecryption=True))}
+    if earlier_run:
+        found["earlier"] = code_of(lambda: s3.get_object(Bucket=bucket, Key=f"{prefix}/{earlier_run}/probe.txt"))
+        found["other key"] = code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run, scope),
+                                                               WithDecryption=True))
+    return found
+
+
+def test_with_job_roles_a_lease_has_a_role_that_reaches_each_job_only_while_it_runs(ec2: EC2Env) -> None:
+    """keep_warm with job_roles: the lease's instances have a role of the lease; each job on it reaches
+    its own folder and key, and neither the folder of the job before it on the same instances nor
+    another run's key; the driver does all of it under the shipped driver policy (support.iam_gate)."""
+    from prefect_sgpu.compute.ec2 import roles
+    from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
+
+    assert ec2.proxy is not None
+    iam = ec2.aws.client("iam")
+    driver, gate, boundary = ec2.gated_driver()
+    settings = {**ec2.settings, "instance_profile": None, "job_roles": True, "node_permissions_boundary": boundary,
+                "keep_warm": 300}
+    try:
+        compute = EC2InstanceCompute.from_settings(settings, session=driver)
+        fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=300)(_reach)
+        other = f"other-{uuid.uuid4().hex[:8]}"
+        try:
+            first = fn.job("", other, ec2.bucket, "jobs")
+            one = first.run().values[0]
+            assert one == {"own": "allowed", "own key": "allowed"}, one
+            lease = lease_id(first.run_id)
+            role = roles.role_name(lease)
+            assert ec2.instances(lease)[0]["IamInstanceProfile"]["Arn"].endswith(f"/{role}")
+            assert roles.role_policies(iam, lease) == [roles.ROLE_POLICY_NAME], \
+                "the first job's access was taken back when it gave the lease back"
+
+            second = fn.job(first.run_id, other, ec2.bucket, "jobs")
+            two = second.run().values[0]
+            assert len(ec2.sent_run_instances()) == 1, "both jobs ran on the lease's instances"
+            assert two == {"own": "allowed", "own key": "allowed", "earlier": "AccessDenied",
+                           "other key": "AccessDeniedException"}, two
+        finally:
+            compute.close()
+    finally:
+        ec2.proxy.iam_gate = None
+    refused = {(d.identity, d.action, d.resource.split(":")[-1]) for d in gate.denied}
+    assert {(f"role/{role}", "s3:GetObject", f"{ec2.bucket}/jobs/{first.run_id}/probe.txt"),
+            (f"role/{role}", "ssm:GetParameter", f"parameter{ssm_key_parameter(other, ec2.store().scope)}")} <= refused
+    assert not [d for d in gate.denied if d.identity.startswith("user/")], "the driver policy allowed the driver"
+    assert {(f"user/{next(iter(gate.users))}", a) for a in ("iam:CreateRole", "iam:PutRolePolicy",
+                                                            "iam:DeleteRolePolicy", "iam:DeleteRole")} <= gate.allowed
+    _wait("the lease's instances terminated when the compute closed", lambda: _live(ec2, lease) == [], 60, ec2)
+    assert ec2.leftovers(lease) == []
+    with pytest.raises(iam.exceptions.NoSuchEntityException):
+        iam.get_role(RoleName=role)
+    with pytest.raises(iam.exceptions.NoSuchEntityException):
+        iam.get_instance_profile(InstanceProfileName=role)
+
+
 def test_a_failed_job_keeps_the_lease_a_lost_node_ends_it_and_the_idle_timeout_ends_the_next(ec2: EC2Env) -> None:
     compute = ec2.compute(keep_warm=300)
     brief_compute = ec2.compute(keep_warm=8)
@@ -273,8 +354,6 @@ def test_a_killed_driver_s_idle_lease_terminates_itself(ec2: EC2Env, tmp_path: P
 def test_keep_warm_is_checked_before_anything_is_spent(ec2: EC2Env) -> None:
     with pytest.raises(SGPUConfigError, match="keep_warm"):
         ec2.compute(keep_warm=-1)
-    with pytest.raises(SGPUConfigError, match="job_roles"):
-        ec2.compute(keep_warm=60, job_roles=True)
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(keep_warm=60), mlflow=False)(_rank)
     shown = fn.dry_run()
     assert f"--run-id={lease_id(shown['run_id'])}" in shown["run_instances"]["UserData"]

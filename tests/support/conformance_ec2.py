@@ -99,6 +99,36 @@ class EC2Env:
                 left.append(f"s3://{self.bucket}/{key}")
         return left
 
+    def gated_driver(self) -> tuple[Any, Any, str]:
+        """A driver user under the shipped driver policy and job roles under the shipped boundary, each
+        call of either judged by an :class:`~support.iam_gate.IAMGate` on the proxy: (the driver's
+        boto3 session, the gate, the boundary's ARN). The caller clears ``proxy.iam_gate`` when done."""
+        import json
+
+        import boto3
+
+        from prefect_sgpu.compute.ec2 import roles
+        from support.iam_gate import ACCOUNT, IAMGate
+
+        assert self.proxy is not None
+        iam = self.aws.client("iam")
+        store_uri = self.settings["store_uri"]
+        tag = uuid.uuid4().hex[:8]
+        boundary = iam.create_policy(PolicyName=f"sgpu-node-boundary-{tag}", PolicyDocument=json.dumps(
+            roles.node_boundary(store_uri, self.aws.region, ACCOUNT)))["Policy"]["Arn"]
+        user = f"sgpu-driver-{tag}"
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="prefect-sgpu-driver", PolicyDocument=json.dumps(
+            roles.driver_policy(store_uri, self.aws.region, ACCOUNT, boundary)))
+        keys = iam.create_access_key(UserName=user)["AccessKey"]
+        gate = IAMGate(self.aws.region)
+        gate.watch_user(user)
+        gate.watch_roles_matching("sgpu-*")
+        driver = boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
+                               region_name=self.aws.region)
+        self.proxy.iam_gate = gate
+        return driver, gate, boundary
+
     def sent_run_instances(self) -> list[dict[str, str]]:
         """RunInstances requests as they crossed the wire (query parameters)."""
         assert self.proxy is not None

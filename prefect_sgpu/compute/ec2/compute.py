@@ -34,7 +34,7 @@ from prefect_sgpu.compute.base import Request
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
-from prefect_sgpu.compute.remote.lease import lease_id
+from prefect_sgpu.compute.remote.lease import WarmLease, lease_id
 from prefect_sgpu import environment_ship
 from prefect_sgpu.environment_ship import environment_key
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
@@ -81,7 +81,8 @@ class EC2Request(RemoteRequest):
             "store": self.store_uri,
             "payload_key": f"SSM SecureString {self.key_parameter} (deleted on release)",
             **({"job_role": f"IAM role and instance profile {self.job_role_path}{self.job_role} (policies/node-policy.json "
-                            "for this run; deleted on release)"} if self.job_role else {}),
+                            + ("for the lease, plus each job it serves while it runs; deleted when the lease ends)"
+                               if self.lease_id else "for this run; deleted on release)")} if self.job_role else {}),
             "estimated_usd_per_hour": self.usd_per_hour,
             **({"keep_warm": f"a warm lease's instances when one of this shape is idle; else new ones for lease "
                              f"{self.lease_id}, kept {self.keep_warm:g}s between jobs"} if self.lease_id else {}),
@@ -212,7 +213,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
                           run_instances=attempts, user_data=user_data, store_uri=self.store.uri(run_id),
                           key_parameter=ssm_key_parameter(run_id, self.store.scope), usd_per_hour=price,
                           agent_timeout_s=self.agent_timeout_s,
-                          job_role=roles.role_name(run_id) if self.settings.job_roles else "",
+                          job_role=roles.role_name(lease or run_id) if self.settings.job_roles else "",
                           job_role_path=roles.role_path(self.store.scope),
                           keep_warm=self.keep_warm, lease_id=lease)
 
@@ -242,18 +243,40 @@ class EC2InstanceCompute(RemoteNodeCompute):
     def _describe(self, machine: Any) -> str:
         return f"{machine.id} ({machine.private_ip}, {machine.availability_zone}, {machine.market})"
 
-    def _prepare(self, allocation: RemoteAllocation) -> None:
-        if allocation.request.job_role:  # type: ignore[attr-defined]
-            self._create_role(allocation)
-
     def _cleanup(self, allocation: RemoteAllocation) -> list[str]:
         if not getattr(allocation, "job_role", None):
             return []
+        return self._delete_role(allocation.run_id)
+
+    def _delete_role(self, run_id: str) -> list[str]:
         try:
-            return roles.delete(self._client("iam"), allocation.run_id)
+            return roles.delete(self._client("iam"), run_id)
         except Exception as exc:  # noqa: BLE001 - the sweeper takes it later
-            logger.warning("could not delete the IAM role of run %s: %s", allocation.run_id, exc)
+            logger.warning("could not delete the IAM role of %s: %s", run_id, exc)
             return []
+
+    def _prepare_lease(self, allocation: RemoteAllocation, lease: WarmLease) -> None:
+        """With job roles: the lease's own role (its folder, key, instances and environment), deleted
+        when the lease ends; each job it serves is added while it runs (:meth:`_grant`)."""
+        if not self.settings.job_roles:
+            return
+        lease.on_close.append(lambda: self._delete_role(lease.lease_id))
+        self._create_role(allocation, lease.lease_id, [self.store.uri(lease.lease_id)])
+
+    def _grant(self, allocation: RemoteAllocation, lease: WarmLease) -> None:
+        """With job roles: the lease's role reaches this job's files, checkpoint location and key, until
+        :meth:`_revoke` (IAM takes seconds to apply it; a node retries its first reads meanwhile)."""
+        if not self.settings.job_roles:
+            return
+        request = allocation.request
+        assert isinstance(request, EC2Request)
+        policy = roles.job_access_policy(request.run_id, self.region, self.account(), self.job_locations(request),
+                                         self.store.scope)
+        roles.grant_job(self._client("iam"), lease.lease_id, policy)
+
+    def _revoke(self, allocation: RemoteAllocation, lease: WarmLease) -> None:
+        if self.settings.job_roles:
+            roles.revoke_job(self._client("iam"), lease.lease_id)
 
     def _console_output(self, machine_id: str) -> str:
         """EC2's copy of the instance's serial console (GetConsoleOutput, base64 by the API's word; some
@@ -349,20 +372,27 @@ class EC2InstanceCompute(RemoteNodeCompute):
                 found.append(value)
         return found
 
-    def _create_role(self, allocation: RemoteAllocation) -> None:
-        """The run's own role and instance profile (recorded first, so a failed create is cleaned up)."""
+    def _prepare(self, allocation: RemoteAllocation) -> None:
         request = allocation.request
         assert isinstance(request, EC2Request) and isinstance(allocation, EC2Allocation)
-        allocation.job_role = request.job_role
+        if request.job_role:
+            allocation.job_role = request.job_role  # recorded first, so a failed create is cleaned up
+            self._create_role(allocation, request.run_id, self.job_locations(request))
+
+    def _create_role(self, allocation: RemoteAllocation, owner: str, locations: list[str]) -> None:
+        """The role and instance profile of ``owner`` (a run, or a lease): ``locations``, its SSM path, its
+        instances, its environment."""
+        request = allocation.request
+        assert isinstance(request, EC2Request)
         environment = request.spec.environment
         builds = environment_ship.builds_on_node(environment)
         own = self.store.uri(environment_ship.STORE_FOLDER, environment.digest) if builds else None
         packs = (self.store.uri(environment_ship.STORE_FOLDER, environment_ship.packages_folder(environment))
                  if builds and self.packs_environments else None)
-        policy = roles.node_policy(request.run_id, self.region, self.account(), self.job_locations(request),
+        policy = roles.node_policy(owner, self.region, self.account(), locations,
                                    self.store.scope, self.kms_key_id, environment_uri=own, packages_uri=packs)
-        tags = {rq.RUN_ID_TAG: request.run_id, **self.provisioner.run_tags}
-        roles.create(self._client("iam"), request.run_id, policy, tags, self.store.scope,
+        tags = {rq.RUN_ID_TAG: owner, **self.provisioner.run_tags}
+        roles.create(self._client("iam"), owner, policy, tags, self.store.scope,
                      self.settings.node_permissions_boundary)
 
     def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper":

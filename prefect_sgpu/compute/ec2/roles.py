@@ -21,6 +21,14 @@ policy (``policies/driver-policy.json``) allow ``iam:CreateRole`` without lettin
 a stronger role. Role and profile are deleted when the job ends, on every path, and by the
 sweeper for a dead driver's runs.
 
+**A warm lease** (``keep_warm``) gets one role too, named for the lease and created with it:
+its policy covers the lease's own folder, key and instances. A job the lease serves is added
+while it runs: before the driver assigns a job, it puts a second inline policy on the lease's
+role (:func:`job_access_policy`: that job's files, checkpoint location and SSM path), and it
+deletes that policy when the job gives the lease back. So a job on a lease reaches its own
+folder and key and the lease's, never those of the job before it, of another lease or of a
+cold job. The role goes when the lease ends.
+
 Why one role per run rather than one shared role with attribute-based conditions: a shared
 role's session would need a per-node session tag to tell runs apart, and EC2 instance
 profiles cannot set session tags; the run id in a role's own policy is plain and auditable.
@@ -49,6 +57,10 @@ def role_path(scope: str) -> str:
     """``/prefect-sgpu/<store scope>/``: the IAM path of one store's job roles and instance profiles."""
     return f"{ROLE_PATH}{scope}/"
 ROLE_POLICY_NAME = "prefect-sgpu-job"
+#: the inline policy a warm lease's role holds for the job it serves (put at assignment, deleted at release)
+ASSIGNED_JOB_POLICY_NAME = "prefect-sgpu-assigned-job"
+#: the statements of ``node-policy.json`` that a job on a lease adds to the lease's role
+ASSIGNED_JOB_STATEMENTS = ("JobFiles", "ListJobFiles", "JobParameters")
 NODE_TRUST_POLICY = {
     "Version": "2012-10-17",
     "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}],
@@ -137,6 +149,39 @@ def node_policy(run_id: str, region: str, account: str, locations: list[str], sc
                   [s3_location(uri) for uri in dict.fromkeys(locations)])
 
 
+def job_access_policy(run_id: str, region: str, account: str, locations: list[str], scope: str) -> dict[str, Any]:
+    """What a warm lease's role holds while it serves run ``run_id``: that run's ``s3://`` locations
+    and SSM path (the node policy's job statements; the lease's own policy has its instances,
+    environment and KMS key)."""
+    template = policy_template("node-policy")
+    template = {**template, "Statement": [s for s in template["Statement"] if s.get("Sid") in ASSIGNED_JOB_STATEMENTS]}
+    return render(template, {"Partition": partition(region), "Region": region, "Account": account, "RunId": run_id,
+                             "StoreScope": scope}, [s3_location(uri) for uri in dict.fromkeys(locations)])
+
+
+def grant_job(iam: Any, lease_id: str, policy: dict[str, Any]) -> None:
+    """The lease's role reaches the job of ``policy`` (replacing the last job's, if it is still there)."""
+    iam.put_role_policy(RoleName=role_name(lease_id), PolicyName=ASSIGNED_JOB_POLICY_NAME,
+                        PolicyDocument=json.dumps(policy))
+
+
+def revoke_job(iam: Any, lease_id: str) -> None:
+    """The lease's role no longer reaches the job it served; "already gone" is fine."""
+    try:
+        iam.delete_role_policy(RoleName=role_name(lease_id), PolicyName=ASSIGNED_JOB_POLICY_NAME)
+    except Exception as exc:  # noqa: BLE001
+        if aws.error_code(exc) not in ("NoSuchEntity", "NoSuchEntityException"):
+            raise
+
+
+def role_policies(iam: Any, run_id: str) -> list[str]:
+    """The names of the inline policies of run (or lease) ``run_id``'s role."""
+    names: list[str] = []
+    for page in iam.get_paginator("list_role_policies").paginate(RoleName=role_name(run_id)):
+        names += page.get("PolicyNames", [])
+    return names
+
+
 def driver_policy(store_uri: str, region: str, account: str, node_boundary_arn: str,
                   kms_key_id: str | None = None) -> dict[str, Any]:
     """The shipped driver policy for one store (what a Prefect worker's role needs)."""
@@ -212,7 +257,14 @@ def delete(iam: Any, run_id: str) -> list[str]:
 
     attempt(iam.remove_role_from_instance_profile, InstanceProfileName=name, RoleName=name)
     attempt(iam.delete_instance_profile, f"IAM instance profile {name}", InstanceProfileName=name)
-    attempt(iam.delete_role_policy, RoleName=name, PolicyName=ROLE_POLICY_NAME)
+    try:  # a lease's role also holds the policy of the job it serves (a role holds only its own names)
+        policies = role_policies(iam, run_id)
+    except Exception as exc:  # noqa: BLE001
+        if aws.error_code(exc) not in ("NoSuchEntity", "NoSuchEntityException"):
+            raise
+        policies = []
+    for policy in dict.fromkeys([*policies, ROLE_POLICY_NAME, ASSIGNED_JOB_POLICY_NAME]):
+        attempt(iam.delete_role_policy, RoleName=name, PolicyName=policy)
     attempt(iam.delete_role, f"IAM role {name}", RoleName=name)
     return gone
 

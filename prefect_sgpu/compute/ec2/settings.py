@@ -90,7 +90,8 @@ class EC2ComputeFields(BaseModel):
     job_roles: bool = Field(
         default=False, description="Give every job an IAM role and instance profile of its own, created and "
         "deleted with the job: its nodes reach only that job's store folder, key and instances "
-        "(policies in prefect_sgpu/policies/).",
+        "(policies in prefect_sgpu/policies/). A warm lease gets one for the lease, which reaches the job "
+        "it serves only while that job runs.",
     )
     node_permissions_boundary: Optional[str] = Field(
         default=None, description="ARN of the managed policy every job role is created under "
@@ -164,7 +165,8 @@ class EC2ComputeFields(BaseModel):
         default=0.0, ge=0,
         description="Seconds a finished job's instances wait (billed) for the next job of the same shape, which "
                     "then starts on them without a boot; 0: every job terminates its instances. A flow's task "
-                    "runner ends them when the flow ends; not with job_roles.",
+                    "runner ends them when the flow ends. With job_roles the lease has a role of its own that "
+                    "reaches each job only while it runs.",
     )
     endpoint_url: Optional[str] = Field(default=None, description="Custom AWS endpoint (tests, private links).")
 
@@ -285,9 +287,6 @@ class EC2ComputeFields(BaseModel):
         if self.job_roles and self.instance_profile:
             raise SGPUConfigError("instance_profile", self.instance_profile,
                                   "empty when job_roles is set (each job gets a role of its own)")
-        if self.job_roles and self.keep_warm > 0:
-            raise SGPUConfigError("keep_warm", self.keep_warm, "0 while job_roles is on (a job role covers one "
-                                  "job, and a warm lease's instances serve several): turn one of them off")
         if self.market == "reserved" and not self.capacity_reservation_id:
             raise SGPUConfigError(
                 "capacity_reservation_id", None, "a capacity reservation id (cr-...) when market='reserved'"

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from prefect_sgpu.launch.warm_pool import Pooled
 from prefect_sgpu.jobfolder import Assign, alive_key, notice_key
@@ -77,6 +77,9 @@ class WarmLease(Pooled):
     key_parameter: str | None = None
     #: the lease's SecureString of index credentials its machines build with, once written (deleted on close)
     secrets_parameter: str | None = None
+    #: what removes the lease's other cloud resources (an IAM role), run after its machines ended;
+    #: each returns what it removed and never raises
+    on_close: list[Callable[[], list[str]]] = field(default_factory=list)
     _done: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _alive: dict[int, tuple[str | None, float]] = field(default_factory=dict)
@@ -163,6 +166,8 @@ class WarmLease(Pooled):
             for name in (self.key_parameter, self.secrets_parameter):
                 if name and self.provisioner.delete_secret(name):
                     gone.append(f"SSM parameter {name}")
+            for cleanup in self.on_close:
+                gone += cleanup()
             try:
                 self.folder.delete_control_files()
             except Exception:  # noqa: BLE001 - the sweeper removes them later

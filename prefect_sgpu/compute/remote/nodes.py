@@ -161,6 +161,17 @@ class RemoteNodeCompute(Compute):
         """Remove what :meth:`_prepare` made, after the machines; never raises. What it removed."""
         return []
 
+    def _prepare_lease(self, allocation: RemoteAllocation, lease: WarmLease) -> None:
+        """A new lease's own cloud resources besides machines, before they launch; what removes them is
+        added to ``lease.on_close`` first (it runs after the lease's machines ended), so a half-made
+        one goes too."""
+
+    def _grant(self, allocation: RemoteAllocation, lease: WarmLease) -> None:
+        """Before a lease's nodes are assigned this job: let them reach it (say, its files and key)."""
+
+    def _revoke(self, allocation: RemoteAllocation, lease: WarmLease) -> None:
+        """The job gives the lease back: take back what :meth:`_grant` gave. Raising discards the lease."""
+
     def _launch_env(self, allocation: RemoteAllocation) -> dict[str, str]:
         """Environment every rank gets on this cloud besides the job's (how ranks reach the store)."""
         return {}
@@ -310,6 +321,7 @@ class RemoteNodeCompute(Compute):
                           instances=[], provisioner=self.provisioner, node_silence_s=self.node_silence_s)
         allocation.lease = lease
         POOL.add(lease, owner=id(self))
+        self._prepare_lease(allocation, lease)
         self._put_secret(lease, ssm_key_parameter(lease.lease_id, self.store.scope), lease.folder.key,
                          "prefect-sgpu key of one warm lease (deleted when the lease ends)", "key_parameter")
         lease.start_beating()
@@ -327,6 +339,7 @@ class RemoteNodeCompute(Compute):
         lease = allocation.lease
         assert lease is not None
         allocation.instances = list(lease.instances)
+        self._grant(allocation, lease)
         seq = lease.assign(allocation.run_id, gang=allocation.folder.gang)  # the job's stop is bound to it
         logger.debug("job %s: assignment %d of lease %s written", allocation.run_id, seq, lease.lease_id)
         self._wait_for_agents(allocation, deadline, cancel, timeout)
@@ -605,7 +618,7 @@ class RemoteNodeCompute(Compute):
             if lease is None:
                 gone += self.provisioner.terminate(allocation.run_id)
             elif (allocation.launched and not allocation.lost and lease.healthy()
-                  and allocation.reported >= {n.index for n in allocation.nodes}):
+                  and allocation.reported >= {n.index for n in allocation.nodes} and self._revoked(allocation, lease)):
                 POOL.give_back(lease, self.keep_warm)
                 allocation.kept = True
             else:
@@ -618,6 +631,15 @@ class RemoteNodeCompute(Compute):
                     gone.append(f"SSM parameter {name}")
             gone += self._cleanup(allocation)  # after the machines: their nodes use it until they end
         return Released(gone=gone)
+
+    def _revoked(self, allocation: RemoteAllocation, lease: WarmLease) -> bool:
+        """:meth:`_revoke`; a lease whose job could not be taken back serves no other job."""
+        try:
+            self._revoke(allocation, lease)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the lease ends instead
+            lease.mark_unfit(f"job {allocation.run_id}'s access could not be taken back ({type(exc).__name__}: {exc})")
+            return False
 
 
 def cost_text(cost: dict[str, Any] | None) -> str:
