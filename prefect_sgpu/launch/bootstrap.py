@@ -59,6 +59,7 @@ from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.jobfolder import (HEARTBEAT, HEARTBEAT_STOP, LOGS, PAYLOAD, RESULTS, Alive, JobFolder,
                                     LaunchDocument, NodeStatus, Notice, Rejoin, agent_output_key, ssm_key_parameter,
                                     ssm_secrets_parameter, unseal)
+from prefect_sgpu.launch.job_cgroup import JobCgroup
 from prefect_sgpu.launch.node_host import NodeHost, NodeIdentity
 from prefect_sgpu.launch.lease_node import ForkedAgent, LeaseServing
 from prefect_sgpu.launch.processes import kill_and_reap, node_log as _log
@@ -148,6 +149,9 @@ class NodeBootstrap(LeaseServing):
         self._agent: Any = None
         #: the running job's own temp and cache folder (:meth:`job_scratch`), deleted when the job ends
         self.scratch: Path | None = None
+        #: the running job's cgroup (:mod:`prefect_sgpu.launch.job_cgroup`); None where the node cannot make one
+        self.cgroup: JobCgroup | None = None
+        self._cgroup_refused = False
         #: where those folders are made: this process's temp folder, never a job's
         self.temp_root = tempfile.gettempdir()
         self._error_logged = 0.0
@@ -375,6 +379,25 @@ class NodeBootstrap(LeaseServing):
         return {"TMPDIR": tmp, "TMP": tmp, "TEMP": tmp, "XDG_CACHE_HOME": str(cache),
                 "TRITON_CACHE_DIR": str(cache / "triton")}
 
+    def open_cgroup(self) -> None:
+        """A cgroup for the job about to start (every process it starts is born in it)."""
+        self.close_cgroup()
+        self.cgroup, why = JobCgroup.create(f"sgpu-{self.identity.instance_id}-{self.run_id}-g{self.gang}")
+        if self.cgroup is None and not self._cgroup_refused:
+            self._cgroup_refused = True
+            _log(f"jobs run without a cgroup of their own ({why}): what a job leaves is killed by pid")
+
+    def close_cgroup(self) -> None:
+        """Kill every process left in the job's cgroup and remove it (the job's agent has ended)."""
+        cgroup, self.cgroup = self.cgroup, None
+        if cgroup is None:
+            return
+        killed = cgroup.kill()
+        if killed:
+            _log(f"killed {killed} process(es) job {self.run_id} left in its cgroup")
+        if cgroup.path.exists():
+            _log(f"the cgroup {cgroup.path} of job {self.run_id} could not be emptied and removed")
+
     def drop_scratch(self) -> None:
         """Delete the job's temp and cache folder (once its processes are gone)."""
         import shutil
@@ -401,6 +424,8 @@ class NodeBootstrap(LeaseServing):
             from prefect_sgpu.launch.lease_node import private_shm_command
 
             argv = private_shm_command(argv)
+        if self.cgroup is not None:
+            argv = self.cgroup.command(argv)
         with open(out, "ab") as fh:
             return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=fh,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -590,6 +615,7 @@ class NodeBootstrap(LeaseServing):
         _log(f"bootstrap failed: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         if self._agent is not None:
             self.stop_agent(self._agent)
+        self.close_cgroup()
         if self.folder is not None:  # without the key nothing this node writes would be believed
             self.quiet()
             try:
@@ -645,6 +671,7 @@ class NodeBootstrap(LeaseServing):
             return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
         argv, env = self.prepare(doc)
         self.phase = "running"
+        self.open_cgroup()
         proc = self._agent = self.fork_agent(argv, env) or self.start_agent(argv, env)
         _log(f"node agent started (pid {proc.pid})")
         self.publish_alive(force=True)
@@ -652,6 +679,7 @@ class NodeBootstrap(LeaseServing):
             code = proc.poll()
             if code is not None:
                 _log(f"node agent exited with code {code}")
+                self.close_cgroup()  # what its ranks left: their output is complete before the last sync
                 if not self.finish_reliably(code):
                     return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
                 self.phase = "finished"
@@ -660,12 +688,14 @@ class NodeBootstrap(LeaseServing):
             if self.stop_requested():
                 _log("stop requested by the driver")
                 self.stop_agent(proc)
+                self.close_cgroup()
                 if not self.finish_reliably(proc.poll(), "stopped by the driver"):
                     return self.terminate_self(f"no new driver heartbeat for {self.heartbeat_ttl:g}s")
                 self.phase = "stopped"
                 return None
             if self.heartbeat_stale():
                 self.stop_agent(proc)
+                self.close_cgroup()
                 try:  # what the ranks left, for whoever looks later
                     self.finish(proc.poll(), f"{HEARTBEAT_STOP} for {self.heartbeat_ttl:g}s (the node's TTL)")
                 except Exception as exc:  # noqa: BLE001
@@ -703,6 +733,7 @@ class NodeBootstrap(LeaseServing):
         _log(f"kept for gang {doc.gang} of job {self.run_id}")
         if self._agent is not None and self._agent.poll() is None:
             self.stop_agent(self._agent)
+        self.close_cgroup()
         assert self.key is not None
         with self._alive_lock:
             shutil.rmtree(self.job_dir, ignore_errors=True)

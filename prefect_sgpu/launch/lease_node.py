@@ -10,7 +10,8 @@ A lease's node also keeps a warm node process (:mod:`prefect_sgpu.launch.warm_no
 imported, never running user code): each job's node agent is forked from it, and its ranks in
 turn, so a job on a warm lease imports nothing (the lease's first job waits for the preload,
 at most 30 s, and otherwise starts its agent as a cold node does). When the job ends (finished or stopped) every process it left
-is killed (the warm node and this program are child subreapers, so orphans come back to them),
+is killed (all of them at once through the job's cgroup, :mod:`prefect_sgpu.launch.job_cgroup`;
+and the warm node and this program are child subreapers, so orphans come back to them),
 the job's local folder is deleted and the node goes back to waiting. A stale heartbeat of the job or of
 the lease still terminates the instance, and a ``stop`` in the lease's folder (the lease is
 closed) leaves it to the driver's termination, watched by the same heartbeat rule.
@@ -40,6 +41,8 @@ class LeaseServing:
     lease_id: str | None
     warm: Any
     drop_scratch: Any
+    cgroup: Any
+    close_cgroup: Any
 
     def serve_lease(self) -> int:
         """Jobs one after another, each as the lease assigns it; between them, wait in the lease's folder."""
@@ -124,7 +127,8 @@ class LeaseServing:
         out = self.job_dir / agent_output_key(self.index)
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            warm.launch(argv[3:], env, os.getcwd(), out)
+            warm.launch(argv[3:], env, os.getcwd(), out,
+                        cgroup=str(self.cgroup.procs) if self.cgroup is not None else None)
         except Exception as exc:  # noqa: BLE001 - the job still runs, cold
             _log(f"the warm node could not start the job's agent ({exc}): starting it cold")
             warm.close()
@@ -142,6 +146,7 @@ class LeaseServing:
 
         if self._agent is not None and self._agent.poll() is None:
             self.stop_agent(self._agent)
+        self.close_cgroup()
         # orphans come back here (a subreaper); what ran before the first job (the user-data's backstop) and
         # the warm node (which kills what a job forked from it left before it reports the job ended) stay
         keep = set(self._resident)

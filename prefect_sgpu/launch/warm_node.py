@@ -21,7 +21,8 @@ Nothing of one job reaches the next:
 
 The driver speaks to it over its stdin and stdout, one JSON object a line::
 
-    -> {"op": "launch", "argv": [...node agent args...], "env": {...}, "cwd": "...", "out": "..."}
+    -> {"op": "launch", "argv": [...node agent args...], "env": {...}, "cwd": "...", "out": "...",
+        "cgroup": ".../cgroup.procs" (optional: the job's cgroup, entered right after the fork)}
     <- {"started": pid}                 ... later: {"exited": code}
     -> {"op": "stop", "grace": 10}      the job's agent gets SIGTERM, everything SIGKILL after grace
     EOF on stdin (the driver closed it, or died): everything is killed and this process exits.
@@ -196,6 +197,13 @@ def _agent(message: dict[str, Any], proto_fd: int, forked: bool = True, namespac
     code = 2
     try:
         os.setsid()  # its own process group: a stop signals the agent and its ranks, not the warm node
+        if message.get("cgroup"):  # the job's cgroup, before anything of the job runs: all of it dies with it
+            try:
+                with open(message["cgroup"], "w") as fh:
+                    fh.write(str(os.getpid()))
+            except OSError as exc:
+                print(f"the job's agent could not enter its cgroup ({exc}): its processes are ended by pid",
+                      file=sys.stderr)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         atexit._clear()  # the warm node's exit handlers are not the job's

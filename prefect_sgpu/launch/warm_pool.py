@@ -121,11 +121,13 @@ class WarmNodeProcess:
             self.ready = "ready" in message
         return self.ready and self.alive()
 
-    def launch(self, argv: list[str], env: dict[str, str], cwd: str, out: Path) -> None:
-        """Start one job's node agent (argv: its arguments) and return once it was forked."""
+    def launch(self, argv: list[str], env: dict[str, str], cwd: str, out: Path, cgroup: str | None = None) -> None:
+        """Start one job's node agent (argv: its arguments) and return once it was forked; ``cgroup``:
+        the ``cgroup.procs`` of the job's cgroup, which the agent enters first
+        (:mod:`prefect_sgpu.launch.job_cgroup`)."""
         self.exit_code = None
         self.agent_pid = None
-        self._send(op="launch", argv=argv, env=env, cwd=cwd, out=str(out))
+        self._send(op="launch", argv=argv, env=env, cwd=cwd, out=str(out), **({"cgroup": cgroup} if cgroup else {}))
         until = time.monotonic() + 30.0
         while self.agent_pid is None:
             message = self._next(until - time.monotonic())

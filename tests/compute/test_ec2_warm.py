@@ -24,6 +24,7 @@ import pytest
 from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env
 from support.ec2_simulator import REPO_ROOT
 from support.rank_functions import TrainingDiverged, fails_on_rank_1
+from support.processes import HOPPER, still_growing
 from prefect_sgpu import distributed, runtime
 from prefect_sgpu.compute.remote.lease import lease_id
 from prefect_sgpu.errors import SGPUConfigError
@@ -55,6 +56,10 @@ def _where(tag: str, marker: str) -> dict[str, Any]:
             Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache", f"{marker}-{runtime.rank()}")]
     if tag == "leave":
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", marker])
+        # one that never keeps a pid: it forks and its parent exits, over and over (a walk of the
+        # node's processes is a snapshot it may outrun; its cgroup is not), writing as it goes
+        subprocess.Popen([sys.executable, "-c", HOPPER, f"/var/tmp/{marker}-hops-{runtime.rank()}"],
+                         start_new_session=True)
         Path(job_dir, f"left-by-rank-{runtime.rank()}").write_text("x")
         for path in left:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +73,21 @@ def _where(tag: str, marker: str) -> dict[str, Any]:
             "found": sorted(str(path) for path in left if path.exists())
             + sorted(str(path) for path in Path("/dev/shm").glob(f"{marker}-*")),
             # a rank forked (through its agent) from the node's warm process still has that process's argv
-            "forked": "prefect_sgpu.launch.warm_node" in psutil.Process().cmdline()}
+            "forked": "prefect_sgpu.launch.warm_node" in psutil.Process().cmdline(),
+            "cgroup": next(line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                           if line.startswith("0::"))}
+
+
+def _assert_own_cgroups(values: list[dict[str, Any]], run_id: str) -> None:
+    """Each rank ran in its job's cgroup on its node, and that cgroup is gone now."""
+    from prefect_sgpu.launch.job_cgroup import cgroup2_root
+
+    root = cgroup2_root()
+    assert root is not None
+    for value in values:
+        assert Path(value["cgroup"]).name == f"sgpu-{value['instance']}-{run_id}-g0", value["cgroup"]
+        assert not (root / value["cgroup"].lstrip("/")).exists(), f"{value['cgroup']} was removed with its job"
+    assert len({v["cgroup"] for v in values}) == len(values), "one cgroup per node"
 
 
 def _warm_nodes(ec2: EC2Env, instances: list[str]) -> list[Any]:
@@ -124,6 +143,12 @@ def test_consecutive_jobs_share_a_lease_see_nothing_of_each_other_and_refuse_for
         assert sorted(v["instance"] for v in two.values) == instances, "the second job ran on the same instances"
         assert len(ec2.sent_run_instances()) == 1, "one RunInstances for both jobs"
         assert all(v["forked"] for v in one.values + two.values), "ranks forked from the nodes' warm processes"
+        _assert_own_cgroups(one.values, first.run_id)
+        _assert_own_cgroups(two.values, second.run_id)
+        for rank in (0, 1):
+            hops = Path(f"/var/tmp/{marker}-hops-{rank}")
+            assert hops.stat().st_size > 0 and not still_growing(hops), "the hopping process died with its job"
+            hops.unlink()
         for before, after in zip(one.values, two.values):
             assert after["leftover_pids"] == [], "the first job's left-behind process was killed"
             assert not Path(before["job_dir"]).exists(), "the first job's local folder was deleted"
@@ -149,7 +174,9 @@ def test_consecutive_jobs_share_a_lease_see_nothing_of_each_other_and_refuse_for
         for warm in _warm_nodes(ec2, instances):
             warm.kill()
         shm = f"sgpu-shm-{uuid.uuid4().hex[:8]}"
-        third = fn.job("shm", shm).run().values
+        third_job = fn.job("shm", shm)
+        third = third_job.run().values
+        _assert_own_cgroups(third, third_job.run_id)
         assert [v["rank"] for v in third] == [0, 1], "the lease still serves its driver"
         assert len(ec2.sent_run_instances()) == 1
         assert not any(v["forked"] for v in third), "the agents started cold"

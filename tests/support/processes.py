@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 
 def job_processes(run_id: str) -> list[str]:
     """Command lines of live processes that belong to a job (its run id is in their argv)."""
@@ -64,3 +67,22 @@ def warm_node_pids() -> list[int]:
                 and "unshare" not in (proc.info["cmdline"] or [""])[0]):  # the node, not its namespace's wrapper
             found.append(proc.pid)
     return found
+
+
+#: forks and lets its parent exit, over and over (no pid lives 10 ms); each generation adds a byte to argv[1]
+HOPPER = """
+import os, sys, time
+with open(sys.argv[1], "ab", buffering=0) as out:
+    while True:
+        out.write(b".")
+        time.sleep(0.002)
+        if os.fork():
+            os._exit(0)
+"""
+
+
+def still_growing(path: Path, wait: float = 0.5) -> bool:
+    """Did a hopper write to ``path`` in the last ``wait`` seconds?"""
+    before = path.stat().st_size
+    time.sleep(wait)
+    return path.stat().st_size != before
