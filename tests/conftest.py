@@ -132,8 +132,16 @@ def _mlflow_process_state_restored() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def prefect_server() -> Iterator[None]:
     """One real temporary Prefect server (SQLite) for every test that needs one."""
+    from prefect.testing import utilities
     from prefect.testing.utilities import prefect_test_harness
 
+    from support.aws_fixtures import free_port
+
+    # the harness takes its port by binding port 0: one of the ephemeral ports every outgoing
+    # connection draws from, which on a busy machine another socket can hold by the time the
+    # server binds it; a port outside that range, reserved machine-wide, instead
+    assert callable(getattr(utilities, "_find_available_port", None)), "prefect.testing.utilities changed"
+    utilities._find_available_port = free_port
     # a deadline, not a wait: on a machine busy with other suites the server has taken over 2 minutes
     with prefect_test_harness(server_startup_timeout=300):
         yield

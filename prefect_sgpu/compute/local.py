@@ -153,6 +153,8 @@ class LocalAllocation(Allocation):
     warm: "WarmSet | None" = None
     #: the node agent arguments each warm node was handed, by node
     warm_sent: dict[int, list[str]] = field(default_factory=dict)
+    #: each node's own temp folder (its TMPDIR), deleted at release
+    scratch: list[Path] = field(default_factory=list)
 
 
 class LocalProcessCompute(Compute):
@@ -334,7 +336,8 @@ class LocalProcessCompute(Compute):
             ours = self.node_env(allocation, command.node)
             if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in launch.env:
                 ours.pop("OMP_NUM_THREADS")  # the user's choice wins
-            env = {**node_base_environment(dict(os.environ)), **launch.env, **launch.secrets, **ours,
+            base = node_base_environment(dict(os.environ))
+            env = {**base, **self._node_temp(allocation, base), **launch.env, **launch.secrets, **ours,
                    "SGPU_PAYLOAD_KEY": allocation.folder.key}
             # the caller's import path, so modules importable here are importable in the ranks
             env["PYTHONPATH"] = _import_path(env)
@@ -437,6 +440,23 @@ class LocalProcessCompute(Compute):
             except subprocess.TimeoutExpired:
                 logger.error("node process %s did not exit after SIGKILL", proc.pid)
 
+    @staticmethod
+    def _node_temp(allocation: LocalAllocation, base: dict[str, str]) -> dict[str, str]:
+        """A temp folder of the node's own (``TMPDIR``, ``TMP``, ``TEMP``), as a separate host has:
+        what ranks coordinate through files there (Mosaic Streaming's locks, named by a number each
+        node's ranks pick by looking at what exists) is not mixed up with another job's on this
+        machine. torch's compile cache stays where it was (it is shared on purpose, and safe to
+        share). The job's own ``env=`` wins."""
+        import getpass
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="sgpu-")
+        allocation.scratch.append(Path(folder))
+        env = {"TMPDIR": folder, "TMP": folder, "TEMP": folder}
+        if "TORCHINDUCTOR_CACHE_DIR" not in base:
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+        return env
+
     def release(self, allocation: Allocation) -> Released:
         """Stop every node process tree, then close the driver's hold on the GPU lease.
 
@@ -449,6 +469,9 @@ class LocalProcessCompute(Compute):
         try:
             self.stop(allocation, grace=0.0)  # the job's processes, on warm nodes too
         finally:
+            for folder in allocation.scratch:  # the nodes' temp folders, once their processes are gone
+                shutil.rmtree(folder, ignore_errors=True)
+            allocation.scratch = []
             allocation.warm = None  # a second release gives nothing back twice
             if allocation.lease is not None:
                 allocation.lease.close()

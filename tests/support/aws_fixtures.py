@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,9 +49,13 @@ LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port on 127.0.0.1 for a server a test starts: free now, outside the kernel's ephemeral range
+    (no outgoing connection takes it before the server binds it, and no client connects to itself
+    on it while the server starts) and not handed out to another suite on this machine lately
+    (:func:`prefect_sgpu.compute.ports.free_port`)."""
+    from prefect_sgpu.compute import ports
+
+    return ports.free_port("127.0.0.1")
 
 
 def aws_environment(endpoint_url: str, region: str = REGION) -> dict[str, str]:
