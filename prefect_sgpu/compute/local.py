@@ -4,7 +4,8 @@ Each simulated node is one torch elastic agent process. Where the kernel allows
 (root, util-linux ``unshare``), a node gets its own PID and mount namespace with a
 private ``/dev/shm``, so nodes on one host behave like separate hosts (Mosaic
 Streaming's shared memory does not collide) and, when the agent exits, the kernel
-kills whatever its ranks left behind.
+kills whatever its ranks left behind. Every node also gets a temp folder of its own
+(``TMPDIR``), deleted when the job ends: Streaming's lock files there do not collide either.
 
 A CUDA job leases whole GPUs of this machine from ``acquire`` to ``release``
 (:mod:`prefect_sgpu.compute.leases`): ranks of two jobs never share a GPU, whether the
