@@ -24,6 +24,7 @@ import pytest
 from support.conformance_ec2 import HEARTBEAT_TTL_S, EC2Env
 from support.ec2_simulator import REPO_ROOT
 from support.rank_functions import TrainingDiverged, fails_on_rank_1
+from support.iam_gate import outcome_of
 from support.processes import HOPPER, still_growing
 from prefect_sgpu import distributed, runtime
 from prefect_sgpu.compute.remote.lease import lease_id
@@ -206,20 +207,13 @@ def _reach(earlier_run: str, other_run: str, bucket: str, prefix: str) -> dict[s
     ssm, s3 = (boto3.client(s, **where) for s in ("ssm", "s3"))
     scope = store_scope(f"s3://{bucket}/{prefix}")
 
-    def code_of(call: Any) -> str:
-        try:
-            call()
-            return "allowed"
-        except Exception as exc:  # noqa: BLE001 - the error code is the answer
-            return getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
-
-    found = {"own": code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{runtime.run_id()}/probe.txt",
+    found = {"own": outcome_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{runtime.run_id()}/probe.txt",
                                                   Body=b"mine")),
-             "own key": code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(runtime.run_id(), scope),
+             "own key": outcome_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(runtime.run_id(), scope),
                                                           WithDecryption=True))}
     if earlier_run:
-        found["earlier"] = code_of(lambda: s3.get_object(Bucket=bucket, Key=f"{prefix}/{earlier_run}/probe.txt"))
-        found["other key"] = code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run, scope),
+        found["earlier"] = outcome_of(lambda: s3.get_object(Bucket=bucket, Key=f"{prefix}/{earlier_run}/probe.txt"))
+        found["other key"] = outcome_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run, scope),
                                                                WithDecryption=True))
     return found
 

@@ -21,17 +21,9 @@ from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.jobfolder import ssm_key_parameter, ssm_secrets_parameter
 from prefect_sgpu.store import store_scope
 from support.aws_fixtures import MotoAWS
-from support.iam_gate import ACCOUNT, IAMGate
+from support.iam_gate import ACCOUNT, IAMGate, outcome_of
 
 REFUSED = {"AccessDenied", "AccessDeniedException", "UnauthorizedOperation"}
-
-
-def _code(call: Any) -> str:
-    try:
-        call()
-        return "allowed"
-    except Exception as exc:  # noqa: BLE001 - the error code is the answer
-        return getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
 
 
 class _Store:
@@ -67,10 +59,10 @@ class _Store:
     def close(self, aws: MotoAWS) -> None:
         roles.delete(aws.client("iam"), self.run)
         aws.client("ec2").terminate_instances(InstanceIds=[self.instance])
-        _code(lambda: aws.client("ec2").delete_security_group(GroupId=self.group))
+        outcome_of(lambda: aws.client("ec2").delete_security_group(GroupId=self.group))
         ssm = aws.client("ssm")
         for name in (ssm_key_parameter(self.run, self.scope), ssm_secrets_parameter(self.run, self.scope)):
-            _code(lambda n=name: ssm.delete_parameter(Name=n))
+            outcome_of(lambda n=name: ssm.delete_parameter(Name=n))
 
 
 def _reach(session: Any, target: _Store, image: str, launched: list[str], own_store: str | None = None) -> dict[str, str]:
@@ -86,29 +78,29 @@ def _reach(session: Any, target: _Store, image: str, launched: list[str], own_st
             for kind in ("instance", "volume")]
     wide_open = [{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]
     return {
-        "read the job key": _code(lambda: ssm.get_parameter(Name=key, WithDecryption=True)),
-        "overwrite the job key": _code(lambda: ssm.put_parameter(Name=key, Value="forged", Type="SecureString",
+        "read the job key": outcome_of(lambda: ssm.get_parameter(Name=key, WithDecryption=True)),
+        "overwrite the job key": outcome_of(lambda: ssm.put_parameter(Name=key, Value="forged", Type="SecureString",
                                                                  Overwrite=True)),
-        "delete the secrets": _code(lambda: ssm.delete_parameter(Name=secrets)),
-        "edit the job role's policy": _code(lambda: iam.put_role_policy(
+        "delete the secrets": outcome_of(lambda: ssm.delete_parameter(Name=secrets)),
+        "edit the job role's policy": outcome_of(lambda: iam.put_role_policy(
             RoleName=name, PolicyName=roles.ROLE_POLICY_NAME, PolicyDocument=json.dumps(
                 {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))),
-        "pass the job role to an instance": _code(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
+        "pass the job role to an instance": outcome_of(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
             ImageId=image, MinCount=1, MaxCount=1, InstanceType="t3.micro", TagSpecifications=mine,
             IamInstanceProfile={"Arn": target.role.profile_arn})["Instances"])),
-        "launch a node of its store": _code(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
+        "launch a node of its store": outcome_of(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
             ImageId=image, MinCount=1, MaxCount=1, InstanceType="t3.micro", TagSpecifications=theirs)["Instances"])),
-        "open its security group": _code(lambda: ec2.authorize_security_group_ingress(
+        "open its security group": outcome_of(lambda: ec2.authorize_security_group_ingress(
             GroupId=target.group, IpPermissions=wide_open)),
-        "make a security group of its store": _code(lambda: ec2.delete_security_group(GroupId=ec2.create_security_group(
+        "make a security group of its store": outcome_of(lambda: ec2.delete_security_group(GroupId=ec2.create_security_group(
             GroupName=f"made-{uuid.uuid4().hex[:8]}", Description="x", TagSpecifications=[
                 {"ResourceType": "security-group", "Tags": [{"Key": rq.STORE_TAG, "Value": target.uri}]}])["GroupId"])),
-        "terminate a node": _code(lambda: ec2.terminate_instances(InstanceIds=[target.instance])),
-        "forge a document": _code(lambda: s3.put_object(Bucket=target.bucket,
+        "terminate a node": outcome_of(lambda: ec2.terminate_instances(InstanceIds=[target.instance])),
+        "forge a document": outcome_of(lambda: s3.put_object(Bucket=target.bucket,
                                                         Key=f"{target.prefix}/{target.run}/payload.bin", Body=b"x")),
-        "delete its security group": _code(lambda: ec2.delete_security_group(GroupId=target.group)),
+        "delete its security group": outcome_of(lambda: ec2.delete_security_group(GroupId=target.group)),
         # last: IAM refuses deleting a role that still has a policy and a profile, after the gate let it through
-        "delete the job role": _code(lambda: iam.delete_role(RoleName=name)),
+        "delete the job role": outcome_of(lambda: iam.delete_role(RoleName=name)),
     }
 
 
@@ -194,11 +186,11 @@ def test_a_driver_tags_only_what_it_creates_and_launches_only_what_it_tags_as_it
     aws_faults.iam_gate = gate
     try:
         codes = {
-            "retag its own node": _code(lambda: ec2.create_tags(Resources=[x.instance],
+            "retag its own node": outcome_of(lambda: ec2.create_tags(Resources=[x.instance],
                                                                 Tags=[{"Key": rq.STORE_TAG, "Value": "s3://other/x"}])),
-            "launch untagged": _code(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
+            "launch untagged": outcome_of(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
                 ImageId=aws_env.image_id(), MinCount=1, MaxCount=1, InstanceType="t3.micro")["Instances"])),
-            "launch tagged as its store": _code(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
+            "launch tagged as its store": outcome_of(lambda: launched.extend(i["InstanceId"] for i in ec2.run_instances(
                 ImageId=aws_env.image_id(), MinCount=1, MaxCount=1, InstanceType="t3.micro",
                 TagSpecifications=ours)["Instances"])),
         }
@@ -231,9 +223,9 @@ def test_the_driver_may_edit_a_role_of_its_store_only_while_the_role_has_the_bou
     aws_faults.iam_gate = gate
     widen = json.dumps({"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]})
     try:
-        loose_edit = _code(lambda: driver.client("iam").put_role_policy(RoleName=loose, PolicyName="p",
+        loose_edit = outcome_of(lambda: driver.client("iam").put_role_policy(RoleName=loose, PolicyName="p",
                                                                         PolicyDocument=widen))
-        job_edit = _code(lambda: driver.client("iam").put_role_policy(
+        job_edit = outcome_of(lambda: driver.client("iam").put_role_policy(
             RoleName=roles.role_name(x.run), PolicyName=roles.ROLE_POLICY_NAME, PolicyDocument=widen))
     finally:
         aws_faults.iam_gate = None

@@ -443,3 +443,11 @@ def simulate_principal_policy(params: dict[str, str], region: str = "us-east-1")
 def _member_order(key: str) -> list[int | str]:
     return [int(part) if part.isdigit() else part for part in key.split(".")]
 
+
+def outcome_of(call: Any) -> str:
+    """"allowed", or the AWS error code ``call()`` raised (a probe's answer: AccessDenied, ...)."""
+    try:
+        call()
+        return "allowed"
+    except Exception as exc:  # noqa: BLE001 - the error code is the answer
+        return getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
