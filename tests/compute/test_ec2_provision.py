@@ -92,7 +92,6 @@ def run_instances_calls(faults: Any) -> list[dict[str, str]]:
         ({"not_a_field": 1}, "not_a_field"),
         ({"rendezvous_port": 80}, "rendezvous_port"),
         ({"keep_warm": -1}, "keep_warm"),
-        ({"keep_warm": 60, "job_roles": True}, "keep_warm"),
         ({"bucket_owner": "not-an-account"}, "bucket_owner"),
         ({"agent_timeout_s": 0}, "agent_timeout_s"),
     ],
