@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from support.aws_fixtures import network_octet
+from support.processes import remove_machine_cgroups
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
@@ -386,19 +387,7 @@ class EC2Simulator:
             node.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.errors.append(f"{node.instance_id}: process {node.proc.pid} survived SIGKILL")
-        self._remove_cgroups(node.instance_id)
-
-    @staticmethod
-    def _remove_cgroups(instance_id: str) -> None:
-        """The job cgroups the node's bootstrap made and did not remove (it was killed): on EC2 they go
-        with the machine; here they are this host's, below this process's own cgroup."""
-        from prefect_sgpu.launch.job_cgroup import JobCgroup, cgroup2_root, own_cgroup
-
-        root, own = cgroup2_root(), own_cgroup()
-        if root is None or own is None:
-            return
-        for path in (root / own.lstrip("/")).glob(f"sgpu-{instance_id}-*"):
-            JobCgroup(path).kill(timeout=5)
+        remove_machine_cgroups(node.instance_id)
 
     # -- what the cloud does to running instances ---------------------------------------
 

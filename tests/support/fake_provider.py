@@ -26,7 +26,7 @@ from typing import Any
 
 from support.ec2_simulator import pid_namespaces
 from support.fake_node_host import secret_path
-from support.processes import wait_gone
+from support.processes import remove_machine_cgroups, wait_gone
 
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout
@@ -146,6 +146,7 @@ class FakeProvider:
             machine.proc.wait(timeout=30)
             # a terminated VM is gone as a whole: wait for the node host, its namespace's init, too
             wait_gone(f"--machine-id={machine.id}")
+            remove_machine_cgroups(machine.id)
         return gone
 
     def put_secret(self, name: str, value: str, description: str, kms_key_id: str | None = None) -> None:

@@ -86,3 +86,16 @@ def still_growing(path: Path, wait: float = 0.5) -> bool:
     before = path.stat().st_size
     time.sleep(wait)
     return path.stat().st_size != before
+
+
+def remove_machine_cgroups(machine_id: str) -> None:
+    """The job cgroups a simulated machine's bootstrap made and did not remove (it was killed with its
+    machine): on a real VM they go with it; here they are this host's, below this process's own cgroup
+    (the bootstrap's names start with ``sgpu-<machine id>-``)."""
+    from prefect_sgpu.launch.job_cgroup import JobCgroup, cgroup2_root, own_cgroup
+
+    root, own = cgroup2_root(), own_cgroup()
+    if root is None or own is None:
+        return
+    for path in (root / own.lstrip("/")).glob(f"sgpu-{machine_id}-*"):
+        JobCgroup(path).kill(timeout=5)
