@@ -67,6 +67,8 @@ class JobCgroup:
     @classmethod
     def create(cls, name: str) -> "tuple[JobCgroup | None, str]":
         """A new cgroup ``name`` below this process's own; (None, why) where the node cannot make one."""
+        if not name or name.startswith(".") or any(not (c.isalnum() or c in "-_.") for c in name):
+            return None, f"{name!r} is not a plain cgroup name"
         if os.geteuid() != 0:
             return None, "the bootstrap does not run as root"
         root, own = cgroup2_root(), own_cgroup()

@@ -81,3 +81,9 @@ def test_the_hierarchy_is_found_in_mountinfo_unified_or_hybrid(tmp_path: Path) -
     cgroups = tmp_path / "cgroup"
     cgroups.write_text("4:memory:/x\n0::/system.slice/cloud-final.service\n")
     assert own_cgroup(str(cgroups)) == "/system.slice/cloud-final.service"
+
+
+def test_a_name_that_is_not_a_plain_cgroup_name_is_refused() -> None:
+    for name in ("", "..", ".hidden", "a/b", "../../escape", "run id"):
+        cgroup, why = JobCgroup.create(name)
+        assert cgroup is None and "not a plain cgroup name" in why, name
