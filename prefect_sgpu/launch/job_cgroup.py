@@ -11,9 +11,9 @@ the job ends, one write to ``cgroup.kill`` (Linux 5.14) ends them all at once, f
 included, and the empty cgroup is removed. On an older kernel its processes are killed, read
 from ``cgroup.procs``, until none is left.
 
-Only where the node can: root, and a cgroup v2 hierarchy it may write (every current EC2 AMI:
-Amazon Linux 2023, Ubuntu 22.04 and later, the Deep Learning AMIs). Elsewhere the bootstrap says
-why once and kills by its walk alone, as before. A process of the job that moves itself to
+Only where the node can: root, and a cgroup v2 hierarchy it may write (Amazon Linux 2023,
+Ubuntu 22.04 and later, and the Deep Learning AMIs built on them; Amazon Linux 2 mounts only
+cgroup v1). Elsewhere the bootstrap says why once and kills by its walk alone, as before. A process of the job that moves itself to
 another cgroup (it runs as root) leaves it; one that asks systemd to start a unit never was in
 it (``docs/security.md``).
 
