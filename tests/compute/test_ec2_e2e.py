@@ -32,7 +32,6 @@ from prefect_sgpu.jobfolder import (LAUNCH_KEY, Alive, JobFolder, LaunchDocument
                                    ssm_key_parameter)
 from prefect_sgpu.store import store_scope
 from prefect_sgpu.store_s3 import S3Store
-from support.iam_gate import outcome_of
 from support.threads import run_in_thread
 from support.rank_functions import TrainingDiverged, fails_on_rank_1
 from support.tokens import digest_of, token_digest
@@ -1075,13 +1074,20 @@ def _reach_into_another_job(other_run: str, other_instance: str, bucket: str, pr
     if runtime.rank() != 0:
         return result
 
+    def code_of(call: Any) -> str:  # support/ is not on a node's import path: the probe travels with this module
+        try:
+            call()
+            return "allowed"
+        except Exception as exc:  # noqa: BLE001 - the error code is the answer
+            return getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__)
+
     ssm, s3, ec2 = (boto3.client(s, **where) for s in ("ssm", "s3", "ec2"))
-    result["key"] = outcome_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run, store_scope(f"s3://{bucket}/{prefix}")),
+    result["key"] = code_of(lambda: ssm.get_parameter(Name=ssm_key_parameter(other_run, store_scope(f"s3://{bucket}/{prefix}")),
                                                              WithDecryption=True))
-    result["launch"] = outcome_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{other_run}/{LAUNCH_KEY}",
+    result["launch"] = code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{other_run}/{LAUNCH_KEY}",
                                                      Body=b"forged"))
-    result["terminate"] = outcome_of(lambda: ec2.terminate_instances(InstanceIds=[other_instance]))
-    result["own"] = outcome_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{runtime.run_id()}/probe.txt",
+    result["terminate"] = code_of(lambda: ec2.terminate_instances(InstanceIds=[other_instance]))
+    result["own"] = code_of(lambda: s3.put_object(Bucket=bucket, Key=f"{prefix}/{runtime.run_id()}/probe.txt",
                                                   Body=b"mine"))
     return result
 
