@@ -455,7 +455,11 @@ class LocalProcessCompute(Compute):
         allocation.scratch.append(Path(folder))
         env = {"TMPDIR": folder, "TMP": folder, "TEMP": folder}
         if "TORCHINDUCTOR_CACHE_DIR" not in base:
-            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+            try:
+                user = getpass.getuser()
+            except (KeyError, OSError):  # a uid without a name: torch then finds no cache folder either
+                return env
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
         return env
 
     def release(self, allocation: Allocation) -> Released:

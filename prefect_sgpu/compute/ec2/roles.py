@@ -257,13 +257,13 @@ def delete(iam: Any, run_id: str) -> list[str]:
 
     attempt(iam.remove_role_from_instance_profile, InstanceProfileName=name, RoleName=name)
     attempt(iam.delete_instance_profile, f"IAM instance profile {name}", InstanceProfileName=name)
-    try:  # a lease's role also holds the policy of the job it serves (a role holds only its own names)
+    try:  # its own, and on a lease's role the policy of the job it serves
         policies = role_policies(iam, run_id)
     except Exception as exc:  # noqa: BLE001
         if aws.error_code(exc) not in ("NoSuchEntity", "NoSuchEntityException"):
             raise
-        policies = []
-    for policy in dict.fromkeys([*policies, ROLE_POLICY_NAME, ASSIGNED_JOB_POLICY_NAME]):
+        policies = []  # the role is gone already
+    for policy in policies:
         attempt(iam.delete_role_policy, RoleName=name, PolicyName=policy)
     attempt(iam.delete_role, f"IAM role {name}", RoleName=name)
     return gone
