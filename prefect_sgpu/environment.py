@@ -152,6 +152,9 @@ class EnvironmentOptions(IndexSettings):
     py_modules: Annotated[tuple[str, ...], _strings("py_modules"), AfterValidator(_check_modules)] = Field(
         (), description="Package folders, .py files or top-level module names that travel.")
     requirements: Requirements = Field((), description="Extra PEP 508 requirements installed on the nodes.")
+    auto_modules: bool = Field(True, description=(
+        "The user's own modules the driver has imported (not the standard library, not installed) travel "
+        "as py_modules do (docs/environment.md)."))
 
     @model_validator(mode="after")
     def _image_installs_nothing(self) -> "EnvironmentOptions":
@@ -164,13 +167,18 @@ class EnvironmentOptions(IndexSettings):
                                       "use mode='driver' to install on the nodes")
         return self
 
-    def capture(self) -> "Environment":
-        """Describe the driver's environment as these options ask (reads and hashes files)."""
+    def capture(self, script: str | os.PathLike[str] | None = None) -> "Environment":
+        """Describe the driver's environment as these options ask (reads and hashes files).
+
+        ``script``: the job runs this file (``run_script``); with ``auto_modules`` the modules of its
+        folder that it imports travel, as the driver's own imported modules do for a function."""
         py_modules = []
         for i, entry in enumerate(self.py_modules):
             source = _module_source(entry, f"environment.py_modules[{i}]")
             name = source.stem if source.suffix == ".py" else source.name
             py_modules.append(scan(name, source, f"environment.py_modules[{i}]", max_bytes=self.max_bytes))
+        if self.auto_modules:
+            py_modules += self._auto_modules({t.name for t in py_modules}, script)
         working_dir = (scan("working_dir", Path(self.working_dir), "environment.working_dir", excludes=self.excludes,
                             max_bytes=self.max_bytes) if self.working_dir else None)
         distributions: tuple[Distribution, ...] = ()
@@ -182,6 +190,29 @@ class EnvironmentOptions(IndexSettings):
             working_dir=working_dir, py_modules=tuple(sorted(py_modules, key=lambda t: t.name)),
             requirements=self.requirements, index_url=self.index_url, extra_index_urls=self.extra_index_urls,
             find_links=self.find_links)
+
+    def _auto_modules(self, given: set[str], script: str | os.PathLike[str] | None) -> list[Tree]:
+        """The user's own modules (:mod:`prefect_sgpu.environment_modules`), scanned as py_modules are."""
+        from prefect_sgpu import environment_modules
+
+        roots = [Path(self.working_dir).resolve()] if self.working_dir else []
+        found = environment_modules.imported(skip=given, roots=roots, shipped=editable_folders())
+        if script is not None:
+            names = given | {m.name for m in found}
+            found += [m for m in environment_modules.imported_by_script(Path(script), skip=names)
+                      if m.folder not in roots]
+        trees = []
+        for module in found:
+            field = f"environment (the module {module.name!r} the driver imported from {module.folder})"
+            try:
+                trees.append(scan(module.name, module.source, field, excludes=self.excludes,
+                                  max_bytes=self.max_bytes))
+            except SGPUConfigError as exc:
+                raise SGPUConfigError(exc.field, exc.value, exc.allowed,
+                                      f"{exc.hint}; or, when the nodes do not need it, leave the driver's own "
+                                      "modules out with environment={'auto_modules': False} and name what "
+                                      "they need in py_modules") from None
+        return trees
 
 
 # --- what was captured ----------------------------------------------------------------------
@@ -252,7 +283,7 @@ def _site_dirs() -> set[Path]:
 _FOUND: dict[tuple[tuple[str, int | None], ...], tuple[tuple[Distribution, ...], tuple[Any, ...]]] = {}
 
 
-def _path_fingerprint() -> tuple[tuple[str, int | None], ...]:
+def path_fingerprint() -> tuple[tuple[str, int | None], ...]:
     """``sys.path`` with each folder's modification time: installing, removing or upgrading a
     distribution adds or removes an entry (its metadata folder) in the folder that holds it."""
     stamps = []
@@ -268,7 +299,7 @@ def _installed(max_bytes: int) -> tuple[tuple[Distribution, ...], tuple[Tree, ..
     """Every distribution the driver's interpreter sees and the files of those whose files travel,
     hashed now (the distributions are read again only when ``sys.path`` or a folder on it changed:
     reading every metadata file costs more than the rest of a capture)."""
-    key = _path_fingerprint()
+    key = path_fingerprint()
     if key not in _FOUND:
         _FOUND.clear()
         _FOUND[key] = _distributions()
@@ -276,6 +307,16 @@ def _installed(max_bytes: int) -> tuple[tuple[Distribution, ...], tuple[Tree, ..
     trees = [scan(name, folder, field, max_bytes=max_bytes) if rels is None
              else installed_files(name, folder, rels, field) for name, field, folder, rels in sources]
     return distributions, tuple(sorted(trees, key=lambda t: t.name))
+
+
+def editable_folders() -> list[Path]:
+    """The source folders of the editable distributions (and of metadata in plain folders on ``sys.path``):
+    what is in them travels as that distribution's files, never as a module of its own."""
+    key = path_fingerprint()
+    if key not in _FOUND:
+        _FOUND.clear()
+        _FOUND[key] = _distributions()
+    return [folder for _, _, folder, rels in _FOUND[key][1] if rels is None]
 
 
 def _distributions() -> tuple[tuple[Distribution, ...], tuple[Any, ...]]:
@@ -506,6 +547,8 @@ def option_text(option: Option) -> str:
             data[name] = list(value) if isinstance(value, tuple) else value
     if option.max_bytes != DEFAULT_MAX_BYTES:
         data["max_bytes"] = option.max_bytes
+    if not option.auto_modules:
+        data["auto_modules"] = False
     if option.index_url is not None:
         data["index_url"] = option.index_url._url or option.index_url.shown
     for name in ("extra_index_urls", "find_links"):
@@ -515,13 +558,15 @@ def option_text(option: Option) -> str:
     return json.dumps(data, separators=(",", ":")) if len(data) > 1 else option.mode
 
 
-def for_compute(option: Option | None, remote: bool) -> Environment | None:
+def for_compute(option: Option | None, remote: bool,
+                script: str | os.PathLike[str] | None = None) -> Environment | None:
     """The environment a job's nodes need: none on this machine (local nodes run in the driver's
-    own environment); on remote nodes the one given, else the driver's, captured now."""
+    own environment); on remote nodes the one given, else the driver's, captured now (``script``:
+    the file a script job runs, whose own imports of its folder travel too)."""
     if not remote:
         return None
     if option is None:
-        return capture()
+        option = EnvironmentOptions()
     if isinstance(option, Environment):
         return option
-    return option.capture()
+    return option.capture(script)

@@ -35,6 +35,51 @@ class PayloadError(SGPUError, ValueError):
     """The function or its arguments cannot be shipped to the ranks."""
 
 
+class PayloadImportError(PayloadError, ModuleNotFoundError):
+    """A rank could not import a module the payload refers to, while loading it.
+
+    Raised on the rank with the module's name; when the driver reads it back, it names where the
+    driver imported that module from and how to ship it (:meth:`explained`, run as the exception is
+    unpickled on the driver, where that folder is known).
+    """
+
+    def __init__(self, module: str, rank_detail: str = "", driver_source: str | None = None,
+                 local: bool = True) -> None:
+        self.module, self.rank_detail, self.driver_source, self.local = module, rank_detail, driver_source, local
+        text = f"a rank could not import the module {module!r} while loading the payload"
+        if rank_detail:
+            text += f" ({rank_detail})"
+        if driver_source and local:
+            text += (f"; the driver imports it from {driver_source}, which is not installed: it travels with the "
+                     "job when environment's auto_modules is on (the default) and the driver imported it before "
+                     f"the call, or name it: environment={{'py_modules': [{driver_source!r}]}}, or ship its "
+                     "project folder with environment={'working_dir': ...} (docs/environment.md)")
+        elif driver_source:
+            text += (f"; the driver has it installed ({driver_source}): the nodes need its distribution too "
+                     "(environment mode 'driver' installs the driver's distributions; with mode 'image' the "
+                     "image must hold it, or add it to environment requirements) (docs/environment.md)")
+        else:
+            text += ("; the driver cannot import it either: install its distribution on the nodes (environment "
+                     "requirements or the image), or ship it with environment={'py_modules': [...]} or "
+                     "{'working_dir': ...} (docs/environment.md)")
+        ImportError.__init__(self, text, name=module)
+
+    @classmethod
+    def explained(cls, module: str, rank_detail: str = "") -> "PayloadImportError":
+        """The error as this process explains it: with where this process imports ``module`` from."""
+        from prefect_sgpu.environment_modules import is_local_source, where_on_driver
+
+        try:
+            source = where_on_driver(module)
+            local = source is not None and is_local_source(source)
+        except Exception:  # noqa: BLE001 - an explanation never hides the error itself
+            source, local = None, True
+        return cls(module, rank_detail, source, local)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PayloadImportError.explained, (self.module, self.rank_detail))
+
+
 class DocumentRefused(PayloadError):
     """A document in the job folder is not this job's own: unsigned, forged, from another
     job, or moved to another node's or rank's place. It is never acted on."""

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from prefect_sgpu.errors import PayloadError
+from prefect_sgpu.errors import PayloadError, PayloadImportError
 
 _BY_VALUE_LOCK = threading.RLock()
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -169,8 +169,17 @@ def build(call: FunctionCall | ScriptCall, limit: int | None = None) -> bytes:
 
 
 def load(body: bytes) -> FunctionCall | ScriptCall:
-    """The call from a payload body that the job folder has already verified."""
-    return pickle.loads(body)
+    """The call from a payload body that the job folder has already verified.
+
+    A module the payload refers to that this process cannot import is a :class:`PayloadImportError`
+    naming it; the driver, reading it back, adds where it imports that module from and how to ship it.
+    """
+    try:
+        return pickle.loads(body)
+    except ModuleNotFoundError as exc:
+        if not exc.name:
+            raise
+        raise PayloadImportError(exc.name, str(exc)) from exc
 
 
 def _explain_unpicklable(call: FunctionCall | ScriptCall, exc: Exception) -> str:

@@ -311,13 +311,14 @@ def compute_layer(compute: Any) -> SpecLayer | None:
     return None if option is None else layer("compute block", environment=option)
 
 
-def for_compute(compute: Any, *layers: SpecLayer | None, environ: Mapping[str, str] | None = None) -> JobSpec:
+def for_compute(compute: Any, *layers: SpecLayer | None, environ: Mapping[str, str] | None = None,
+                script: str | None = None) -> JobSpec:
     """The spec of a job on ``compute``: ``layers`` (highest first) over the compute block's, the
     environment variables and the built-in defaults; for remote nodes its environment captured now
     (the driver's own unless one was given), so a folder over its size limit fails here, before
     anything is spent. Local nodes run in the driver's own environment: nothing is captured."""
     spec = build(*layers, compute_layer(compute), environ=environ)
-    captured = environment_mod.for_compute(spec.environment, bool(getattr(compute, "remote", False)))
+    captured = environment_mod.for_compute(spec.environment, bool(getattr(compute, "remote", False)), script)
     if captured is None or captured is spec.environment:
         return spec
     return spec.replace(environment=captured)

@@ -130,11 +130,11 @@ def test_a_folder_over_the_size_limit_fails_naming_the_field_the_size_and_the_li
 def test_py_modules_by_path_or_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project = _project(tmp_path / "p")
     monkeypatch.syspath_prepend(str(project))
-    by_name = capture(mode="image", py_modules=["features"])
-    by_path = capture(mode="image", py_modules=[str(project / "features")])
+    by_name = capture(mode="image", py_modules=["features"], auto_modules=False)
+    by_path = capture(mode="image", py_modules=[str(project / "features")], auto_modules=False)
     assert [t.name for t in by_name.py_modules] == ["features"] and by_name.digest == by_path.digest
     assert {f.path for f in by_name.py_modules[0].files} == {"__init__.py", "encode.py"}
-    single = capture(mode="image", py_modules=[str(project / "train.py")])
+    single = capture(mode="image", py_modules=[str(project / "train.py")], auto_modules=False)
     assert single.py_modules[0].name == "train" and single.py_modules[0].files[0].path == "train.py"
     with pytest.raises(SGPUConfigError) as info:
         capture(py_modules=["no_such_module_here"])
@@ -264,3 +264,116 @@ def test_a_distribution_installed_or_removed_between_captures_is_seen_and_edited
 
     shutil.rmtree(info)
     assert "sgpu-probe" not in {d.name for d in capture().distributions}
+
+
+# --- the user's own modules travel by default ---------------------------------------------------
+
+
+def _sibling_project(root: Path, prefix: str) -> Path:
+    """A project folder as a user runs it: a training module that imports a package beside it."""
+    (root / f"{prefix}lib").mkdir(parents=True)
+    (root / f"{prefix}lib" / "__init__.py").write_text("from .scale import scale\n")
+    (root / f"{prefix}lib" / "scale.py").write_text("def scale(x):\n    return 3 * x\n")
+    (root / f"{prefix}lib" / "__pycache__").mkdir()
+    (root / f"{prefix}lib" / "__pycache__" / "scale.cpython-311.pyc").write_bytes(b"\0" * 10)
+    (root / f"{prefix}train.py").write_text(f"import {prefix}lib\n\ndef train(x):\n    return {prefix}lib.scale(x)\n")
+    return root
+
+
+def test_modules_the_driver_imported_from_its_own_folders_travel_and_installed_ones_do_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    project = _sibling_project(tmp_path / "proj", "sgpu_auto_a_")
+    monkeypatch.syspath_prepend(str(project))
+    for name in ("sgpu_auto_a_train", "sgpu_auto_a_lib", "sgpu_auto_a_lib.scale"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    before = {t.name for t in capture(mode="image").py_modules}
+    assert "sgpu_auto_a_lib" not in before, "a module not imported on the driver does not travel"
+    importlib.import_module("sgpu_auto_a_train")
+
+    env = capture()
+    trees = {t.name: t for t in env.py_modules}
+    assert {"sgpu_auto_a_lib", "sgpu_auto_a_train"} <= set(trees), sorted(trees)
+    assert {f.path for f in trees["sgpu_auto_a_lib"].files} == {"__init__.py", "scale.py"}, "ignore rules apply"
+    assert [f.path for f in trees["sgpu_auto_a_train"].files] == ["sgpu_auto_a_train.py"]
+    for installed in ("prefect_sgpu", "pydantic", "json", "cloudpickle"):
+        assert installed not in trees, f"{installed} is installed or the standard library, not the user's"
+    assert env.digest != capture(auto_modules=False).digest, "what travels is part of the environment's digest"
+    assert not {"sgpu_auto_a_lib", "sgpu_auto_a_train"} & {t.name for t in capture(auto_modules=False).py_modules}
+
+    # named in py_modules: travels once; imported from working_dir: the project folder carries it
+    named = capture(mode="image", py_modules=[str(project / "sgpu_auto_a_lib")])
+    assert [t.name for t in named.py_modules].count("sgpu_auto_a_lib") == 1
+    in_project = capture(mode="image", working_dir=project)
+    assert not {"sgpu_auto_a_lib", "sgpu_auto_a_train"} & {t.name for t in in_project.py_modules}
+    assert option_text(EnvironmentOptions(auto_modules=False)) == '{"mode":"driver","auto_modules":false}'
+    assert parse_option(option_text(EnvironmentOptions(auto_modules=False))).auto_modules is False
+
+    (project / "sgpu_auto_a_lib" / "scale.py").write_text("def scale(x):\n    return 4 * x\n")
+    assert capture().digest != env.digest, "an edited module is hashed again"
+
+
+def test_an_imported_module_over_the_size_limit_fails_before_anything_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    project = _sibling_project(tmp_path / "proj", "sgpu_auto_b_")
+    (project / "sgpu_auto_b_lib" / "weights.bin").write_bytes(b"\2" * 12 * 1024 * 1024)
+    monkeypatch.syspath_prepend(str(project))
+    for name in ("sgpu_auto_b_train", "sgpu_auto_b_lib", "sgpu_auto_b_lib.scale"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    importlib.import_module("sgpu_auto_b_train")
+
+    class Remote:  # what for_compute asks of a compute: only whether its nodes are remote
+        remote = True
+
+    with pytest.raises(SGPUConfigError) as info:
+        spec_mod.for_compute(Remote(), spec_mod.layer("call", environment={"max_bytes": 8 * 1024 * 1024}))
+    err = info.value
+    assert "sgpu_auto_b_lib" in err.field and str(project) in err.field, err.field
+    assert "weights.bin" in str(err) and "auto_modules" in str(err), str(err)
+    spec = spec_mod.for_compute(Remote(), spec_mod.layer("call", environment={"max_bytes": 8 * 1024 * 1024,
+                                                                               "auto_modules": False}))
+    assert "sgpu_auto_b_lib" not in {t.name for t in spec.environment.py_modules}
+
+
+def test_a_script_ships_the_modules_of_its_folder_it_imports(tmp_path: Path) -> None:
+    from prefect_sgpu.environment_modules import imported_by_script
+
+    project = tmp_path / "scripts"
+    (project / "helpers").mkdir(parents=True)
+    (project / "helpers" / "__init__.py").write_text("from sgpu_auto_c_consts import N\n")
+    (project / "sgpu_auto_c_consts.py").write_text("N = 3\n")
+    (project / "sgpu_auto_c_unused.py").write_text("X = 1\n")
+    (project / "run.py").write_text("import os\nimport helpers\nfrom torch import nn\n")
+    found = imported_by_script(project / "run.py")
+    assert [(m.name, m.source) for m in found] == [
+        ("helpers", project / "helpers"), ("sgpu_auto_c_consts", project / "sgpu_auto_c_consts.py")]
+    env = EnvironmentOptions(mode="image").capture(script=project / "run.py")
+    assert {"helpers", "sgpu_auto_c_consts"} <= {t.name for t in env.py_modules}
+    assert "sgpu_auto_c_unused" not in {t.name for t in env.py_modules}
+
+
+def test_a_rank_that_cannot_import_a_module_names_it_and_where_the_driver_has_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect_sgpu import payload
+    from prefect_sgpu.errors import PayloadImportError
+
+    project = _sibling_project(tmp_path / "proj", "sgpu_auto_d_")
+    monkeypatch.syspath_prepend(str(project))
+    import importlib
+
+    lib = importlib.import_module("sgpu_auto_d_lib")
+    body = payload.build(payload.FunctionCall(print, (lib.scale,)))  # the argument travels by reference
+    # a rank without the module: the payload names it and the driver, reading it back, says where it is
+    code = ("import pickle, sys; from prefect_sgpu import payload\n"
+            "try:\n    payload.load(sys.stdin.buffer.read())\n"
+            "except Exception as exc:\n    sys.stdout.buffer.write(pickle.dumps(exc))\n")
+    out = subprocess.run([sys.executable, "-c", code], input=body, capture_output=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    exc = pickle.loads(out.stdout)
+    assert isinstance(exc, PayloadImportError) and isinstance(exc, ModuleNotFoundError)
+    assert exc.module == "sgpu_auto_d_lib" and exc.driver_source == str(project / "sgpu_auto_d_lib"), exc
+    text = str(exc)
+    assert "sgpu_auto_d_lib" in text and str(project / "sgpu_auto_d_lib") in text and "py_modules" in text, text

@@ -256,6 +256,6 @@ def run_script(
         raise SGPUConfigError("path", str(path), "an existing Python file (*.py)")
     call_layer = spec_mod.layer("call", **given)
     resolved, resolved_store = resolve(spec_mod.build(call_layer), compute, store)
-    spec = spec_mod.for_compute(resolved, call_layer)
+    spec = spec_mod.for_compute(resolved, call_layer, script=str(script.resolve()))
     call = payload_mod.ScriptCall(str(script.resolve()), script.read_bytes(), [str(a) for a in args])
     return run_job(Job(call, spec, resolved, resolved_store))

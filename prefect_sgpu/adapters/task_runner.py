@@ -165,7 +165,8 @@ def run_gpu_call(call: "payload_mod.FunctionCall | payload_mod.ScriptCall", laye
     runner = _current_runner()
     spec = task_spec(layer, runner)
     compute, store = runner.compute_and_store(spec) if runner else resolve(spec)
-    spec = spec_mod.for_compute(compute, layer, runner.layer if runner else None)
+    script = call.path if isinstance(call, payload_mod.ScriptCall) else None
+    spec = spec_mod.for_compute(compute, layer, runner.layer if runner else None, script=script)
     checkpoint = _checkpoint_dir(store, spec.env, digest)
     if checkpoint:
         spec = spec.replace(env={**spec.env, **checkpoint})
