@@ -479,3 +479,57 @@ def test_a_failing_environment_build_ends_the_job_with_its_output_not_at_the_tim
     for inst in bare.instances(job.run_id):
         assert bare.simulator.shutdowns(inst["InstanceId"]), "the user-data powered the instance off"
     assert bare.leftovers(job.run_id) == []
+
+
+@pytest.fixture
+def sibling_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user's project run from its own folder: ``user_train.py`` imports a package ``mylib`` beside it at
+    its top, so a rank needs ``mylib`` while it loads the payload, before the function runs."""
+    root = tmp_path / "sibling-project"
+    (root / "sgpu_sib_mylib").mkdir(parents=True)
+    (root / "sgpu_sib_mylib" / "__init__.py").write_text("from .ops import double\n")
+    (root / "sgpu_sib_mylib" / "ops.py").write_text("def double(x):\n    return 2 * x\n")
+    (root / "sgpu_sib_user_train.py").write_text(textwrap.dedent("""
+        import sgpu_sib_mylib
+
+        def train(x):
+            from prefect_sgpu import runtime
+
+            return {"rank": runtime.rank(), "value": sgpu_sib_mylib.double(x), "mylib": sgpu_sib_mylib.__file__}
+    """))
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root))
+    for name in ("sgpu_sib_user_train", "sgpu_sib_mylib", "sgpu_sib_mylib.ops"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return root
+
+
+@pytest.mark.e2e
+def test_a_sibling_package_of_the_users_project_reaches_bare_nodes_without_naming_it(
+        bare: EC2Env, sibling_project: Path) -> None:
+    import importlib
+
+    from prefect_sgpu.errors import PayloadImportError
+
+    train = importlib.import_module("sgpu_sib_user_train").train
+    compute = bare.compute(agent_timeout_s=600.0)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=600)(train)
+    job = fn.job(21)
+    shipped = {t.name for t in job.spec.environment.py_modules}
+    assert {"sgpu_sib_mylib", "sgpu_sib_user_train"} <= shipped, shipped
+    result = job.run()
+    assert [v["rank"] for v in result.values] == [0, 1]
+    assert [v["value"] for v in result.values] == [42, 42]
+    for value in result.values:  # laid out from the store on the node, not read from this folder
+        assert Path(value["mylib"]).is_relative_to(bare.simulator.env_root), value
+    assert bare.leftovers(job.run_id) == []
+
+    # the same nodes' environment without the user's modules: the ranks name what is missing and where it is
+    off = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=600,
+                      environment={"auto_modules": False})(train).job(21)
+    with pytest.raises(PayloadImportError) as info:
+        off.run()
+    text = str(info.value)
+    assert "sgpu_sib_mylib" in text and str(sibling_project / "sgpu_sib_mylib") in text, text
+    assert "auto_modules" in text and "py_modules" in text, text
+    assert bare.leftovers(off.run_id) == []

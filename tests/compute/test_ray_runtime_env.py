@@ -125,20 +125,25 @@ def test_the_dry_run_shows_the_runtime_env_a_job_would_get(project: Path, wheels
 # -- a real cluster --------------------------------------------------------------------------------
 
 
-def run_on_ray(kind: str, project: Path, wheels: Path, image: Path) -> list[dict]:
+def run_on_ray(kind: str, project: Path, wheels: Path, image: Path, *extra: str) -> list[dict]:
     """``support/ray_env_job.py`` with the image Python (a cluster's Python with Ray in its own
     site-packages: Ray's pip would copy this checkout's whole virtualenv for every environment)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([str(image_python(image)), str(TESTS / "support" / "ray_env_job.py"), str(project),
-                           str(wheels), kind], env=env, capture_output=True, text=True, timeout=480)
+                           str(wheels), kind, *extra], env=env, capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.e2e
-def test_a_working_dir_module_and_an_extra_requirement_reach_ray_train_and_warm_workers(
+def test_a_working_dir_module_and_an_extra_requirement_reach_ray_train_and_warm_workers_and_own_modules_travel(
         project: Path, wheels: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    values = run_on_ray("compute", project, wheels, tmp_path_factory.getbasetemp() / "ray-image")
+    sibling = tmp_path_factory.mktemp("sibling-project")
+    values = run_on_ray("compute", project, wheels, tmp_path_factory.getbasetemp() / "ray-image", str(sibling))
+    # two ranks with no environment= whose function's module imports a package beside it on the driver only
+    values, auto = values[:4], values[4:]
+    assert [v["auto"] for v in auto] == [42, 42], auto
+    assert all(not Path(v["lib"]).is_relative_to(sibling) for v in auto), "the package came through Ray"
     # two ranks of a Ray Train run, then two of a warm worker group (keep_warm)
     assert [v["tag"] for v in values] == ["from-the-project"] * 4, "the project's module on every worker"
     assert [v["value"] for v in values] == [42] * 4, "the wheel installed by Ray's pip on both nodes"

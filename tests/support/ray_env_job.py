@@ -1,7 +1,8 @@
 """One job on each Ray path with ``environment=`` (run by the image Python of ``ray_image.py``).
 
-``python ray_env_job.py PROJECT WHEELS KIND``: KIND ``compute`` runs a two-worker RayCompute job (a Ray
-Train run, then a warm worker group) on a two-node cluster on loopback, ``launch`` a one-node ``@ray_launch`` job whose driver runs a Ray task.
+``python ray_env_job.py PROJECT WHEELS KIND [SIBLING]``: KIND ``compute`` runs a two-worker RayCompute job (a Ray
+Train run, then a warm worker group) on a two-node cluster on loopback, then one with no ``environment=`` whose
+function imports a package of a project folder SIBLING beside it; ``launch`` a one-node ``@ray_launch`` job whose driver runs a Ray task.
 Either way the code on Ray's workers imports ``features`` (a module of PROJECT, the working_dir)
 and ``sgpu_tiny`` (a wheel in WHEELS, the one extra requirement). The last line printed is JSON.
 """
@@ -29,6 +30,23 @@ def launched() -> dict:
     return ray.get(ray.remote(num_cpus=1)(probe).remote())
 
 
+def sibling_train(folder: str):
+    """``train`` of a project run from its own folder, whose module imports a package beside it at its top
+    (neither is on the cluster's path): found on the driver's ``sys.path`` only."""
+    from pathlib import Path
+
+    root = Path(folder)
+    (root / "sgpu_ray_sib_lib").mkdir(parents=True, exist_ok=True)
+    (root / "sgpu_ray_sib_lib" / "__init__.py").write_text("def triple(x):\n    return 3 * x\n")
+    (root / "sgpu_ray_sib_train.py").write_text(
+        "import sgpu_ray_sib_lib\n\n\ndef train():\n"
+        "    return {'auto': sgpu_ray_sib_lib.triple(14), 'lib': sgpu_ray_sib_lib.__file__}\n")
+    sys.path.insert(0, folder)
+    import importlib
+
+    return importlib.import_module("sgpu_ray_sib_train").train
+
+
 def main() -> None:
     project, wheels, kind = sys.argv[1:4]
     os.environ["PIP_NO_INDEX"] = "1"  # the cluster's own pip settings: offline, the wheel from find_links
@@ -42,11 +60,14 @@ def main() -> None:
         with ray_cluster() as address:
             cold = RayCompute(address=address, environment=environment)
             warm = RayCompute(address=address, environment=environment, keep_warm=30)
+            bare = RayCompute(address=address)  # no environment=: the driver's own modules travel
             try:
                 values = distributed(gpus=2, compute=cold, mlflow=False)(probe).distributed()
                 # a warm worker group's actors (their fork servers and the rank processes forked from them)
                 values += distributed(gpus=2, compute=warm, mlflow=False)(probe).distributed()
+                values += distributed(gpus=2, compute=bare, mlflow=False)(sibling_train(sys.argv[4])).distributed()
             finally:
+                bare.close()
                 warm.close()
                 cold.close()
     else:
