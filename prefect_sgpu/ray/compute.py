@@ -185,7 +185,7 @@ class RayTrainCompute(Compute):
         """``keep_warm``: seconds a warm worker group (placement group, one actor per rank with torch
         imported) waits for the next job of the same shape, which then pays only for its function;
         0: every job is a Ray Train run of its own (needed by functions that call Ray Train's API)."""
-        from prefect_sgpu.launch.warm_pool import check_keep_warm
+        from prefect_sgpu.compute.warm_pool import check_keep_warm
 
         self.keep_warm = check_keep_warm("keep_warm", keep_warm, "a Ray Train run per job")
         if not isinstance(address, str) or not address.strip():

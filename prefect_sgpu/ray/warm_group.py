@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect_sgpu.launch.warm_pool import Pooled, WarmPool
+from prefect_sgpu.compute.warm_pool import Pooled, WarmPool
 
 #: what each actor's fork server imports once
 PRELOAD = ["torch", "torch.distributed", "cloudpickle", "prefect_sgpu.payload", "prefect_sgpu.jobfolder",
