@@ -62,7 +62,7 @@ _LAZY = {
     "SGPUStore": "prefect_sgpu.adapters.blocks",
     "SGPUWorker": "prefect_sgpu.adapters.worker",
     "ray_launch": "prefect_sgpu.ray",
-    "release_warm": "prefect_sgpu.launch.warm_pool",
+    "release_warm": "prefect_sgpu.compute.warm_pool",
 }
 
 

@@ -114,7 +114,9 @@ def canonical(uri: str) -> str:
     return uri.rstrip("/") if uri.startswith("s3://") else os.path.abspath(os.path.expanduser(uri))
 
 
-def _derive(secret: str, purpose: bytes, uri: str) -> str:
+def derive(secret: str, purpose: bytes, uri: str) -> str:
+    """An HMAC of ``uri`` (canonical form) under ``secret`` for one ``purpose``: the same secret
+    gives unrelated values for different purposes (other modules derive their own records this way)."""
     return hmac.new(bytes.fromhex(secret), purpose + canonical(uri).encode(), hashlib.sha256).hexdigest()
 
 
@@ -183,7 +185,7 @@ def driver_secret() -> str:
 
 def location_key(uri: str) -> str:
     """The key of location ``uri``, derived from the driver's secret (what the driver hands ranks)."""
-    return _derive(driver_secret(), _LOCATION, uri)
+    return derive(driver_secret(), _LOCATION, uri)
 
 
 def key_for(uri: str, own_uri: str | None) -> str:
@@ -197,9 +199,9 @@ def key_for(uri: str, own_uri: str | None) -> str:
         return own
     secret = read_secret()
     if secret is not None:
-        return _derive(secret, _LOCATION, uri)
+        return derive(secret, _LOCATION, uri)
     if own:  # a rank without the user's secret (a remote node): a key only its own task holds
-        return _derive(own, _SUB_LOCATION, uri)
+        return derive(own, _SUB_LOCATION, uri)
     return location_key(uri)
 
 

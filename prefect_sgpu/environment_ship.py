@@ -320,8 +320,8 @@ def pack_records_key(store: "Store", environment: "Environment", create: bool = 
     secret = checkpoint_manifest.driver_secret() if create else checkpoint_manifest.read_secret()
     if secret is None:
         return None
-    return checkpoint_manifest._derive(secret, _RECORD_PURPOSE,
-                                       f"{store.root_uri}/{STORE_FOLDER}/{packages_folder(environment)}")
+    return checkpoint_manifest.derive(secret, _RECORD_PURPOSE,
+                                      f"{store.root_uri}/{STORE_FOLDER}/{packages_folder(environment)}")
 
 
 def _pack_body(raw: bytes, environment: "Environment") -> dict[str, Any]:

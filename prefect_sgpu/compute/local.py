@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand, NodeExited,
                                        NodeLost, NodeUp, Released, Request, node_base_environment)
 from prefect_sgpu.compute import leases
-from prefect_sgpu.launch import agent_template
-from prefect_sgpu.launch.warm_pool import AGENT_MODULE, POOL, WarmSet, check_keep_warm, start_set, warm_node_argv
+from prefect_sgpu.compute import agent_template
+from prefect_sgpu.compute.warm_pool import POOL, WarmSet, check_keep_warm, start_set
+from prefect_sgpu.procs.warm_channel import AGENT_MODULE, warm_node_argv
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
-from prefect_sgpu.launch.processes import kill_and_reap
+from prefect_sgpu.procs.processes import kill_and_reap
 from prefect_sgpu.spec import JobSpec, Plan, plan_local
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ class LocalProcessCompute(Compute):
         ``PREFECT_SGPU_KEEP_WARM`` environment variable, else 120; 0: every job starts cold.
 
         ``agent_start``: how a cold job's node agents start. ``fork``: forked from this process's
-        agent template, which imported torch once (:mod:`~prefect_sgpu.launch.agent_template`);
+        agent template, which imported torch once (:mod:`~prefect_sgpu.compute.agent_template`);
         ``exec``: each a new interpreter; None: the ``PREFECT_SGPU_AGENT_START`` environment
         variable, else ``fork``."""
         if isolation not in ("auto", "namespaces", "none"):

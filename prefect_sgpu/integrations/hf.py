@@ -47,12 +47,21 @@ from transformers import TrainerCallback
 from prefect_sgpu import runtime
 from prefect_sgpu.checkpoints import step_dir_name
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.pipeline.checkpoint import SealedSteps, _barrier
+from prefect_sgpu.pipeline.checkpoint import SealedSteps
 
 __all__ = ["SGPUCallback"]
 
 #: how ``transformers.Trainer`` names the checkpoint of step N in its ``output_dir``
 TRAINER_FOLDER = "checkpoint-{step}"
+
+
+def _barrier() -> None:
+    """Every rank waits here until all have written their part of a checkpoint (nothing to wait
+    for outside a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 class SGPUCallback(TrainerCallback):  # type: ignore[misc]

@@ -25,8 +25,8 @@ from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.jobfolder import Assign, agent_output_key
-from prefect_sgpu.launch.processes import kill_and_reap
-from prefect_sgpu.launch.processes import node_log as _log
+from prefect_sgpu.procs.processes import kill_and_reap
+from prefect_sgpu.procs.processes import node_log as _log
 
 #: seconds a job waits for the lease's warm node to finish preloading before its agent starts cold
 WARM_PRELOAD_WAIT_S = 30.0
@@ -48,7 +48,7 @@ class LeaseServing:
         """Jobs one after another, each as the lease assigns it; between them, wait in the lease's folder."""
         import psutil
 
-        from prefect_sgpu.launch.processes import become_subreaper
+        from prefect_sgpu.procs.processes import become_subreaper
 
         assert self.lease_id is not None and self.key is not None
         become_subreaper()
@@ -100,7 +100,7 @@ class LeaseServing:
 
     def start_warm_node(self) -> None:
         """The lease's warm node: it preloads while the node waits for its first assignment."""
-        from prefect_sgpu.launch.warm_pool import WarmNodeProcess, warm_node_argv
+        from prefect_sgpu.procs.warm_channel import WarmNodeProcess, warm_node_argv
 
         private = private_shm_argv()
         argv = private + warm_node_argv(self.index, LEASE_SHM_SIZE if private else "")
@@ -113,7 +113,7 @@ class LeaseServing:
     def fork_agent(self, argv: list[str], env: dict[str, str]) -> "ForkedAgent | None":
         """The job's node agent forked from the warm node, when there is one, it has preloaded and
         the argv is the node agent's; else None (the caller starts the agent cold)."""
-        from prefect_sgpu.launch.warm_pool import AGENT_MODULE
+        from prefect_sgpu.procs.warm_channel import AGENT_MODULE
 
         warm = self.warm
         if warm is None or argv[1:3] != ["-m", AGENT_MODULE]:
@@ -187,7 +187,7 @@ def private_shm_command(argv: list[str]) -> list[str]:
     that starts cold on a lease (no warm node to fork it from). The namespace, and the tmpfs
     with everything the job put in it, go when the job's last process does. Unchanged without
     root or ``unshare``, or for a command other than the node agent."""
-    from prefect_sgpu.launch.warm_pool import AGENT_MODULE
+    from prefect_sgpu.procs.warm_channel import AGENT_MODULE
 
     prefix = private_shm_argv()
     if not prefix or argv[1:3] != ["-m", AGENT_MODULE]:

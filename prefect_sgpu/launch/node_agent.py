@@ -37,21 +37,24 @@ if TYPE_CHECKING:
     from prefect_sgpu.jobfolder import JobFolder
 
 
-class _Stop(Exception):
-    """Raised in the main thread by our SIGTERM handler before torch installs its own."""
+class StopNode(Exception):
+    """Raised in the main thread by the early signal handler (:func:`install_early_signal_handlers`),
+    before torch installs its own; other node programs (the Ray node) catch it to stop the same way."""
 
 
-def _install_early_signal_handlers() -> None:
-    # As PID 1 of a namespace, signals without a handler are ignored: install one so
-    # a stop during rendezvous is honoured. torch elastic replaces it once ranks run.
+def install_early_signal_handlers() -> None:
+    """SIGTERM, SIGINT and SIGHUP raise :class:`StopNode` in the main thread.
+
+    As PID 1 of a namespace, signals without a handler are ignored: this installs one so a stop
+    during rendezvous is honoured. torch elastic replaces it once ranks run."""
     def handler(signum: int, _frame: Any) -> None:
-        raise _Stop(signum)
+        raise StopNode(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, handler)
 
 
-def _watch_heartbeat(folder: "JobFolder", ttl: float, why: dict[str, str]) -> None:
+def watch_heartbeat(folder: "JobFolder", ttl: float, why: dict[str, str]) -> None:
     """Stop this node when the driver's heartbeat has not advanced for ``ttl`` seconds (the reason
     goes into ``why`` for the node's status: the driver names it instead of the ranks' collateral errors).
 
@@ -240,7 +243,7 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
     why: dict[str, str] = {}  # set by a watchdog that stopped this node
     if args.heartbeat_ttl > 0:
         threading.Thread(
-            target=_watch_heartbeat, args=(folder, args.heartbeat_ttl, why), daemon=True
+            target=watch_heartbeat, args=(folder, args.heartbeat_ttl, why), daemon=True
         ).start()
 
     hung: dict[str, dict[str, Any]] = {}
@@ -305,7 +308,7 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
                 "signal": failure.signal_name() if failure.exitcode < 0 else None,
                 "local_rank": failure.local_rank,
             }
-    except (_Stop, SignalException, KeyboardInterrupt) as exc:
+    except (StopNode, SignalException, KeyboardInterrupt) as exc:
         status.update(exit_code=143, stopped=f"signal {exc}")
     except Exception as exc:  # noqa: BLE001 - rendezvous or agent errors end the node
         status.update(exit_code=2, error=f"{type(exc).__name__}: {exc}")
@@ -328,11 +331,11 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
 def node_main(parse: Callable[[list[str] | None], argparse.Namespace],
               body: Callable[[argparse.Namespace], int], argv: list[str] | None) -> int:
     """A node process's entry point: stop signals honoured from the first instruction, 143 on a stop."""
-    _install_early_signal_handlers()
+    install_early_signal_handlers()
     args = parse(argv)
     try:
         return body(args)
-    except _Stop:
+    except StopNode:
         return 143
 
 

@@ -98,7 +98,7 @@ class WarmNode:
         with self.children:
             pid = os.fork()
             if pid == 0:  # the job's node agent
-                _agent(message, self.proto.fileno())
+                run_agent(message, self.proto.fileno())
             self.agent = pid
             self.children.notify_all()
         self.say(started=pid)
@@ -187,8 +187,8 @@ def _empty(folder: str) -> None:
             pass
 
 
-def _agent(message: dict[str, Any], proto_fd: int, forked: bool = True, namespaces: bool = False,
-           title: bool = False) -> None:
+def run_agent(message: dict[str, Any], proto_fd: int, forked: bool = True, namespaces: bool = False,
+              title: bool = False) -> None:
     """In the forked child: become the job's node agent, then leave without this process's teardown.
 
     ``forked``: its ranks are always forked (a warm node's agent); else they start as the job
@@ -231,7 +231,7 @@ def _agent(message: dict[str, Any], proto_fd: int, forked: bool = True, namespac
         os.chdir(message["cwd"])
         from prefect_sgpu.launch import node_agent
 
-        node_agent._install_early_signal_handlers()
+        node_agent.install_early_signal_handlers()
         code = node_agent.node_main(node_agent.parse_args,
                                     lambda args: node_agent.run(args, forked=forked), message["argv"])
     except BaseException:  # noqa: BLE001 - whatever happens, the child must not return into the warm node
@@ -303,7 +303,10 @@ def _enter_namespaces(outer_title: str | None) -> None:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
-def _preload() -> list[str]:
+def preload() -> list[str]:
+    """Import the modules of ``PRELOAD`` (a missing optional one is said on stderr) and freeze the
+    collector, so that forked agents share those pages; returns the modules imported. The warm
+    node and the agent template both preload this way."""
     loaded = []
     for name in PRELOAD:
         try:
@@ -329,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shm_size:
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={args.shm_size}", "tmpfs", "/dev/shm"], check=True)
     if os.getpid() != 1:  # without a PID namespace, orphans of a job still come back to this process
-        from prefect_sgpu.launch.processes import become_subreaper
+        from prefect_sgpu.procs.processes import become_subreaper
 
         become_subreaper()
     node = WarmNode(proto, shm=bool(args.shm_size))
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    loaded = _preload()
+    loaded = preload()
     threading.Thread(target=node.reap, name="reaper", daemon=True).start()
     node.say(ready=os.getpid(), preloaded=loaded, node=args.node_index)
     for line in sys.stdin.buffer:

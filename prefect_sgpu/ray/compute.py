@@ -29,6 +29,7 @@ from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event
                                        NodeExited, NodeLost, NodeUp, Released, Request)
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, SGPUConfigError
 from prefect_sgpu.jobfolder import HungRank, NodeStatus
+from prefect_sgpu.ray.placement import alive_node_resources, ask_autoscaler, fits, scaling_options
 from prefect_sgpu.spec import JobSpec, Plan
 
 if TYPE_CHECKING:
@@ -46,57 +47,8 @@ CANCEL_GRACE_S = 30.0
 HANG_CHECK_INTERVAL_S = 1.0
 TRAINER = "ray.train.torch.TorchTrainer"
 
-#: Ray's accelerator_type names for the catalog's GPU types (``accelerator_type:<name>`` resources)
-RAY_ACCELERATOR_NAMES = {"A10": ("A10G", "A10"), "A100-80GB": ("A100-80G", "A100"), "L40S": ("L40S", "L40")}
-
 #: process-group backends a RayTrainCompute may pin (None: Ray Train's choice, nccl on GPU, gloo on CPU)
 BACKENDS = ("nccl", "gloo")
-
-
-def placement_strategy(nodes: int | None) -> str:
-    """One node: STRICT_PACK, several: SPREAD, unset: PACK (Ray's choice of nodes)."""
-    if nodes is None:
-        return "PACK"
-    return "STRICT_PACK" if nodes == 1 else "SPREAD"
-
-
-def scaling_options(spec: JobSpec, plan: Plan, cluster: dict[str, float] | None,
-                    extra: dict[str, float] | None = None) -> dict[str, Any]:
-    """``ScalingConfig`` arguments for a job on a cluster with ``cluster`` resources.
-
-    ``cluster=None`` (planning, nothing connected yet) gives the intent: GPU workers
-    when the job names a GPU type. With the cluster's resources, GPUs are used only
-    when it has some, and the accelerator type is pinned when it advertises it.
-    ``extra`` is merged into every worker's resources (``{"CPU": 4}`` for data loading).
-    """
-    use_gpu = spec.gpu_type is not None and (cluster is None or cluster.get("GPU", 0) > 0)
-    options: dict[str, Any] = {
-        "num_workers": plan.world_size,
-        "use_gpu": use_gpu,
-        "resources_per_worker": {**({"GPU": 1} if use_gpu else {"CPU": 1}), **(extra or {})},
-        "placement_strategy": placement_strategy(spec.nodes),
-    }
-    if use_gpu and cluster is not None:
-        assert spec.gpu_type is not None
-        for name in RAY_ACCELERATOR_NAMES.get(spec.gpu_type, (spec.gpu_type,)):
-            if cluster.get(f"accelerator_type:{name}", 0) > 0:
-                options["accelerator_type"] = name
-                break
-    return options
-
-
-def fits(scaling: dict[str, Any], nodes: list[dict[str, float]]) -> bool:
-    """Can nodes with these resources hold every worker's bundle (STRICT_PACK: all on one node)?"""
-    bundle = dict(scaling["resources_per_worker"])
-    if "accelerator_type" in scaling:
-        bundle[f"accelerator_type:{scaling['accelerator_type']}"] = 0.001  # as Ray Train asks for it
-    per_node = []
-    for resources in nodes:
-        counts = [int(resources.get(name, 0.0) // amount) for name, amount in bundle.items() if amount > 0]
-        per_node.append(min(counts) if counts else scaling["num_workers"])
-    if scaling["placement_strategy"] == "STRICT_PACK":
-        return max(per_node, default=0) >= scaling["num_workers"]
-    return sum(per_node) >= scaling["num_workers"]
 
 
 def _fit(config: dict[str, Any], scaling: dict[str, Any], name: str, max_failures: int,
@@ -185,7 +137,7 @@ class RayTrainCompute(Compute):
         """``keep_warm``: seconds a warm worker group (placement group, one actor per rank with torch
         imported) waits for the next job of the same shape, which then pays only for its function;
         0: every job is a Ray Train run of its own (needed by functions that call Ray Train's API)."""
-        from prefect_sgpu.launch.warm_pool import check_keep_warm
+        from prefect_sgpu.compute.warm_pool import check_keep_warm
 
         self.keep_warm = check_keep_warm("keep_warm", keep_warm, "a Ray Train run per job")
         if not isinstance(address, str) or not address.strip():
@@ -307,19 +259,19 @@ class RayTrainCompute(Compute):
                            self.address, plan.world_size)
         asked = False
         try:
-            while not fits(scaling, _alive_node_resources()):
+            while not fits(scaling, alive_node_resources()):
                 if not asked:
                     asked = True
                     logger.warning("job %s: the Ray cluster at %s cannot hold %d worker(s) of %s yet; waiting",
                                    request.run_id, self.address, plan.world_size, scaling["resources_per_worker"])
-                    _ask_autoscaler(scaling)
+                    ask_autoscaler(scaling)
                 if cancel.wait(ACQUIRE_INTERVAL_S):
                     raise JobCancelled(f"job {request.run_id} was cancelled while waiting for Ray resources")
                 if time.monotonic() > deadline:
                     raise LaunchTimeout(request.run_id, spec.timeout, phase="acquire")
         finally:
             if asked:
-                _ask_autoscaler(None)
+                ask_autoscaler(None)
         if cancel.is_set():
             raise JobCancelled(f"job {request.run_id} was cancelled")
         from prefect_sgpu.ray.runtime_env import uploaded
@@ -596,22 +548,3 @@ def _append_log(allocation: RayAllocation, rank: int, data: bytes) -> None:
     written = allocation.logs.setdefault(rank, bytearray())
     written += data
     store.put(run_id, key, bytes(written))
-
-
-def _alive_node_resources() -> list[dict[str, float]]:
-    import ray
-
-    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
-
-
-def _ask_autoscaler(scaling: dict[str, Any] | None) -> None:
-    """Ask an autoscaler for the workers' bundles (None: withdraw); a no-op on fixed clusters."""
-    try:
-        from ray.autoscaler.sdk import request_resources
-
-        if scaling is None:
-            request_resources(bundles=[])
-        else:
-            request_resources(bundles=[dict(scaling["resources_per_worker"])] * scaling["num_workers"])
-    except Exception:  # noqa: BLE001 - a client connection or an old Ray without the call: just wait
-        logger.debug("could not ask the Ray autoscaler for resources", exc_info=True)

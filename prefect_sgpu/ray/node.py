@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect_sgpu.launch.node_agent import _Stop, _watch_heartbeat, job_folder, node_main
+from prefect_sgpu.launch.node_agent import StopNode, watch_heartbeat, job_folder, node_main
 from prefect_sgpu.ray.node_process import RAY_ENV, RayNodeProcess, RayNodeSpec, head_env, ray_ip
 from prefect_sgpu.ray.token_auth import installed_ray_version, require_token_auth
 
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         # and a /proc that shows this namespace's pids (Ray looks its own processes up there)
         subprocess.run(["mount", "-t", "proc", "proc", "/proc"], check=True)
     if args.heartbeat_ttl > 0:
-        threading.Thread(target=_watch_heartbeat, args=(folder, args.heartbeat_ttl),
+        threading.Thread(target=watch_heartbeat, args=(folder, args.heartbeat_ttl),
                          daemon=True).start()
     marks = job_dir / "ray"
     marks.mkdir(parents=True, exist_ok=True)
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             code = _run_worker(args, node, marks)
         status["exit_code"] = code
-    except _Stop as exc:
+    except StopNode as exc:
         status.update(exit_code=143, stopped=f"signal {exc}")
     except Exception as exc:  # noqa: BLE001 - a node that cannot start or join ends the job
         status.update(exit_code=2, error=f"{type(exc).__name__}: {exc}")

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable
 
-from prefect_sgpu.launch.processes import kill_and_reap
+from prefect_sgpu.procs.processes import kill_and_reap
 
 #: what ``ray start`` prints once the node has registered with the GCS
 READY_LINE = "Ray runtime started"

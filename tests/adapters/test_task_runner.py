@@ -245,7 +245,7 @@ def test_a_flows_gpu_tasks_share_warm_nodes_until_the_flow_ends(prefect_server: 
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Three GPU tasks of one flow: the first starts the warm nodes, the next two start on them with
     torch already imported (fresh rank processes each time); when the flow ends, the nodes are gone."""
-    from prefect_sgpu.launch.warm_pool import POOL
+    from prefect_sgpu.compute.warm_pool import POOL
     from support.processes import warm_node_pids
 
     monkeypatch.setenv("PREFECT_SGPU_KEEP_WARM", "600")  # only the flow's end may close them

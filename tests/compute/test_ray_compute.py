@@ -15,7 +15,8 @@ import pytest
 from support.ray_cluster import job_leftovers
 from prefect_sgpu import RankFailedError, distributed, runtime
 from prefect_sgpu.compute.base import Released
-from prefect_sgpu.ray.compute import RayAllocation, RayRequest, RayTrainCompute, fits, scaling_options
+from prefect_sgpu.ray.compute import RayAllocation, RayRequest, RayTrainCompute
+from prefect_sgpu.ray.placement import fits, scaling_options
 from prefect_sgpu.ray import RayCompute
 from prefect_sgpu.spec import JobSpec
 from support.threads import run_in_thread

@@ -15,7 +15,7 @@ import pytest
 
 from prefect_sgpu import LaunchTimeout, distributed, runtime
 from prefect_sgpu.compute.local import LocalProcessCompute
-from prefect_sgpu.launch.warm_pool import POOL
+from prefect_sgpu.compute.warm_pool import POOL
 from prefect_sgpu.errors import SGPUConfigError
 from support.conformance import warm_node_descendants
 from support.processes import warm_node_pids

@@ -14,7 +14,7 @@ from support.processes import job_processes
 from prefect_sgpu import distributed, runtime
 from prefect_sgpu.compute.local import LocalProcessCompute
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.launch import agent_template
+from prefect_sgpu.compute import agent_template
 
 
 def _lineage() -> dict[str, object]:

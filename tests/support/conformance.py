@@ -114,7 +114,7 @@ def warm_node_descendants() -> list[str]:
     """Processes below this driver's idle warm nodes: what a finished job left on a warm node."""
     import psutil
 
-    from prefect_sgpu.launch.warm_pool import POOL
+    from prefect_sgpu.compute.warm_pool import POOL
 
     found = []
     for warm in POOL.idle():

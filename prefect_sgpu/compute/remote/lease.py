@@ -4,7 +4,7 @@ A cold EC2 job pays for its instances' boot (minutes on a GPU AMI) and terminate
 it ends. With ``keep_warm`` the compute instead launches the instances for a *lease*: their
 user-data names the lease's id (``--lease``), and their bootstrap serves one job after
 another (:meth:`prefect_sgpu.launch.bootstrap.NodeBootstrap.serve_lease`). Between jobs the
-lease waits in this process's warm pool (:mod:`prefect_sgpu.launch.warm_pool`), so consecutive
+lease waits in this process's warm pool (:mod:`prefect_sgpu.compute.warm_pool`), so consecutive
 GPU tasks of a flow and repeated ``.distributed()`` calls of one driver pay the boot once.
 
 **Trust stays per job.** The lease has a folder and a key of its own (an SSM SecureString
@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from prefect_sgpu.launch.warm_pool import Pooled
+from prefect_sgpu.compute.warm_pool import Pooled
 from prefect_sgpu.jobfolder import Assign, alive_key, notice_key
 
 if TYPE_CHECKING:

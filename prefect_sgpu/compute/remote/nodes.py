@@ -31,7 +31,7 @@ from prefect_sgpu.compute.remote.provider import Machine, Provider
 from prefect_sgpu.errors import EnvironmentMismatch, JobCancelled, LaunchTimeout, ProvisioningError
 from prefect_sgpu.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
                                     ssm_secrets_parameter, status_key)
-from prefect_sgpu.launch.warm_pool import POOL, check_keep_warm
+from prefect_sgpu.compute.warm_pool import POOL, check_keep_warm
 from prefect_sgpu.versions import differences, runtime_versions
 
 if TYPE_CHECKING:

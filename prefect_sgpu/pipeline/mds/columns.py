@@ -88,7 +88,7 @@ def infer_columns(rows: list[dict[str, Any]]) -> dict[str, str]:
     names = list(rows[0])
     kinds: dict[str, str] = {}
     for i, row in enumerate(rows):
-        _check_row_columns(row, i, names)
+        check_row_columns(row, i, names)
         for name in names:
             value = row[name]
             kind = kind_of(value)
@@ -111,7 +111,8 @@ def infer_columns(rows: list[dict[str, Any]]) -> dict[str, str]:
     return {name: ENCODING_OF_KIND[kinds[name]] for name in names}
 
 
-def _check_row_columns(row: dict[str, Any], i: int, names: list[str]) -> None:
+def check_row_columns(row: dict[str, Any], i: int, names: list[str]) -> None:
+    """Row ``i`` has exactly the columns ``names`` (the writer checks every row before encoding it)."""
     if len(row) != len(names) or any(name not in row for name in names):
         missing = [n for n in names if n not in row]
         extra = [n for n in row if n not in names]
@@ -129,7 +130,7 @@ def _check_ndarray(name: str, i: int, value: Any) -> None:
                          f"its dtype is {value.dtype.name}; convert it with .astype()")
 
 
-def _check_value(name: str, encoding: str, i: int, value: Any) -> None:
+def check_value(name: str, encoding: str, i: int, value: Any) -> None:
     """An inferred column must keep its type in every row (not only the first ones)."""
     kind = kind_of(value)
     if kind not in _ACCEPTS[encoding]:
@@ -140,7 +141,7 @@ def _check_value(name: str, encoding: str, i: int, value: Any) -> None:
         _check_ndarray(name, i, value)
 
 
-def _encoding_error(row: dict[str, Any], i: int, columns: dict[str, str], exc: Exception) -> SGPUConfigError:
+def encoding_error(row: dict[str, Any], i: int, columns: dict[str, str], exc: Exception) -> SGPUConfigError:
     """Find which column of a row MDSWriter could not encode."""
     from streaming.base.format.mds.encodings import mds_encode
 

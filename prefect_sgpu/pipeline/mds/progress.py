@@ -20,7 +20,7 @@ ARTIFACT_AFTER_S = 2.0
 ARTIFACT_EVERY_S = 2.0
 
 
-class _Progress:
+class ConversionProgress:
     """A rich progress bar in the terminal and, inside a Prefect task run, a progress artifact."""
 
     def __init__(self, enabled: bool, total: int | None, label: str) -> None:

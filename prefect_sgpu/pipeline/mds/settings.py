@@ -14,10 +14,10 @@ from typing import Any
 
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.pipeline import sources
-from prefect_sgpu.pipeline.mds.storage import _FORMAT_VERSION
+from prefect_sgpu.pipeline.mds.storage import FORMAT_VERSION
 
 
-def _check_settings(columns: dict[str, str] | None, compression: str | None,
+def check_settings(columns: dict[str, str] | None, compression: str | None,
                     size_limit: int | str | None) -> int | None:
     """Validate settings before any row is read; return the size limit in bytes."""
     from streaming.base.compression import get_compressions
@@ -45,11 +45,13 @@ def _check_settings(columns: dict[str, str] | None, compression: str | None,
     return limit
 
 
-def _settings_fingerprint(source_fp: str | None, columns: dict[str, str] | None, compression: str | None,
+def settings_fingerprint(source_fp: str | None, columns: dict[str, str] | None, compression: str | None,
                           size_limit: int | None) -> str | None:
+    """What a finished shard set records of its source and settings, so that a rerun with the same
+    ones skips the conversion; None when the source has no fingerprint."""
     if source_fp is None:
         return None
-    settings = {"format": _FORMAT_VERSION, "source": source_fp, "columns": columns,
+    settings = {"format": FORMAT_VERSION, "source": source_fp, "columns": columns,
                 "compression": compression, "size_limit": size_limit}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
@@ -57,5 +59,5 @@ def _settings_fingerprint(source_fp: str | None, columns: dict[str, str] | None,
 def set_fingerprint(source: Any, *, columns: dict[str, str] | None = None, compression: str | None = "zstd",
                     size_limit: int | str | None = "64mb") -> str | None:
     """The fingerprint a shard set of ``source`` with these settings gets (None: not hashable)."""
-    limit = _check_settings(columns, compression, size_limit)
-    return _settings_fingerprint(sources.fingerprint(source), columns, compression, limit)
+    limit = check_settings(columns, compression, size_limit)
+    return settings_fingerprint(sources.fingerprint(source), columns, compression, limit)

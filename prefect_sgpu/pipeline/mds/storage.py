@@ -21,10 +21,10 @@ from prefect_sgpu.pipeline.mds.shard_set import ShardSet
 MARKER = ".sgpu-complete.json"
 INDEX = "index.json"
 #: part of every fingerprint and marker: bump it and no set written before is reused
-_FORMAT_VERSION = 1
+FORMAT_VERSION = 1
 
 
-def _is_s3(output: str) -> bool:
+def is_s3(output: str) -> bool:
     return output.startswith("s3://")
 
 
@@ -34,7 +34,7 @@ def _shard_set_file(name: str) -> bool:
             or name.endswith(".tmp"))
 
 
-def _read_marker_local(out: Path) -> dict[str, Any] | None:
+def read_marker_local(out: Path) -> dict[str, Any] | None:
     try:
         if not (out / INDEX).is_file():
             return None
@@ -43,34 +43,34 @@ def _read_marker_local(out: Path) -> dict[str, Any] | None:
         return None
 
 
-def _check_replaceable(names: list[str], output: str) -> None:
+def check_replaceable(names: list[str], output: str) -> None:
     foreign = sorted(n for n in names if not _shard_set_file(n))
     if foreign:
         raise SGPUConfigError("output", output, "an empty or new folder, or a shard set written by write_mds",
                               f"it holds other files ({', '.join(foreign[:5])}); nothing was deleted")
 
 
-def _s3_client() -> Any:
+def s3_client() -> Any:
     from prefect_sgpu import aws
 
     return aws.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
 
 
-def _split_s3(uri: str) -> tuple[str, str]:
+def split_s3(uri: str) -> tuple[str, str]:
     bucket, _, prefix = uri[len("s3://"):].partition("/")
     if not bucket or not prefix.strip("/"):
         raise SGPUConfigError("output", uri, "s3://BUCKET/PREFIX (a prefix of its own, not a bucket root)")
     return bucket, prefix.strip("/")
 
 
-def _s3_keys(client: Any, bucket: str, prefix: str) -> list[str]:
+def s3_keys(client: Any, bucket: str, prefix: str) -> list[str]:
     keys: list[str] = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
         keys += [obj["Key"] for obj in page.get("Contents", [])]
     return keys
 
 
-def _read_marker_s3(client: Any, bucket: str, prefix: str) -> dict[str, Any] | None:
+def read_marker_s3(client: Any, bucket: str, prefix: str) -> dict[str, Any] | None:
     from botocore.exceptions import ClientError
 
     try:
@@ -81,7 +81,7 @@ def _read_marker_s3(client: Any, bucket: str, prefix: str) -> dict[str, Any] | N
         return None
 
 
-def _delete_s3(client: Any, bucket: str, keys: list[str]) -> None:
+def delete_s3(client: Any, bucket: str, keys: list[str]) -> None:
     # marker and index first: from the first call on, the set no longer looks complete
     ordered = sorted(keys, key=lambda k: (not k.endswith(MARKER), not k.endswith(INDEX)))
     for key in ordered[:2]:
@@ -91,22 +91,22 @@ def _delete_s3(client: Any, bucket: str, keys: list[str]) -> None:
         client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
 
 
-def _marker_text(shard_set: ShardSet, source_fp: str | None) -> str:
+def marker_text(shard_set: ShardSet, source_fp: str | None) -> str:
     doc = {**shard_set.model_dump(exclude={"uri"}), "source_fingerprint": source_fp,
-           "format": _FORMAT_VERSION, "completed_at": time.time()}
+           "format": FORMAT_VERSION, "completed_at": time.time()}
     return json.dumps(doc, indent=1, sort_keys=True)
 
 
 def read_shard_set(uri: str | os.PathLike[str]) -> ShardSet | None:
     """The :class:`ShardSet` of a complete set at ``uri`` (a folder or ``s3://``), else None."""
     uri = str(uri)
-    if _is_s3(uri):
-        bucket, prefix = _split_s3(uri)
-        found = _read_marker_s3(_s3_client(), bucket, prefix)
+    if is_s3(uri):
+        bucket, prefix = split_s3(uri)
+        found = read_marker_s3(s3_client(), bucket, prefix)
         uri = f"s3://{bucket}/{prefix}"
     else:
         out = Path(uri).expanduser().absolute()
-        found = _read_marker_local(out)
+        found = read_marker_local(out)
         uri = str(out)
     if not found:
         return None

@@ -19,14 +19,14 @@ from typing import Any, Iterator
 
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.pipeline import sources
-from prefect_sgpu.pipeline.mds.columns import (INFER_ROWS, _check_row_columns, _check_value, _encoding_error,
+from prefect_sgpu.pipeline.mds.columns import (INFER_ROWS, check_row_columns, check_value, encoding_error,
                                                infer_columns)
-from prefect_sgpu.pipeline.mds.progress import _Progress
-from prefect_sgpu.pipeline.mds.settings import _check_settings, _settings_fingerprint
+from prefect_sgpu.pipeline.mds.progress import ConversionProgress
+from prefect_sgpu.pipeline.mds.settings import check_settings, settings_fingerprint
 from prefect_sgpu.pipeline.mds.shard_set import ShardSet
-from prefect_sgpu.pipeline.mds.storage import (MARKER, _check_replaceable, _delete_s3, _is_s3, _marker_text,
-                                               _read_marker_local, _read_marker_s3, _s3_client, _s3_keys,
-                                               _split_s3)
+from prefect_sgpu.pipeline.mds.storage import (MARKER, check_replaceable, delete_s3, is_s3, marker_text,
+                                               read_marker_local, read_marker_s3, s3_client, s3_keys,
+                                               split_s3)
 
 # one logger for the whole package, the one it had before it was split into files
 logger = logging.getLogger("prefect_sgpu.pipeline.mds")
@@ -43,7 +43,7 @@ def _peek(rows: Iterator[dict[str, Any]], n: int) -> list[dict[str, Any]]:
 
 def _write_rows(out: str | tuple[str, str], head: list[dict[str, Any]], rest: Iterator[dict[str, Any]],
                 columns: dict[str, str], check: bool, compression: str | None, size_limit: int | None,
-                progress: _Progress) -> tuple[int, int]:
+                progress: ConversionProgress) -> tuple[int, int]:
     """Write every row with MDSWriter; return (rows, shards). Never finishes a failed set."""
     from streaming import MDSWriter
 
@@ -57,21 +57,21 @@ def _write_rows(out: str | tuple[str, str], head: list[dict[str, Any]], rest: It
         for i, row in enumerate(_chain(head, rest)):
             if check:
                 if len(row) != len(names):
-                    _check_row_columns(row, i, names)
+                    check_row_columns(row, i, names)
                 for name, encoding in columns.items():
                     try:
                         value = row[name]
                     except KeyError:
-                        _check_row_columns(row, i, names)
+                        check_row_columns(row, i, names)
                         raise
                     kind = (type(value), getattr(value, "dtype", None))
                     if checked.get(name) != kind:
-                        _check_value(name, encoding, i, value)
+                        check_value(name, encoding, i, value)
                         checked[name] = kind
             try:
                 writer.write(row)
             except Exception as exc:  # noqa: BLE001 - turned into an error naming column and row
-                raise _encoding_error(row, i, columns, exc) from exc
+                raise encoding_error(row, i, columns, exc) from exc
             count = i + 1
             if count % 256 == 0:
                 progress.advance(count)
@@ -108,30 +108,30 @@ def write_mds(
     column and row, and never leaves a set that looks complete.
     """
     output = str(output)
-    limit = _check_settings(columns, compression, size_limit)
+    limit = check_settings(columns, compression, size_limit)
     source_fp = sources.fingerprint(source)
-    fp = _settings_fingerprint(source_fp, columns, compression, limit)
+    fp = settings_fingerprint(source_fp, columns, compression, limit)
     label = f"{sources.describe(source)} -> {output}"
 
-    if _is_s3(output):
+    if is_s3(output):
         return _write_s3(source, output, source_fp, fp, columns, compression, limit, progress, label)
 
     out = Path(output).expanduser().absolute()
     uri = str(out)
-    found = _read_marker_local(out)
+    found = read_marker_local(out)
     if fp is not None and found and found.get("fingerprint") == fp:
         logger.info("reusing the complete shard set at %s (fingerprint %s)", uri, fp[:12])
         return ShardSet(**{k: found[k] for k in ShardSet.model_fields if k != "uri"}, uri=uri)
     if out.exists():
         if not out.is_dir():
             raise SGPUConfigError("output", uri, "a folder path (a file is there)")
-        _check_replaceable([p.name for p in out.iterdir()], uri)
+        check_replaceable([p.name for p in out.iterdir()], uri)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         shard_set = _convert(source, str(tmp), uri, fp, columns, compression, limit, progress, label)
-        (tmp / MARKER).write_text(_marker_text(shard_set, source_fp))
+        (tmp / MARKER).write_text(marker_text(shard_set, source_fp))
         _move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -147,7 +147,7 @@ def _convert(source: Any, writer_out: str | tuple[str, str], uri: str, fp: str |
     if not head:
         raise SGPUConfigError("source", sources.describe(source), "a source with at least one row")
     resolved = dict(columns) if columns is not None else infer_columns(head)
-    bar = _Progress(progress, total, label)
+    bar = ConversionProgress(progress, total, label)
     ok = False
     count = 0
     try:
@@ -180,28 +180,28 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 def _write_s3(source: Any, uri: str, source_fp: str | None, fp: str | None, columns: dict[str, str] | None, compression: str | None,
               limit: int | None, progress: bool, label: str) -> ShardSet:
     """S3 has no rename: clear the prefix (marker first), write, put the marker last."""
-    bucket, prefix = _split_s3(uri)
+    bucket, prefix = split_s3(uri)
     uri = f"s3://{bucket}/{prefix}"
-    client = _s3_client()
-    found = _read_marker_s3(client, bucket, prefix)
+    client = s3_client()
+    found = read_marker_s3(client, bucket, prefix)
     if fp is not None and found and found.get("fingerprint") == fp:
         logger.info("reusing the complete shard set at %s (fingerprint %s)", uri, fp[:12])
         return ShardSet(**{k: found[k] for k in ShardSet.model_fields if k != "uri"}, uri=uri)
-    keys = _s3_keys(client, bucket, prefix)
-    _check_replaceable([k[len(prefix) + 1:] for k in keys], uri)
+    keys = s3_keys(client, bucket, prefix)
+    check_replaceable([k[len(prefix) + 1:] for k in keys], uri)
     if keys:
-        _delete_s3(client, bucket, keys)
+        delete_s3(client, bucket, keys)
     staging = Path(tempfile.mkdtemp(prefix="sgpu-mds-")) / "shards"
     try:
         shard_set = _convert(source, (str(staging), uri), uri, fp, columns, compression, limit, progress, label)
     except BaseException:
         try:  # leave nothing behind; it could not look complete anyway (no index, no marker)
-            _delete_s3(client, bucket, _s3_keys(client, bucket, prefix))
+            delete_s3(client, bucket, s3_keys(client, bucket, prefix))
         except Exception as exc:  # noqa: BLE001 - the original error matters more
             logger.warning("could not remove partial shards under %s: %s", uri, exc)
         raise
     finally:
         shutil.rmtree(staging.parent, ignore_errors=True)
-    client.put_object(Bucket=bucket, Key=f"{prefix}/{MARKER}", Body=_marker_text(shard_set, source_fp).encode())
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{MARKER}", Body=marker_text(shard_set, source_fp).encode())
     logger.info("wrote %d rows in %d shard(s) to %s", shard_set.rows, shard_set.shards, uri)
     return shard_set
