@@ -1,14 +1,14 @@
-"""Where a job's checkpoints live: a folder, or a prefix on S3, behind one small API.
+"""Where a job's checkpoints live: a folder, or a prefix of an object store, behind one small API.
 
 The driver hands every rank ``SGPU_CHECKPOINT_URI``: the job store's ``checkpoints``
 folder by default (``<store>/<run id>/checkpoints``), or a folder a GPU task keys by
 flow run, task and inputs so a Prefect retry finds it. A local URI is used in place
-(every simulated node of the local compute sees the same folder). An ``s3://`` URI
-is staged: ranks write into a node-local folder and :class:`Location` uploads each
-node's files (boto3's managed transfer: multipart for large shards), downloads a step
-to a node that lacks it, and lists and deletes steps on S3. The ranks reach S3 with
-the node's own credentials (the instance profile); the store's region and endpoint
-travel in ``SGPU_STORE_REGION`` / ``SGPU_STORE_ENDPOINT_URL``.
+(every simulated node of the local compute sees the same folder). An object store's
+URI (``s3://``: the store its scheme names, :func:`prefect_sgpu.store.store_class`) is
+staged: ranks write into a node-local folder and :class:`Location` uploads each node's
+files (in parts for large shards), downloads a step to a node that lacks it, and lists
+and deletes steps there. The ranks reach the store with the node's own credentials;
+the store's region and endpoint travel in ``SGPU_STORE_REGION`` / ``SGPU_STORE_ENDPOINT_URL``.
 
 A folder counts once its ``COMPLETE`` marker is written (last), and only when that marker
 carries a manifest sealed with the location's key (:mod:`prefect_sgpu.checkpoint_manifest`).
@@ -35,6 +35,7 @@ from prefect_sgpu.checkpoint_manifest import (MARKER, FileEntry, Manifest, check
                                               hash_folder, inside, key_for, mismatch, open_marker, seal_marker,
                                               verify_folder, warn_once)
 from prefect_sgpu.errors import CheckpointRefused
+from prefect_sgpu.store import Objects, is_object_uri, store_class
 
 __all__ = ["DIR_ENV", "ENDPOINT_ENV", "MARKER", "REGION_ENV", "URI_ENV", "Location", "is_remote",
            "location_uri", "private_dir", "step_dir_name"]
@@ -60,7 +61,8 @@ def location_uri() -> str:
 
 
 def is_remote(uri: str) -> bool:
-    return uri.startswith("s3://")
+    """Whether ``uri`` is an object store's (staged on each node), not a folder."""
+    return is_object_uri(uri)
 
 
 def _stage_root() -> Path:
@@ -121,7 +123,7 @@ class Location:
             self.local = Path(stage) if stage is not None else _stage_root() / digest
         else:
             self.local = Path(self.uri).expanduser()
-        self._store: Any = None
+        self._objects: Objects | None = None
         self._key: str | None = None
 
     def __repr__(self) -> str:
@@ -148,29 +150,22 @@ class Location:
     def _where(self, name: str) -> str:
         return f"{self.uri.rstrip('/')}/{name}"
 
-    # -- S3 ------------------------------------------------------------------------
+    # -- object store --------------------------------------------------------------
 
     @property
-    def store(self) -> Any:
-        """The S3 store rooted at this location (keys are relative to it)."""
-        if self._store is None:
-            from prefect_sgpu.store_s3 import S3Store
-
-            self._store = S3Store.from_env(self.uri, region=os.environ.get(REGION_ENV) or None,
-                                           endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
-        return self._store
+    def objects(self) -> Objects:
+        """The remote location's objects (keys relative to it), through the store its scheme names,
+        as the driver configured it for this node."""
+        if self._objects is None:
+            store = store_class(self.uri).from_env(self.uri, region=os.environ.get(REGION_ENV) or None,
+                                                   endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
+            self._objects = store.objects()
+        return self._objects
 
     def _keys(self, under: str = "") -> list[str]:
         """Every object key below the location (or ``under`` it), relative to the location. Names only:
         nothing turns a listed key into a path (a restore takes its files from the sealed manifest)."""
-        store = self.store
-        root = store._key("") + "/" if store.prefix else ""
-        prefix = root + (under.strip("/") + "/" if under else "")
-        keys: list[str] = []
-        for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=prefix,
-                                                                            **store.owner_args()):
-            keys += [obj["Key"][len(root):] for obj in page.get("Contents", [])]
-        return keys
+        return self.objects.keys(under)
 
     # -- what is there -------------------------------------------------------------
 
@@ -219,7 +214,7 @@ class Location:
     def _marker_bytes(self, name: str) -> bytes | None:
         check_name(name, self._where(name))
         if self.remote:
-            return self.store.get("", f"{name}/{MARKER}")
+            return self.objects.get(f"{name}/{MARKER}")
         try:
             return (self.local / name / MARKER).read_bytes()
         except (FileNotFoundError, NotADirectoryError):
@@ -241,10 +236,8 @@ class Location:
         files = hash_folder(source)
         if not self.remote:
             return files
-        store = self.store
         for rel in files:
-            store.client.upload_file(str(source / rel), store.bucket, store._key("", f"{name}/{rel}"),
-                                     ExtraArgs=store.write_args())
+            self.objects.upload(f"{name}/{rel}", source / rel)
         return files
 
     def put_marker(self, name: str, info: dict[str, Any], files: dict[str, FileEntry] | None = None) -> None:
@@ -259,7 +252,7 @@ class Location:
             files = hash_folder(self.local / name)
         blob = seal_marker(self.key, name, info, files)
         if self.remote:
-            self.store.put("", f"{name}/{MARKER}", blob)
+            self.objects.put(f"{name}/{MARKER}", blob)
         else:
             atomic_write(self.local / name / MARKER, blob)
 
@@ -290,9 +283,7 @@ class Location:
             for rel, entry in sorted(manifest.files.items()):
                 dest = inside(fresh, rel, where)
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                store = self.store
-                store.client.download_file(store.bucket, store._key("", f"{name}/{rel}"), str(dest),
-                                           ExtraArgs=store.owner_args() or None)
+                self.objects.download(f"{name}/{rel}", dest)
                 got = hash_file(dest)
                 if got != entry:
                     raise mismatch(where, rel, got, entry)
@@ -323,7 +314,7 @@ class Location:
         """A step folder, at the location and in this node's stage."""
         check_name(name, self._where(name))
         if self.remote:
-            self.store.delete("", name)
+            self.objects.delete(self._keys(name))
         shutil.rmtree(self.local / name, ignore_errors=True)
 
     def prune_stage(self, keep: str) -> None:

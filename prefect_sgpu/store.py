@@ -1,9 +1,12 @@
-"""Byte storage for job folders: a local folder, or S3 (:mod:`prefect_sgpu.store_s3`).
+"""Byte storage for job folders: a local folder, or an object store chosen by the URL's scheme.
 
 The store is the one mailbox between the driver and the nodes: nothing needs an
 inbound port on the driver, so a driver behind NAT can run nodes anywhere that can
 reach the store. What goes where in a job's folder, and how each document is sealed,
 is :mod:`prefect_sgpu.jobfolder`'s alone; a store only moves bytes.
+
+Which class serves a scheme is data (:data:`SCHEMES`), so code that opens storage by URL
+(checkpoints, shard sets, a node's bootstrap) imports no cloud's module.
 """
 
 from __future__ import annotations
@@ -14,7 +17,16 @@ import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from importlib import import_module
 from pathlib import Path
+from typing import Any
+
+from prefect_sgpu.errors import SGPUConfigError
+
+#: The :class:`Store` class of each URL scheme, as ``"module:attribute"`` (data, like an entry point: code
+#: that opens storage by URL imports no cloud's module). A second cloud adds its line here, or its
+#: module calls :func:`register_scheme`; a URL without a scheme is a local folder.
+SCHEMES: dict[str, str] = {"s3": "prefect_sgpu.store_s3:S3Store"}
 
 
 def default_home() -> Path:
@@ -106,6 +118,57 @@ class Store(ABC):
     def local_dir_root(self) -> Path | None:
         """The folder that holds every job's folder, when the store is on this machine."""
         return None
+
+    @classmethod
+    def from_env(cls, uri: str, **options: Any) -> "Store":
+        """The store at ``uri`` as the driver configured it for this node or rank (what the environment
+        carries beside ``options``); a store with no such settings is opened as given."""
+        return cls(uri, **options)  # type: ignore[call-arg]
+
+    def objects(self, *, store_settings: bool = True) -> "Objects":
+        """The objects under the store's root, by key relative to it (checkpoints, shard sets).
+        ``store_settings=False`` leaves out what this store adds to its own writes (encryption, an
+        expected owner): for objects other tools share. Raises SGPUConfigError for a folder store."""
+        raise SGPUConfigError("uri", self.root_uri, "an object store's URI (" + ", ".join(SCHEMES) + ")")
+
+
+class Objects(ABC):
+    """The objects under one object-store URI, by key relative to it: what checkpoints and shard sets
+    need beside a job folder's bytes (a listing at any depth, files sent from and fetched to disk,
+    deletes in a caller's order)."""
+
+    @property
+    @abstractmethod
+    def uri(self) -> str:
+        """The URI the keys are relative to, without a trailing ``/``."""
+
+    @abstractmethod
+    def keys(self, under: str = "") -> list[str]:
+        """Every key below the URI (or below its folder ``under``), however deep."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether the store answers that ``key`` is there (False: it is not, or not this caller's to see)."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes; None when it is not there."""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def upload(self, key: str, path: Path) -> None:
+        """A file from disk, without reading it into memory whole (large files go in parts)."""
+
+    @abstractmethod
+    def download(self, key: str, path: Path) -> None:
+        """The object into the file ``path``."""
+
+    @abstractmethod
+    def delete(self, keys: list[str]) -> None:
+        """These objects, in batches in the order given: a caller that needs one gone before the rest
+        starts deletes it in a call of its own."""
 
 
 class LocalStore(Store):
@@ -223,3 +286,33 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def register_scheme(scheme: str, target: str) -> None:
+    """Serve URLs ``scheme://...`` with the Store class at ``target`` (``"module:attribute"``)."""
+    SCHEMES[scheme] = target
+
+
+def is_object_uri(uri: str) -> bool:
+    """Whether ``uri`` names an object store (its scheme is in :data:`SCHEMES`), not a folder."""
+    scheme, sep, _ = str(uri).partition("://")
+    return bool(sep) and scheme in SCHEMES
+
+
+def store_class(uri: str) -> type[Store]:
+    """The Store class that serves ``uri``: its scheme's, or :class:`LocalStore` for a path."""
+    scheme, sep, _ = str(uri).partition("://")
+    if not sep:
+        return LocalStore
+    if scheme not in SCHEMES:
+        raise SGPUConfigError("uri", uri, "a local path or a URI of " + ", ".join(f"{s}://" for s in SCHEMES))
+    module, _, attribute = SCHEMES[scheme].partition(":")
+    found: Any = import_module(module)
+    for part in attribute.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def open_store(uri: str, **options: Any) -> Store:
+    """The store at ``uri``, opened by the class its scheme names (a folder for a path)."""
+    return store_class(uri)(uri, **options)  # type: ignore[call-arg]

@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from prefect_sgpu import aws
 from prefect_sgpu.aws import error_code as _error_code
 from prefect_sgpu.errors import SGPUConfigError, SGPUError
-from prefect_sgpu.store import Store
+from prefect_sgpu.store import Objects, Store
 
 BODY_ATTEMPTS = 3
 #: the folder beside an object that holds its appended pieces (``logs/rank-00000.log.parts/...``)
@@ -56,6 +57,25 @@ def http_date(value: str, whose: str) -> float:
     return min(found)
 
 
+def read_object(client: Any, **request: Any) -> tuple[dict[str, Any], bytes]:
+    """GET and read the body; a body that fails its checksum is fetched again.
+
+    botocore retries the request but not a body that arrived damaged (or, with an
+    object overwritten mid-read, cut short); the next GET sees a whole object.
+    """
+    from botocore.exceptions import FlexibleChecksumError, IncompleteReadError, ResponseStreamingError
+
+    for attempt in range(BODY_ATTEMPTS):
+        response = client.get_object(**request)
+        try:
+            return response, bytes(response["Body"].read())
+        except (FlexibleChecksumError, IncompleteReadError, ResponseStreamingError):
+            if attempt == BODY_ATTEMPTS - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 class S3Store(Store):
     """``s3://bucket/prefix``: one folder per job, readable by the driver and every node."""
 
@@ -90,12 +110,17 @@ class S3Store(Store):
     @classmethod
     def from_env(cls, uri: str, **options: Any) -> "S3Store":
         """The store as the driver configured it for this node or rank (encryption, bucket owner)."""
-        return cls(uri, kms_key_id=os.environ.get(KMS_ENV) or None, bucket_owner=os.environ.get(OWNER_ENV) or None,
-                   **options)
+        options.setdefault("kms_key_id", os.environ.get(KMS_ENV) or None)
+        options.setdefault("bucket_owner", os.environ.get(OWNER_ENV) or None)
+        return cls(uri, **options)
 
     def env(self) -> dict[str, str]:
         """What a node or rank needs to write this store as the driver does (see :meth:`from_env`)."""
         return {k: v for k, v in ((KMS_ENV, self.kms_key_id), (OWNER_ENV, self.bucket_owner)) if v}
+
+    def objects(self, *, store_settings: bool = True) -> "S3Objects":
+        return S3Objects(self.client, self.bucket, self.prefix, self.write_args() if store_settings else {},
+                         self.owner_args() if store_settings else {})
 
     def owner_args(self) -> dict[str, str]:
         return {"ExpectedBucketOwner": self.bucket_owner} if self.bucket_owner else {}
@@ -202,22 +227,7 @@ class S3Store(Store):
         return b"".join(chunks)
 
     def _read(self, **request: Any) -> tuple[dict[str, Any], bytes]:
-        """GET and read the body; a body that fails its checksum is fetched again.
-
-        botocore retries the request but not a body that arrived damaged (or, with an
-        object overwritten mid-read, cut short); the next GET sees a whole object.
-        """
-        from botocore.exceptions import FlexibleChecksumError, IncompleteReadError, ResponseStreamingError
-
-        for attempt in range(BODY_ATTEMPTS):
-            response = self.client.get_object(Bucket=self.bucket, **request, **self.owner_args())
-            try:
-                return response, bytes(response["Body"].read())
-            except (FlexibleChecksumError, IncompleteReadError, ResponseStreamingError):
-                if attempt == BODY_ATTEMPTS - 1:
-                    raise
-                time.sleep(0.1 * (attempt + 1))
-        raise AssertionError("unreachable")
+        return read_object(self.client, Bucket=self.bucket, **request, **self.owner_args())
 
     def _whole_or_parts(self, whole: Any, parts: Any) -> Any:
         """``whole()``; when the object is not there whole, ``parts()`` (its appended pieces). A piece
@@ -296,3 +306,75 @@ class S3Store(Store):
             self.client.delete_objects(
                 Bucket=self.bucket, Delete={"Objects": batch[start:start + 1000], "Quiet": True}, **self.owner_args()
             )
+
+
+class S3Objects(Objects):
+    """The objects under ``s3://bucket/prefix``, by key relative to it, each call with ``write_args``
+    (encryption) or ``owner_args`` (the expected bucket owner) as the store that opened it adds them."""
+
+    def __init__(self, client: Any, bucket: str, prefix: str, write_args: dict[str, str] | None = None,
+                 owner_args: dict[str, str] | None = None) -> None:
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.write_args = dict(write_args or {})
+        self.owner_args = dict(owner_args or {})
+
+    def __repr__(self) -> str:
+        return f"S3Objects({self.uri!r})"
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def _key(self, key: str) -> str:
+        return "/".join(p for p in (self.prefix, key.lstrip("/")) if p)
+
+    def keys(self, under: str = "") -> list[str]:
+        root = self.prefix + "/" if self.prefix else ""
+        prefix = root + (under.strip("/") + "/" if under else "")
+        keys: list[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix,
+                                                                           **self.owner_args):
+            keys += [obj["Key"][len(root):] for obj in page.get("Contents", [])]
+        return keys
+
+    def exists(self, key: str) -> bool:
+        """A HEAD: False on any error answer (S3 answers 403, not 404, to a caller that may not list)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key), **self.owner_args)
+        except ClientError:
+            return False
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return read_object(self.client, Bucket=self.bucket, Key=self._key(key), **self.owner_args)[1]
+        except ClientError as exc:
+            if _error_code(exc) in NOT_FOUND:
+                return None
+            raise
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **self.write_args)
+
+    def upload(self, key: str, path: Path) -> None:
+        """boto3's managed transfer: a large file goes up in parts, side by side."""
+        self.client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=self.write_args or None)
+
+    def download(self, key: str, path: Path) -> None:
+        self.client.download_file(self.bucket, self._key(key), str(path), ExtraArgs=self.owner_args or None)
+
+    def delete(self, keys: list[str]) -> None:
+        """One key: a DELETE of its own; more: batches of 1000 (one request each)."""
+        if len(keys) == 1:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(keys[0]), **self.owner_args)
+            return
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[start:start + 1000]]
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True},
+                                       **self.owner_args)

@@ -270,3 +270,48 @@ def test_versions_change_when_an_object_is_written_again_and_only_then(kind: str
     assert second["nodes/node-1.alive"] != first["nodes/node-1.alive"]
     assert second["nodes/node-0.alive"] == first["nodes/node-0.alive"]
     assert target.versions("run", "missing") == {}
+
+
+def test_the_store_of_a_url_is_the_class_its_scheme_names(store: S3Store, tmp_path: Any) -> None:
+    """Code that opens storage by URL (checkpoints, shard sets) names no cloud's module."""
+    from prefect_sgpu import store as store_mod
+
+    assert store_mod.store_class(store.root_uri) is S3Store and store_mod.is_object_uri(store.root_uri)
+    assert store_mod.store_class(str(tmp_path)) is store_mod.LocalStore
+    assert not store_mod.is_object_uri(str(tmp_path))
+    opened = store_mod.open_store(store.root_uri, session=None, endpoint_url=store.endpoint_url)
+    assert isinstance(opened, S3Store) and opened.root_uri == store.root_uri
+    assert isinstance(store_mod.open_store(str(tmp_path)), store_mod.LocalStore)
+    with pytest.raises(SGPUConfigError, match="s3://"):
+        store_mod.store_class("gs://bucket/prefix")
+    with pytest.raises(SGPUConfigError, match="object store"):
+        store_mod.LocalStore(tmp_path).objects()
+    store_mod.register_scheme("s3test", "prefect_sgpu.store_s3:S3Store")
+    try:
+        assert store_mod.store_class("s3test://bucket") is S3Store
+    finally:
+        del store_mod.SCHEMES["s3test"]
+
+
+def test_the_objects_under_a_prefix_are_listed_at_any_depth_sent_fetched_and_deleted(store: S3Store,
+                                                                                      tmp_path: Any) -> None:
+    objects = store.objects()
+    assert objects.uri == store.root_uri
+    objects.put("step-1/COMPLETE", b"marker")
+    source = tmp_path / "shard.bin"
+    source.write_bytes(b"\x01" * 1000)
+    objects.upload("step-1/deep/shard.bin", source)
+    objects.put("step-2/model.pt", b"m")
+    assert sorted(objects.keys()) == ["step-1/COMPLETE", "step-1/deep/shard.bin", "step-2/model.pt"]
+    assert objects.keys("step-1") == ["step-1/COMPLETE", "step-1/deep/shard.bin"]
+    assert objects.exists("step-1/COMPLETE") and not objects.exists("step-1/missing")
+    assert objects.get("step-1/COMPLETE") == b"marker" and objects.get("missing") is None
+    objects.download("step-1/deep/shard.bin", tmp_path / "back.bin")
+    assert (tmp_path / "back.bin").read_bytes() == source.read_bytes()
+    objects.delete(["step-2/model.pt"])
+    objects.delete(objects.keys("step-1"))
+    objects.delete([])
+    assert objects.keys() == []
+    plain = store.objects(store_settings=False)
+    assert plain.write_args == {} and plain.owner_args == {}
+    assert store.objects().write_args == store.write_args()

@@ -48,20 +48,12 @@ from prefect_sgpu import runtime
 from prefect_sgpu.checkpoints import step_dir_name
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.pipeline.checkpoint import SealedSteps
+from prefect_sgpu.pipeline.collectives import barrier
 
 __all__ = ["SGPUCallback"]
 
 #: how ``transformers.Trainer`` names the checkpoint of step N in its ``output_dir``
 TRAINER_FOLDER = "checkpoint-{step}"
-
-
-def _barrier() -> None:
-    """Every rank waits here until all have written their part of a checkpoint (nothing to wait
-    for outside a process group)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 class SGPUCallback(TrainerCallback):  # type: ignore[misc]
@@ -111,7 +103,7 @@ class SGPUCallback(TrainerCallback):  # type: ignore[misc]
         step = state.global_step
         written = Path(args.output_dir) / TRAINER_FOLDER.format(step=step)
         name = step_dir_name(step)
-        _barrier()  # every rank's files of checkpoint-N are written
+        barrier()  # every rank's files of checkpoint-N are written
         if self.steps.clears():
             target = self.steps.folder / name
             if target.exists():  # what an attempt that died while sealing this step left

@@ -43,6 +43,8 @@ from prefect_sgpu.checkpoint_manifest import FileEntry, check_name
 from prefect_sgpu.checkpoints import MARKER, Location, step_dir_name
 from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
 from prefect_sgpu.pipeline import async_save as async_save_mod
+from prefect_sgpu.pipeline.collectives import barrier, dist_ready, flag_group, from_rank_zero
+from prefect_sgpu.pipeline.safe_load import WeightsOnlyLoads, load_dcp
 
 if TYPE_CHECKING:
     from prefect_sgpu.pipeline.strategies import Wrapped
@@ -65,42 +67,6 @@ def complete_steps(folder: str | Path) -> list[int]:
 def latest_complete_step(folder: str | Path) -> int | None:
     steps = complete_steps(folder)
     return steps[-1] if steps else None
-
-
-def _dist_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _barrier(group: Any = None) -> None:
-    if _dist_ready():
-        import torch.distributed as dist
-
-        dist.barrier(group=group)
-
-
-def _from_rank_zero(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank, so all ranks act on the same decision."""
-    if not _dist_ready():
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _flag_group() -> Any:
-    """A gloo group for small CPU flags (collective: every rank builds its Checkpointer); None when
-    the job's own group is gloo already, or there is no process group."""
-    if not _dist_ready():
-        return None
-    import torch.distributed as dist
-
-    if dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -134,136 +100,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-#: harmless builtins a checkpoint's pickled metadata may name (no callables that reach further)
-_SAFE_BUILTINS = frozenset({"set", "frozenset", "slice", "complex", "bytearray", "tuple", "list", "dict", "int",
-                            "float", "bool", "str", "bytes", "object"})
-_SAFE_GLOBALS = frozenset({("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                           ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                           ("pathlib", "PureWindowsPath"), ("copyreg", "_reconstructor"),
-                           ("torch.distributed.checkpoint.filesystem", "_StorageInfo")})
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles torch.distributed.checkpoint's ``.metadata``: its own classes, torch sizes and dtypes,
-    paths and plain containers; any other global (``os.system``, ``builtins.eval``, ...) is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if (module, name) == ("builtins", "getattr"):
-            return _enum_member  # some Pythons (3.11.0 to 3.11.2) pickle enum members as getattr(cls, name)
-        allowed = ((module == "torch.distributed.checkpoint.metadata" and name[:1].isupper())
-                   or (module == "torch.distributed.checkpoint.metadata" and name == "_MEM_FORMAT_ENCODING")
-                   or (module, name) in _SAFE_GLOBALS
-                   or (module == "builtins" and name in _SAFE_BUILTINS)
-                   or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-        if not allowed:
-            raise CheckpointRefused(f"{module}.{name}")
-        return super().find_class(module, name)
-
-
-def _enum_member(cls: Any, name: Any) -> Any:
-    """``getattr`` as a checkpoint's metadata may call it: only a member of an enum the unpickler
-    allowed, by its name."""
-    import enum
-
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
-        return cls[name]
-    raise CheckpointRefused(f"builtins.getattr({getattr(cls, '__qualname__', type(cls).__name__)}, {name!r})")
-
-
-def check_dcp_metadata(path: Path) -> None:
-    """Refuse a DCP ``.metadata`` that names anything but DCP's own types (it is unpickled by DCP)."""
-    try:
-        with open(path, "rb") as fh:
-            _MetadataUnpickler(fh).load()
-    except CheckpointRefused as exc:
-        raise CheckpointRefused(f"checkpoint metadata {path} names {exc}, which DCP's loader would call: "
-                                "refused") from None
-
-
-def weights_only_load_planner() -> Any:
-    """DCP's default load planner, except that non-tensor entries (optimizer settings, steps) load
-    with ``weights_only=True``: DCP's own planner unpickles them with ``weights_only=False``, so a
-    planted entry in a shard file would run code in every rank that restores it."""
-    import io
-
-    import torch
-    from torch.distributed.checkpoint._nested_dict import set_element
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.planner import ReadItem
-
-    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-            fqn = read_item.dest_index.fqn
-            try:
-                loaded = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as exc:
-                raise CheckpointRefused(f"checkpoint entry {fqn!r} is not plain data (tensors, numbers, strings, "
-                                        f"containers): refused before it ran ({exc})") from None
-            if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
-                set_element(self.original_state_dict, self.mappings[fqn], loaded)
-            else:
-                self.state_dict[fqn] = loaded
-
-    return WeightsOnlyLoadPlanner()
-
-
-def load_dcp(state: dict[str, Any], folder: Path) -> None:
-    """``dcp.load`` into ``state`` without running anything from the files: the ``.metadata`` passes a
-    restricted unpickler first and non-tensor entries load weights-only; a refusal (which DCP wraps
-    in its own exception) is raised as ``CheckpointRefused``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    check_dcp_metadata(folder / ".metadata")
-    try:
-        dcp.load(state, checkpoint_id=str(folder), planner=weights_only_load_planner())
-    except CheckpointException as exc:
-        refused = [str(f) for f in getattr(exc, "failures", {}).values() if "CheckpointRefused" in repr(f)]
-        if refused or "CheckpointRefused" in str(exc):
-            detail = refused[0] if refused else str(exc).split("CheckpointRefused:", 1)[-1].strip()
-            raise CheckpointRefused(f"{folder}: {detail[:1000]}") from None
-        raise
-
-
-def _deepspeed_safe_globals() -> list[Any]:
-    """The classes DeepSpeed's ZeRO optimizer files name besides tensors and plain values (checked on 0.19 for
-    stages 0-3): its loss scalers, the stage enum and the fragment addresses of its flat buffers."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-class _WeightsOnlyLoads:
-    """A DeepSpeed checkpoint engine whose loads go through torch's weights-only unpickler.
-
-    DeepSpeed's own engines call ``torch.load(weights_only=False)``; every file its
-    ``load_checkpoint`` reads (model states, ZeRO optimizer shards) goes through ``load``, so
-    swapping the engine for the length of a restore refuses a planted pickle at the one place
-    it would be read, with no window between a check and the load.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def load(self, path: str, map_location: Any = None) -> Any:
-        import torch
-
-        try:
-            with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-                return torch.load(path, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise CheckpointRefused(
-                f"checkpoint file {path} names more than tensors, plain values and DeepSpeed's own checkpoint "
-                f"classes, so loading it could run code: refused ({str(exc).splitlines()[0]})") from None
-
-
 def save_model(state_dict: dict[str, Any] | None, name: str = "final") -> str:
     """Rank 0: ``state_dict`` as one weights-only file in folder ``name`` of the job's checkpoint
     location (uploaded, marker last, when it is on S3); every rank returns its URI.
@@ -284,7 +120,7 @@ def save_model(state_dict: dict[str, Any] | None, name: str = "final") -> str:
         _atomic_torch_save(state_dict, folder / MODEL_FILE)
         files = location.upload(name)  # rank 0 wrote the folder whole: its manifest is this node's
         location.put_marker(name, {"written_at": time.time()}, files)  # last: complete
-    _barrier()
+    barrier()
     return f"{location.uri.rstrip('/')}/{name}/{MODEL_FILE}"
 
 
@@ -325,7 +161,7 @@ class SealedSteps:
         self.folder = self.location.ensure_local()
         self.keep = keep
         self.preempted_at: int | None = None
-        self._flags = _flag_group()
+        self._flags = flag_group()
 
     def reclaim_due(self, step: int) -> bool:
         """True once, at the first ``step`` where any rank's node has a reclaim notice (collective:
@@ -339,7 +175,7 @@ class SealedSteps:
 
     def _any_rank(self, flag: bool) -> bool:
         """``flag`` on any rank, over a CPU (gloo) group: no device sync in the training loop."""
-        if not _dist_ready():
+        if not dist_ready():
             return flag
         import torch
         import torch.distributed as dist
@@ -358,7 +194,7 @@ class SealedSteps:
         target = self.folder / name
         if self.clears() and target.exists():
             shutil.rmtree(target)
-        _barrier()
+        barrier()
         target.mkdir(parents=True, exist_ok=True)
         return target
 
@@ -369,22 +205,22 @@ class SealedSteps:
         """Once every rank has written its part: each node sends its part (remote), then rank 0 seals
         what they all sent (a local folder: rank 0 hashes what all wrote) and prunes; collective over
         ``group`` (None: the job's group, and the flags group for the gather)."""
-        _barrier(group)  # every rank's part is on its node's disk
+        barrier(group)  # every rank's part is on its node's disk
         files = None
         if self.location.remote:
             files = self._gather(self.location.upload(name) if runtime.local_rank() == 0 else {}, group)
         else:
-            _barrier(group)
+            barrier(group)
         if runtime.is_rank_zero():
             self.location.put_marker(name, self._marker_info(step), files)
             self._prune(step)
         if self.location.remote and runtime.local_rank() == 0:
             self.location.prune_stage(keep=name)
-        _barrier(group)
+        barrier(group)
 
     def _gather(self, files: dict[str, FileEntry], group: Any = None) -> dict[str, FileEntry]:
         """Every node's uploaded files, on every rank (collective; also the barrier before the marker)."""
-        if not _dist_ready():
+        if not dist_ready():
             return files
         import torch.distributed as dist
 
@@ -420,7 +256,7 @@ class SealedSteps:
     def _candidates(self) -> list[int]:
         """Steps with a sealed marker, newest first, as rank 0 sees them (the same list on every rank)."""
         steps = list(reversed(self.location.complete_steps())) if runtime.is_rank_zero() else None
-        return list(_from_rank_zero(steps))
+        return list(from_rank_zero(steps))
 
     def _checked(self, step: int) -> bool:
         """Collective: the step's files are here and match its sealed manifest on every node (fetched
@@ -583,7 +419,7 @@ class Checkpointer(SealedSteps):
         own = source / f"extra-rank-{runtime.rank():05d}.pt"
         state = self._load(own if own.exists() else source / "extra-rank-00000.pt")
         _set_rng_state(state["rng"])
-        _barrier()
+        barrier()
         return int(state["step"]), dict(state["extra"])
 
     def _load(self, path: Path) -> Any:
@@ -603,7 +439,7 @@ class Checkpointer(SealedSteps):
         if w.strategy == "deepspeed":
             engine = w.engine
             own = engine.checkpoint_engine
-            engine.checkpoint_engine = _WeightsOnlyLoads(own)
+            engine.checkpoint_engine = WeightsOnlyLoads(own)
             try:
                 path, _ = engine.load_checkpoint(str(self.folder), tag=source.name)
             finally:

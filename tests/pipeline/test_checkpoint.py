@@ -167,7 +167,7 @@ def test_a_tampered_dcp_metadata_is_refused_before_dcp_reads_it(tmp_path: Path) 
     import torch.distributed.checkpoint as dcp
 
     from prefect_sgpu.errors import CheckpointRefused
-    from prefect_sgpu.pipeline.checkpoint import check_dcp_metadata
+    from prefect_sgpu.pipeline.safe_load import check_dcp_metadata
 
     model = nn.Linear(4, 2)
     with pytest.warns(UserWarning):  # one process, no process group: DCP says so
@@ -199,7 +199,7 @@ def test_dcp_metadata_written_by_a_python_that_pickles_enum_members_by_name_pass
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
     from prefect_sgpu.errors import CheckpointRefused
-    from prefect_sgpu.pipeline.checkpoint import check_dcp_metadata
+    from prefect_sgpu.pipeline.safe_load import check_dcp_metadata
 
     member = next(iter(_MEM_FORMAT_ENCODING))
     path = tmp_path / ".metadata"
@@ -219,7 +219,7 @@ def test_a_planted_dcp_entry_is_refused_and_never_runs(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     from prefect_sgpu.errors import CheckpointRefused
-    from prefect_sgpu.pipeline.checkpoint import check_dcp_metadata, load_dcp
+    from prefect_sgpu.pipeline.safe_load import check_dcp_metadata, load_dcp
 
     marker = tmp_path / "pwned"
     model = nn.Linear(4, 2)

@@ -1,10 +1,11 @@
-"""Where shard sets live, a local folder or an ``s3://`` prefix, and what makes one complete.
+"""Where shard sets live, a local folder or an object store's prefix (``s3://``), and what makes one complete.
 
 A set is complete when it holds streaming's ``index.json`` and our completion marker;
 the marker records the set's :class:`ShardSet` fields and fingerprint, so
 :func:`read_shard_set` (and the writer's reuse check) need nothing but these two files.
-The S3 helpers are here because S3 has no rename: the writer clears a prefix itself,
-marker and index first, so a set stops looking complete before any shard goes.
+Object storage is reached through the store its scheme names (:mod:`prefect_sgpu.store`).
+It has no rename: the writer clears a prefix itself, marker and index first
+(:func:`clear_objects`), so a set stops looking complete before any shard goes.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from typing import Any
 
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.pipeline.mds.shard_set import ShardSet
+from prefect_sgpu.store import Objects, is_object_uri, open_store
 
 MARKER = ".sgpu-complete.json"
 INDEX = "index.json"
 #: part of every fingerprint and marker: bump it and no set written before is reused
 FORMAT_VERSION = 1
+#: where the streaming library, which writes and reads the shards, takes an object store's endpoint from
+ENDPOINT_ENV = "S3_ENDPOINT_URL"
 
 
-def is_s3(output: str) -> bool:
-    return output.startswith("s3://")
+def is_remote(output: str) -> bool:
+    """Whether ``output`` is an object store's prefix, not a folder."""
+    return is_object_uri(output)
 
 
 def _shard_set_file(name: str) -> bool:
@@ -50,45 +55,36 @@ def check_replaceable(names: list[str], output: str) -> None:
                               f"it holds other files ({', '.join(foreign[:5])}); nothing was deleted")
 
 
-def s3_client() -> Any:
-    from prefect_sgpu import aws
-
-    return aws.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
-
-
-def split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
+def open_objects(uri: str) -> Objects:
+    """The objects of the set at ``uri`` (a prefix of its own, not a bucket's root), as the streaming
+    library reaches them: its endpoint, and none of the job store's own write settings."""
+    scheme, _, rest = uri.partition("://")
+    bucket, _, prefix = rest.partition("/")
     if not bucket or not prefix.strip("/"):
-        raise SGPUConfigError("output", uri, "s3://BUCKET/PREFIX (a prefix of its own, not a bucket root)")
-    return bucket, prefix.strip("/")
+        raise SGPUConfigError("output", uri,
+                              f"{scheme}://BUCKET/PREFIX (a prefix of its own, not a bucket root)")
+    store = open_store(f"{scheme}://{bucket}/{prefix.strip('/')}",
+                       endpoint_url=os.environ.get(ENDPOINT_ENV) or None)
+    return store.objects(store_settings=False)
 
 
-def s3_keys(client: Any, bucket: str, prefix: str) -> list[str]:
-    keys: list[str] = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
-        keys += [obj["Key"] for obj in page.get("Contents", [])]
-    return keys
-
-
-def read_marker_s3(client: Any, bucket: str, prefix: str) -> dict[str, Any] | None:
-    from botocore.exceptions import ClientError
-
+def read_marker_objects(objects: Objects) -> dict[str, Any] | None:
+    """The marker of a complete set in ``objects`` (its index is there too), else None."""
     try:
-        client.head_object(Bucket=bucket, Key=f"{prefix}/{INDEX}")
-        body = client.get_object(Bucket=bucket, Key=f"{prefix}/{MARKER}")["Body"].read()
-        return json.loads(body)
-    except (ClientError, json.JSONDecodeError):
+        if not objects.exists(INDEX):
+            return None
+        body = objects.get(MARKER)
+        return None if body is None else json.loads(body)
+    except json.JSONDecodeError:
         return None
 
 
-def delete_s3(client: Any, bucket: str, keys: list[str]) -> None:
-    # marker and index first: from the first call on, the set no longer looks complete
+def clear_objects(objects: Objects, keys: list[str]) -> None:
+    """Delete ``keys``: marker and index first, so from the first call on the set no longer looks complete."""
     ordered = sorted(keys, key=lambda k: (not k.endswith(MARKER), not k.endswith(INDEX)))
     for key in ordered[:2]:
-        client.delete_object(Bucket=bucket, Key=key)
-    for start in range(2, len(ordered), 1000):
-        batch = ordered[start:start + 1000]
-        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+        objects.delete([key])
+    objects.delete(ordered[2:])
 
 
 def marker_text(shard_set: ShardSet, source_fp: str | None) -> str:
@@ -100,10 +96,10 @@ def marker_text(shard_set: ShardSet, source_fp: str | None) -> str:
 def read_shard_set(uri: str | os.PathLike[str]) -> ShardSet | None:
     """The :class:`ShardSet` of a complete set at ``uri`` (a folder or ``s3://``), else None."""
     uri = str(uri)
-    if is_s3(uri):
-        bucket, prefix = split_s3(uri)
-        found = read_marker_s3(s3_client(), bucket, prefix)
-        uri = f"s3://{bucket}/{prefix}"
+    if is_remote(uri):
+        objects = open_objects(uri)
+        found = read_marker_objects(objects)
+        uri = objects.uri
     else:
         out = Path(uri).expanduser().absolute()
         found = read_marker_local(out)

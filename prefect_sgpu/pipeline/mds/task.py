@@ -13,13 +13,13 @@ from typing import Any, Callable
 
 from prefect_sgpu.pipeline.mds.settings import set_fingerprint
 from prefect_sgpu.pipeline.mds.shard_set import ShardSet
-from prefect_sgpu.pipeline.mds.storage import is_s3, read_shard_set
+from prefect_sgpu.pipeline.mds.storage import is_remote, read_shard_set
 from prefect_sgpu.pipeline.mds.writer import write_mds
 
 
 def _output_key(output: Any) -> str:
     text = str(output)
-    return text if is_s3(text) else str(Path(text).expanduser().absolute())
+    return text if is_remote(text) else str(Path(text).expanduser().absolute())
 
 
 def mds_cache_key(context: Any, parameters: dict[str, Any]) -> str | None:

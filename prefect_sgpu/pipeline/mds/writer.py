@@ -24,9 +24,8 @@ from prefect_sgpu.pipeline.mds.columns import (INFER_ROWS, check_row_columns, ch
 from prefect_sgpu.pipeline.mds.progress import ConversionProgress
 from prefect_sgpu.pipeline.mds.settings import check_settings, settings_fingerprint
 from prefect_sgpu.pipeline.mds.shard_set import ShardSet
-from prefect_sgpu.pipeline.mds.storage import (MARKER, check_replaceable, delete_s3, is_s3, marker_text,
-                                               read_marker_local, read_marker_s3, s3_client, s3_keys,
-                                               split_s3)
+from prefect_sgpu.pipeline.mds.storage import (MARKER, check_replaceable, marker_text, read_marker_local,
+                                               clear_objects, is_remote, open_objects, read_marker_objects)
 
 # one logger for the whole package, the one it had before it was split into files
 logger = logging.getLogger("prefect_sgpu.pipeline.mds")
@@ -113,8 +112,8 @@ def write_mds(
     fp = settings_fingerprint(source_fp, columns, compression, limit)
     label = f"{sources.describe(source)} -> {output}"
 
-    if is_s3(output):
-        return _write_s3(source, output, source_fp, fp, columns, compression, limit, progress, label)
+    if is_remote(output):
+        return _write_remote(source, output, source_fp, fp, columns, compression, limit, progress, label)
 
     out = Path(output).expanduser().absolute()
     uri = str(out)
@@ -177,31 +176,31 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_s3(source: Any, uri: str, source_fp: str | None, fp: str | None, columns: dict[str, str] | None, compression: str | None,
-              limit: int | None, progress: bool, label: str) -> ShardSet:
-    """S3 has no rename: clear the prefix (marker first), write, put the marker last."""
-    bucket, prefix = split_s3(uri)
-    uri = f"s3://{bucket}/{prefix}"
-    client = s3_client()
-    found = read_marker_s3(client, bucket, prefix)
+def _write_remote(source: Any, uri: str, source_fp: str | None, fp: str | None,
+                  columns: dict[str, str] | None, compression: str | None, limit: int | None, progress: bool,
+                  label: str) -> ShardSet:
+    """Object storage has no rename: clear the prefix (marker first), write, put the marker last."""
+    objects = open_objects(uri)
+    uri = objects.uri
+    found = read_marker_objects(objects)
     if fp is not None and found and found.get("fingerprint") == fp:
         logger.info("reusing the complete shard set at %s (fingerprint %s)", uri, fp[:12])
         return ShardSet(**{k: found[k] for k in ShardSet.model_fields if k != "uri"}, uri=uri)
-    keys = s3_keys(client, bucket, prefix)
-    check_replaceable([k[len(prefix) + 1:] for k in keys], uri)
+    keys = objects.keys()
+    check_replaceable(keys, uri)
     if keys:
-        delete_s3(client, bucket, keys)
+        clear_objects(objects, keys)
     staging = Path(tempfile.mkdtemp(prefix="sgpu-mds-")) / "shards"
     try:
         shard_set = _convert(source, (str(staging), uri), uri, fp, columns, compression, limit, progress, label)
     except BaseException:
         try:  # leave nothing behind; it could not look complete anyway (no index, no marker)
-            delete_s3(client, bucket, s3_keys(client, bucket, prefix))
+            clear_objects(objects, objects.keys())
         except Exception as exc:  # noqa: BLE001 - the original error matters more
             logger.warning("could not remove partial shards under %s: %s", uri, exc)
         raise
     finally:
         shutil.rmtree(staging.parent, ignore_errors=True)
-    client.put_object(Bucket=bucket, Key=f"{prefix}/{MARKER}", Body=marker_text(shard_set, source_fp).encode())
+    objects.put(MARKER, marker_text(shard_set, source_fp).encode())
     logger.info("wrote %d rows in %d shard(s) to %s", shard_set.rows, shard_set.shards, uri)
     return shard_set
