@@ -177,14 +177,14 @@ class EnvironmentOptions(IndexSettings):
             source = _module_source(entry, f"environment.py_modules[{i}]")
             name = source.stem if source.suffix == ".py" else source.name
             py_modules.append(scan(name, source, f"environment.py_modules[{i}]", max_bytes=self.max_bytes))
-        if self.auto_modules:
-            py_modules += self._auto_modules({t.name for t in py_modules}, script)
         working_dir = (scan("working_dir", Path(self.working_dir), "environment.working_dir", excludes=self.excludes,
                             max_bytes=self.max_bytes) if self.working_dir else None)
         distributions: tuple[Distribution, ...] = ()
         local: tuple[Tree, ...] = ()
         if self.mode == "driver":
             distributions, local = _installed(self.max_bytes)
+        if self.auto_modules:  # last: what the user named is checked (and reported) first
+            py_modules += self._auto_modules({t.name for t in py_modules}, script)
         return Environment(
             mode=self.mode, python=PythonVersion.here(), distributions=distributions, local_packages=local,
             working_dir=working_dir, py_modules=tuple(sorted(py_modules, key=lambda t: t.name)),

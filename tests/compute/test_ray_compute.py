@@ -295,4 +295,6 @@ def test_the_block_builds_this_compute() -> None:
     block = RayCompute(address="ray://head:10001", runtime_env={"env_vars": {"A": "1"}})
     assert block.get_compute() == RayTrainCompute("ray://head:10001", runtime_env={"env_vars": {"A": "1"}})
     dry = distributed(gpus=2, compute=block)(_all_reduce).dry_run("x")
-    assert dry["compute"] == "ray" and dry["num_workers"] == 2 and dry["runtime_env"] == {"env_vars": {"A": "1"}}
+    assert dry["compute"] == "ray" and dry["num_workers"] == 2 and dry["runtime_env"]["env_vars"] == {"A": "1"}
+    # this test module was imported from a folder of its own on sys.path: it travels (docs/environment.md)
+    assert str(Path(__file__).resolve()) in dry["runtime_env"]["py_modules"], dry["runtime_env"]
