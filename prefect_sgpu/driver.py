@@ -29,7 +29,7 @@ from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeComma
 from prefect_sgpu.errors import (EnvironmentMismatch, GangCheckFailed, HeartbeatExpired, InfrastructureLost, JobCancelled, JobHung,
                                  LaunchTimeout, ProvisioningError, RankFailedError, SGPUConfigError, SGPUError)
 from prefect_sgpu.heartbeat import HEARTBEAT_INTERVAL_S, DriverHeartbeat, Outage
-from prefect_sgpu.jobfolder import GANG_ENV, HEARTBEAT_STOP, JobFolder, NodeStatus, new_key
+from prefect_sgpu.jobfolder import GANG_ENV, HEARTBEAT_STOP, RANK_STARTS, JobFolder, NodeStatus, new_key
 from prefect_sgpu.logs import LogTailer, RankLogSink
 from prefect_sgpu.spec import JobSpec, Plan
 from prefect_sgpu.store import Store
@@ -135,8 +135,6 @@ RANK_START_ENV = "PREFECT_SGPU_RANK_START"
 
 def rank_start() -> str:
     """``PREFECT_SGPU_RANK_START``, checked: ``auto`` (the default), ``spawn`` or ``fork``."""
-    from prefect_sgpu.launch.node_agent import RANK_STARTS
-
     raw = os.environ.get(RANK_START_ENV, "").strip().lower() or "auto"
     if raw not in RANK_STARTS:
         raise SGPUConfigError(RANK_START_ENV, raw, " or ".join(RANK_STARTS))
