@@ -214,7 +214,7 @@ class Job:
         travel as ``secrets=`` do (the manifest shows them masked), and are never a rank's variable."""
         from prefect_sgpu import environment_ship
 
-        if not getattr(self.compute, "ships_environment", False):
+        if not self.compute.ships_environment:
             return {}
         return environment_ship.index_secret(self.spec.environment)
 

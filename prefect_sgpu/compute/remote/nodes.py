@@ -228,8 +228,6 @@ class RemoteNodeCompute(Compute):
     def _requested_text(self, request: RemoteRequest) -> str:
         return f"{request.plan.nodes} node(s)"
 
-    #: whether this cloud's nodes build an environment of mode "driver" themselves (from the store)
-    ships_environment = False
     #: whether node 0 packs the packages it installed into the store for later boots (EC2: a setting)
     packs_environments = False
 
