@@ -109,8 +109,10 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.compute_block:
         from prefect.blocks.core import Block
 
+        from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
+
         compute = Block.load(args.compute_block).get_compute()
-        if not hasattr(compute, "provisioner"):
+        if not isinstance(compute, EC2InstanceCompute):
             raise SGPUConfigError("--compute-block", args.compute_block, "an EC2 compute block")
         changes = {k: v for k, v in (("region", args.region), ("market", args.market), ("ami_id", args.ami_id),
                                      ("endpoint_url", args.endpoint_url)) if v}

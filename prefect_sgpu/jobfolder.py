@@ -112,6 +112,9 @@ ASSIGN_KEY = f"{NODES}/assign"
 REJOIN_KEY = f"{NODES}/rejoin"
 #: a rank's gang of its job (0, or the relaunch it belongs to): what its result is bound to
 GANG_ENV = "SGPU_GANG"
+#: how a cold node agent starts its ranks (its ``--rank-start``, the driver's ``PREFECT_SGPU_RANK_START``):
+#: ``spawn`` (each a new interpreter, as torchrun does), ``fork`` (forked from the agent) or ``auto``
+RANK_STARTS = ("auto", "fork", "spawn")
 #: what a run id (or lease id) may look like: it names folders, SSM parameters and tags
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 

@@ -25,7 +25,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
 
 from typing_extensions import TypedDict
 
@@ -34,6 +34,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from prefect_sgpu import catalog
 from prefect_sgpu import environment as environment_mod
 from prefect_sgpu.errors import SGPUConfigError
+
+if TYPE_CHECKING:
+    from prefect_sgpu.compute.base import Compute
 
 DEFAULT_TIMEOUT_S = 3 * 60 * 60.0
 DEFAULT_HANG_TIMEOUT_S = 15 * 60.0
@@ -304,21 +307,21 @@ def build(*layers: SpecLayer | None, environ: Mapping[str, str] | None = None) -
     return merge(*layers, environment_layer(environ))
 
 
-def compute_layer(compute: Any) -> SpecLayer | None:
+def compute_layer(compute: "Compute") -> SpecLayer | None:
     """What a compute block gave (``EC2Compute(environment=...)``), at the runner / work-pool level:
     below the call, task and runner, above ``PREFECT_SGPU_ENVIRONMENT``."""
-    option = getattr(compute, "sgpu_environment", None)
+    option = compute.sgpu_environment
     return None if option is None else layer("compute block", environment=option)
 
 
-def for_compute(compute: Any, *layers: SpecLayer | None, environ: Mapping[str, str] | None = None,
+def for_compute(compute: "Compute", *layers: SpecLayer | None, environ: Mapping[str, str] | None = None,
                 script: str | None = None) -> JobSpec:
     """The spec of a job on ``compute``: ``layers`` (highest first) over the compute block's, the
     environment variables and the built-in defaults; for remote nodes its environment captured now
     (the driver's own unless one was given), so a folder over its size limit fails here, before
     anything is spent. Local nodes run in the driver's own environment: nothing is captured."""
     spec = build(*layers, compute_layer(compute), environ=environ)
-    captured = environment_mod.for_compute(spec.environment, bool(getattr(compute, "remote", False)), script)
+    captured = environment_mod.for_compute(spec.environment, compute.remote, script)
     if captured is None or captured is spec.environment:
         return spec
     return spec.replace(environment=captured)

@@ -325,8 +325,9 @@ def test_an_imported_module_over_the_size_limit_fails_before_anything_starts(
         monkeypatch.delitem(sys.modules, name, raising=False)
     importlib.import_module("sgpu_auto_b_train")
 
-    class Remote:  # what for_compute asks of a compute: only whether its nodes are remote
+    class Remote:  # what for_compute asks of a compute: whether its nodes are remote, its block's environment
         remote = True
+        sgpu_environment = None
 
     with pytest.raises(SGPUConfigError) as info:
         spec_mod.for_compute(Remote(), spec_mod.layer("call", environment={"max_bytes": 8 * 1024 * 1024}))

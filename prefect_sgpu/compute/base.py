@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from prefect_sgpu.spec import JobSpec, Plan
 
 if TYPE_CHECKING:
+    from prefect_sgpu.compute.remote.sweep import Sweeper
+    from prefect_sgpu.environment import EnvironmentOptions
     from prefect_sgpu.jobfolder import JobFolder, NodeStatus
     from prefect_sgpu.store import Store
 
@@ -263,6 +265,13 @@ class Compute(ABC):
     #: seconds the driver keeps polling after a node failed, for a ``NodeLost`` that explains it
     #: (a lost node's peers often fail first, on a broken collective)
     loss_grace_s: ClassVar[float] = 1.0
+    #: True: this compute's nodes build the job's environment themselves from what the driver shipped
+    #: to the store (:mod:`prefect_sgpu.environment_ship`), so the driver hands them the package
+    #: indexes' credentials with the job's secrets; False: the nodes run one they already have
+    ships_environment: ClassVar[bool] = False
+    #: the ``environment=`` this compute's block gave, set on the instance by the block; a spec layer
+    #: below the call's (:func:`prefect_sgpu.spec.compute_layer`). None: the block gave none
+    sgpu_environment: "EnvironmentOptions | None" = None
 
     # -- before anything is spent -------------------------------------------------------------
 
@@ -272,6 +281,13 @@ class Compute(ABC):
 
     def check_store(self, store: "Store") -> None:
         """Raise SGPUConfigError if this compute's nodes cannot use ``store``. Spends nothing."""
+
+    def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper | None":
+        """The sweeper of this compute's own resources, built with its store, clients and heartbeat TTL
+        (``options``: the :class:`~prefect_sgpu.compute.remote.sweep.Sweeper`'s), which removes what a dead
+        driver left in the store and the cloud. None: this compute leaves nothing behind that the sweeper
+        of its store alone would not remove. Spends nothing; never starts a sweep."""
+        return None
 
     def check_secrets(self, secrets: dict[str, str]) -> None:
         """Raise SGPUConfigError if this compute cannot deliver ``secrets`` (the rank environment

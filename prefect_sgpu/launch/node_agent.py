@@ -29,10 +29,6 @@ from typing import TYPE_CHECKING, Any, Callable
 #: stands for "no NUMA binding" while a LaunchConfig is built without asking torch about CUDA
 _NO_NUMA_QUERY = object()
 
-#: how a cold agent starts its ranks: ``spawn`` (each a new interpreter, as torchrun does),
-#: ``fork`` (forked from this agent, which has imported torch already) or ``auto``
-RANK_STARTS = ("auto", "fork", "spawn")
-
 if TYPE_CHECKING:
     from prefect_sgpu.jobfolder import JobFolder
 
@@ -168,6 +164,8 @@ def node_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from prefect_sgpu.jobfolder import RANK_STARTS  # the driver checks its setting against the same names
+
     p = node_parser("prefect-sgpu-node-agent")
     p.add_argument("--nproc-per-node", type=int, required=True)
     p.add_argument("--rdzv-endpoint", required=True)
@@ -202,6 +200,8 @@ def rank_start_method(requested: str, forked: bool) -> str:
     that a fork could lose. Where they may use a GPU, ranks are new interpreters as under torchrun,
     each bound to its GPU's NUMA node by torch elastic.
     """
+    from prefect_sgpu.jobfolder import RANK_STARTS
+
     if forked:
         return "fork"
     if requested not in RANK_STARTS:

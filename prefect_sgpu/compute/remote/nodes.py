@@ -21,11 +21,11 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefect_sgpu.compute.base import (MASKED_ENV, AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeExited,
-                                       NodeLost, NodeNotice, NodeUp, Released, Request, total_cost)
+                                       NodeLost, NodeNotice, NodeUp, Released, Request)
+from prefect_sgpu.compute.remote.allocation import RemoteAllocation, RemoteRequest, cost_text
 from prefect_sgpu.compute.remote.lease import WarmLease
 from prefect_sgpu.compute.remote.provider import Machine, Provider
 from prefect_sgpu.errors import EnvironmentMismatch, JobCancelled, LaunchTimeout, ProvisioningError
@@ -41,64 +41,6 @@ logger = logging.getLogger("prefect_sgpu.compute.remote.nodes")
 
 #: seconds the nodes of a warm lease get to take up a job before the lease is given up for new machines
 WARM_TAKEUP_S = 120.0
-
-
-@dataclass(frozen=True)
-class RemoteRequest(Request):
-    """What a remote-node job launches, rendered by ``plan``."""
-
-    #: seconds every node's bootstrap gets to announce itself
-    agent_timeout_s: float = 900.0
-    #: seconds the machines wait for the next job of this shape (0: this job's own, ended after it)
-    keep_warm: float = 0.0
-    #: the lease the machines are launched for when no warm one fits; empty for a cold job
-    lease_id: str = ""
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "agent_timeout_s": self.agent_timeout_s,
-                **({"keep_warm": self.keep_warm, "lease": self.lease_id} if self.lease_id else {})}
-
-
-@dataclass
-class RemoteAllocation(Allocation):
-    """One job's machines and what the driver tracks about them until release."""
-
-    instances: list[Any] = field(default_factory=list)
-    started: float = 0.0
-    key_parameter: str | None = None
-    #: the secret of the job's ``secrets=``, once written
-    secrets_parameter: str | None = None
-    progress: Any = None
-    announced: set[int] = field(default_factory=set)
-    reported: set[int] = field(default_factory=set)
-    launched: bool = False
-    polled: float = 0.0
-    states_checked: float = 0.0
-    states: dict[str, str] = field(default_factory=dict)
-    alive_version: dict[int, str | None] = field(default_factory=dict)
-    alive_changed: dict[int, float] = field(default_factory=dict)
-    noticed: set[int] = field(default_factory=set)
-    outcome: Released | None = None
-    #: the warm lease this job runs on (None: a cold job, its machines its own)
-    lease: WarmLease | None = None
-    #: a node was lost or received a reclaim notice: its lease serves no other job
-    lost: bool = False
-    #: machines of lost nodes, ended when new ones took their places (:meth:`RemoteNodeCompute.replace_nodes`)
-    retired: list[Any] = field(default_factory=list)
-    #: when (wall clock) each machine that took a lost node's place was launched; the others: ``started``
-    joined: dict[str, float] = field(default_factory=dict)
-
-    def cost(self, provisioner: Any, machines: list[Any], ended: float) -> dict[str, Any] | None:
-        """What ``machines`` cost from each one's launch to ``ended`` (may raise: prices are optional)."""
-        since: dict[float, list[Any]] = {}
-        for machine in machines:
-            since.setdefault(self.joined.get(machine.id, self.started), []).append(machine)
-        return total_cost([provisioner.cost(group, start, ended) for start, group in since.items()])
-    #: release gave the lease back to the pool (its machines wait for the next job)
-    kept: bool = False
-
-    def instance_id(self, node: int) -> str:
-        return self.instances[node].id
 
 
 class Progress:
@@ -198,21 +140,36 @@ class RemoteNodeCompute(Compute):
 
     def acquire(self, request: Request, folder: "JobFolder", deadline: float,
                 cancel: threading.Event) -> RemoteAllocation:
+        """The job's machines: with ``keep_warm``, an idle warm lease of the job's shape, else new machines
+        for a new lease that outlives the job; without, new machines of the job's own. Returns once every
+        node announced itself in the job's folder; on any exception what was taken is given back."""
         assert isinstance(request, RemoteRequest)
         allocation = self._new_allocation(request, folder)
         allocation.progress("requested", self._requested_text(request))
-        if request.keep_warm > 0:
-            return self._acquire_warm(allocation, deadline, cancel)
+        warm = request.keep_warm > 0
         try:
+            self._put_key(allocation)  # before any node reads it: nodes verify from their first read
+            if warm and self._take_warm(allocation, deadline, cancel):
+                return allocation
             self._sweep(request)
-            self._put_key(allocation)  # before any machine exists: nodes verify from their first read
-            self._put_index_secret(allocation, allocation.run_id, request)  # read by the environment stage at boot
-            self._prepare(allocation)
+            lease = self._new_lease(allocation) if warm else None
+            launch_id = lease.lease_id if lease is not None else allocation.run_id
+            # read by the environment stage at boot
+            self._put_index_secret(lease if lease is not None else allocation, launch_id, request)
+            if lease is None:
+                self._prepare(allocation)
             self._ship_environment(allocation)
-            allocation.instances = self._provision(allocation, request.run_id, deadline, cancel)
-            allocation.progress("running", ", ".join(self._describe(m) for m in allocation.instances))
-            self._wait_for_agents(allocation, deadline, cancel)
-            self._take_pack_offers(allocation, allocation.run_id, allocation.folder.key, allocation.instances)
+            machines = self._provision(allocation, launch_id, deadline, cancel)
+            allocation.progress("running", (f"lease {launch_id}: " if lease is not None else "")
+                                + ", ".join(self._describe(m) for m in machines))
+            if lease is None:
+                allocation.instances = machines
+                self._wait_for_agents(allocation, deadline, cancel)
+            else:
+                lease.instances = machines
+                self._assign(allocation, deadline, cancel)
+            key = lease.folder.key if lease is not None else allocation.folder.key
+            self._take_pack_offers(allocation, launch_id, key, machines)
         except BaseException:
             self._give_back(allocation)
             raise
@@ -228,8 +185,6 @@ class RemoteNodeCompute(Compute):
     def _requested_text(self, request: RemoteRequest) -> str:
         return f"{request.plan.nodes} node(s)"
 
-    #: whether this cloud's nodes build an environment of mode "driver" themselves (from the store)
-    ships_environment = False
     #: whether node 0 packs the packages it installed into the store for later boots (EC2: a setting)
     packs_environments = False
 
@@ -280,41 +235,30 @@ class RemoteNodeCompute(Compute):
 
     # -- warm leases ------------------------------------------------------------------
 
-    def _acquire_warm(self, allocation: RemoteAllocation, deadline: float,
-                      cancel: threading.Event) -> RemoteAllocation:
-        """An idle warm lease of this job's shape, or a new one; either way the job is assigned to its
-        nodes and acquire returns once every node announced itself in the job's folder."""
-        request = allocation.request
-        assert isinstance(request, RemoteRequest)
-        progress = allocation.progress
+    def _take_warm(self, allocation: RemoteAllocation, deadline: float, cancel: threading.Event) -> bool:
+        """An idle warm lease of the job's shape, its nodes assigned the job and up in its folder (True);
+        False when there is none, or when its nodes did not take the job up in time (it is given up)."""
+        lease = POOL.take(self._lease_key(allocation.request), owner=id(self))
+        if lease is None:
+            return False
+        allocation.lease = lease
+        allocation.progress("warm", f"lease {lease.lease_id}: {len(lease.instances)} machine(s) kept from "
+                            f"an earlier job ({lease.jobs} so far)")
         try:
-            self._put_key(allocation)  # before the assignment: the nodes read it once assigned
-            lease = POOL.take(self._lease_key(request), owner=id(self))
-            if lease is not None:
-                allocation.lease = lease
-                progress("warm", f"lease {lease.lease_id}: {len(lease.instances)} machine(s) kept from "
-                         f"an earlier job ({lease.jobs} so far)")
-                try:
-                    self._assign(allocation, deadline, cancel, timeout=min(self.agent_timeout_s, WARM_TAKEUP_S))
-                    return allocation
-                except (LaunchTimeout, ProvisioningError) as exc:
-                    if cancel.is_set() or time.monotonic() >= deadline:
-                        raise
-                    logger.warning("job %s: warm lease %s did not take the job up (%s); launching new "
-                                   "machines", allocation.run_id, lease.lease_id, exc)
-                    allocation.lease = None
-                    POOL.discard(lease)
-            self._sweep(request)
-            lease = self._new_lease(allocation, deadline, cancel)
-            self._assign(allocation, deadline, cancel)
-            self._take_pack_offers(allocation, lease.lease_id, lease.folder.key, lease.instances)
-        except BaseException:
-            self._give_back(allocation)
-            raise
-        return allocation
+            self._assign(allocation, deadline, cancel, timeout=min(self.agent_timeout_s, WARM_TAKEUP_S))
+            return True
+        except (LaunchTimeout, ProvisioningError) as exc:
+            if cancel.is_set() or time.monotonic() >= deadline:
+                raise
+            logger.warning("job %s: warm lease %s did not take the job up (%s); launching new "
+                           "machines", allocation.run_id, lease.lease_id, exc)
+            allocation.lease = None
+            POOL.discard(lease)
+            return False
 
-    def _new_lease(self, allocation: RemoteAllocation, deadline: float, cancel: threading.Event) -> WarmLease:
-        """Machines for a new lease (its key written and its heartbeat beating before they exist)."""
+    def _new_lease(self, allocation: RemoteAllocation) -> WarmLease:
+        """A new lease for the job's machines, in the pool, its key written and its heartbeat beating
+        before any machine exists."""
         request = allocation.request
         assert isinstance(request, RemoteRequest)
         lease = WarmLease(key=self._lease_key(request), folder=JobFolder(self.store, request.lease_id, new_key()),
@@ -325,11 +269,6 @@ class RemoteNodeCompute(Compute):
         self._put_secret(lease, ssm_key_parameter(lease.lease_id, self.store.scope), lease.folder.key,
                          "prefect-sgpu key of one warm lease (deleted when the lease ends)", "key_parameter")
         lease.start_beating()
-        self._put_index_secret(lease, lease.lease_id, request)
-        self._ship_environment(allocation)
-        lease.instances = self._provision(allocation, lease.lease_id, deadline, cancel)
-        allocation.progress("running", f"lease {lease.lease_id}: " +
-                            ", ".join(self._describe(m) for m in lease.instances))
         return lease
 
     def _assign(self, allocation: RemoteAllocation, deadline: float, cancel: threading.Event,
@@ -640,13 +579,3 @@ class RemoteNodeCompute(Compute):
         except Exception as exc:  # noqa: BLE001 - the lease ends instead
             lease.mark_unfit(f"job {allocation.run_id}'s access could not be taken back ({type(exc).__name__}: {exc})")
             return False
-
-
-def cost_text(cost: dict[str, Any] | None) -> str:
-    if not cost:
-        return ""
-    hours = cost.get("instance_hours")
-    usd = cost.get("usd", cost.get("estimated_usd"))
-    if hours is None or usd is None:
-        return str(cost)
-    return f"{hours:.4f} instance-hours, about ${usd:.4f}"

@@ -365,8 +365,9 @@ def sweeper(compute: Any = None, store: Any = None, tracking_uri: str | None = N
     """The sweeper of a compute (one that builds its own, as ``EC2InstanceCompute.sweeper`` does
     with its clients and TTL, or any compute with a store) or of a store alone; the default is
     this machine's local job store with the local heartbeat TTL."""
-    if callable(getattr(compute, "sweeper", None)):
-        return compute.sweeper(tracking_uri, **options)
+    own = compute.sweeper(tracking_uri, **options) if compute is not None else None
+    if own is not None:
+        return own
     if store is None:
         from prefect_sgpu.store import LocalStore
 
