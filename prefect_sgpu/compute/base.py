@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from prefect_sgpu.spec import JobSpec, Plan
 
 if TYPE_CHECKING:
+    from prefect_sgpu.compute.remote.sweep import Sweeper
     from prefect_sgpu.jobfolder import JobFolder, NodeStatus
     from prefect_sgpu.store import Store
 
@@ -366,6 +367,15 @@ class Compute(ABC):
                 "nodes": [{"index": n.index, "address": n.address, "host": n.host,
                            **({"instance_id": n.instance_id} if n.instance_id else {})}
                           for n in allocation.nodes]}
+
+    def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper | None":
+        """What removes the leftovers of this compute's dead runs (:mod:`prefect_sgpu.compute.remote.sweep`),
+        when they are more than files in a job store: a compute with a cloud returns a sweeper of its
+        own store with its provider (what it lists and removes) and its nodes' heartbeat TTL;
+        ``options`` are the :class:`~prefect_sgpu.compute.remote.sweep.Sweeper`'s. None (the default):
+        its runs leave only files in the store it names (:meth:`default_store`), which the caller
+        sweeps with the TTL of nodes on this machine. Spends nothing; removes nothing by itself."""
+        return None
 
     def close(self) -> None:
         """Drop connections this compute opened (a Ray client); the task runner calls it at flow end."""
