@@ -1,15 +1,16 @@
 """The sweeper: what a dead driver left behind, found and removed.
 
 A driver that is SIGKILLed, loses its machine or its network never runs its cleanup.
-Its EC2 nodes stop themselves once its heartbeat is older than their TTL (and the
-user-data powers off a node whose bootstrap never started, or ended without it), but what a node
-cannot remove stays: the run's security and placement groups, its SSM key parameter
-when node 0 never got to delete it, the control files in the job store, and its MLflow
-run, left RUNNING. The sweeper removes those, and terminates any instance still up.
+Its nodes stop themselves once its heartbeat is older than their TTL (on EC2 the user-data
+also powers off a node whose bootstrap never started, or ended without it), but what a node
+cannot remove stays: what the run's machines used in the cloud (on EC2 its security and
+placement groups), its key when node 0 never got to delete it, the control files in the job
+store, and its MLflow run, left RUNNING. The sweeper removes those, and ends any machine still up.
 
 **Which runs are dead.** A run counts as dead only on the evidence its nodes use: the
-driver's heartbeat in the job store older than the run's heartbeat TTL (the
-``sgpu:heartbeat-ttl`` tag, else the sweeper's own) plus a grace for a slow heartbeat write.
+driver's heartbeat in the job store older than the run's heartbeat TTL (as its cloud resources
+record it, :attr:`CloudLeftover.heartbeat_ttl_s`, else the sweeper's own) plus a grace for a slow
+heartbeat write.
 Both ends of that age are read on the store's own clock: the heartbeat's time as the store
 stamped it (S3's ``LastModified``, a file's mtime) and "now" as the store tells it
 (:meth:`Store.clock`: S3's ``Date``), read once a pass and carried forward on this machine's
@@ -39,8 +40,9 @@ and two sweepers (a scheduled flow and a job's start) can run at once. ``dry_run
 lists what would go and touches nothing.
 
 Entry points: ``prefect-sgpu gc`` (:mod:`prefect_sgpu.cli`), the ``prefect-sgpu-gc``
-flow (:func:`prefect_sgpu.adapters.sweep_flow.gc`), and a pass at the start of every EC2 job (non-blocking: it
-never waits for instances to go, so a group still in use stays for the next pass).
+flow (:func:`prefect_sgpu.adapters.sweep_flow.gc`), and a pass at the start of every EC2 job
+(:func:`start_of_job_pass`, non-blocking: it never waits for machines to go, so a group still in
+use stays for the next pass).
 """
 
 from __future__ import annotations
