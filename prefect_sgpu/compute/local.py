@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from prefect_sgpu.heartbeat import HEARTBEAT_TTL_ENV, local_heartbeat_ttl as heartbeat_ttl  # noqa: F401
 from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand, NodeExited,
                                        NodeLost, NodeUp, Released, Request, node_base_environment)
 from prefect_sgpu.compute import leases
 from prefect_sgpu.launch import agent_template
 from prefect_sgpu.launch.warm_pool import AGENT_MODULE, POOL, WarmSet, check_keep_warm, start_set, warm_node_argv
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
-from prefect_sgpu.heartbeat import HEARTBEAT_TTL_ENV, local_heartbeat_ttl as heartbeat_ttl  # noqa: F401
 from prefect_sgpu.launch.processes import kill_and_reap
 from prefect_sgpu.spec import JobSpec, Plan, plan_local
 
