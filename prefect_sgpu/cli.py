@@ -150,7 +150,6 @@ def _sweeper(args: argparse.Namespace) -> Any:
             made.ttl_s = args.ttl_seconds
         return made
     if args.store and args.store.startswith("s3://"):
-        from prefect_sgpu import aws
         from prefect_sgpu.compute.ec2.instances import EC2Provisioner
         from prefect_sgpu.compute.ec2.settings import EC2Settings
         from prefect_sgpu.store_s3 import S3Store
@@ -159,9 +158,7 @@ def _sweeper(args: argparse.Namespace) -> Any:
         settings = EC2Settings(region=region, endpoint_url=args.endpoint_url)
         store = S3Store(args.store, region=region, endpoint_url=args.endpoint_url)
         options.setdefault("ttl_s", EC2_DEFAULT_TTL_S)
-        return Sweeper(store, ec2=EC2Provisioner(settings),
-                       ssm=aws.client("ssm", None, region, args.endpoint_url),
-                       tracking_uri=tracking_uri, **options)
+        return Sweeper(store, cloud=EC2Provisioner(settings), tracking_uri=tracking_uri, **options)
     from prefect_sgpu.store import LocalStore
 
     return sweeper(None, LocalStore(args.store) if args.store else None, tracking_uri, **options)

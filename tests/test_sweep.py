@@ -152,4 +152,4 @@ def test_the_sweeper_of_the_local_compute_is_the_local_job_store(sgpu_home: Path
 
     made = sweeper(LocalProcessCompute())
     assert made.store.root_uri == str(sgpu_home / "jobs") and made.ttl_s == heartbeat_ttl()
-    assert made.ec2 is None and made.ssm is None
+    assert made.cloud is None

@@ -282,13 +282,6 @@ class Compute(ABC):
     def check_store(self, store: "Store") -> None:
         """Raise SGPUConfigError if this compute's nodes cannot use ``store``. Spends nothing."""
 
-    def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper | None":
-        """The sweeper of this compute's own resources, built with its store, clients and heartbeat TTL
-        (``options``: the :class:`~prefect_sgpu.compute.remote.sweep.Sweeper`'s), which removes what a dead
-        driver left in the store and the cloud. None: this compute leaves nothing behind that the sweeper
-        of its store alone would not remove. Spends nothing; never starts a sweep."""
-        return None
-
     def check_secrets(self, secrets: dict[str, str]) -> None:
         """Raise SGPUConfigError if this compute cannot deliver ``secrets`` (the rank environment
         read from the job's Secret blocks, as :class:`JobLaunch` carries it): a channel's size limit,
@@ -382,6 +375,15 @@ class Compute(ABC):
                 "nodes": [{"index": n.index, "address": n.address, "host": n.host,
                            **({"instance_id": n.instance_id} if n.instance_id else {})}
                           for n in allocation.nodes]}
+
+    def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper | None":
+        """What removes the leftovers of this compute's dead runs (:mod:`prefect_sgpu.compute.remote.sweep`),
+        when they are more than files in a job store: a compute with a cloud returns a sweeper of its
+        own store with its provider (what it lists and removes) and its nodes' heartbeat TTL;
+        ``options`` are the :class:`~prefect_sgpu.compute.remote.sweep.Sweeper`'s. None (the default):
+        its runs leave only files in the store it names (:meth:`default_store`), which the caller
+        sweeps with the TTL of nodes on this machine. Spends nothing; removes nothing by itself."""
+        return None
 
     def close(self) -> None:
         """Drop connections this compute opened (a Ray client); the task runner calls it at flow end."""

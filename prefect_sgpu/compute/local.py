@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from prefect_sgpu.heartbeat import HEARTBEAT_TTL_ENV, local_heartbeat_ttl as heartbeat_ttl  # noqa: F401
 from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand, NodeExited,
                                        NodeLost, NodeUp, Released, Request, node_base_environment)
 from prefect_sgpu.compute import leases
@@ -47,17 +48,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("prefect_sgpu.compute.local")
 
 Isolation = Literal["auto", "namespaces", "none"]
-HEARTBEAT_TTL_ENV = "PREFECT_SGPU_HEARTBEAT_TTL"
 #: seconds an idle warm allocation is kept for the next job (0: every job starts and ends cold)
 KEEP_WARM_ENV = "PREFECT_SGPU_KEEP_WARM"
 DEFAULT_KEEP_WARM_S = 120.0
 #: seconds between two tries for GPUs while acquire waits for other jobs to release them
 LEASE_POLL_S = 0.5
-
-
-def heartbeat_ttl() -> float:
-    """Seconds without a driver heartbeat after which local nodes stop themselves."""
-    return float(os.environ.get(HEARTBEAT_TTL_ENV, 60.0))
 
 
 def visible_gpus() -> list[str]:

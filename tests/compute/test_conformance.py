@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from prefect_sgpu import JobCancelled, LaunchTimeout, distributed, runtime
 from prefect_sgpu.compute.base import Released
-from support.conformance import CASES, STALLABLE
+from support.conformance import CASES, STALLABLE, SWEEPABLE
 from support.threads import run_in_thread
 
 pytestmark = pytest.mark.e2e
@@ -32,6 +33,11 @@ def case(request: pytest.FixtureRequest) -> Any:
 
 @pytest.fixture(params=STALLABLE)
 def stallable_case(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_case")
+
+
+@pytest.fixture(params=SWEEPABLE)
+def sweepable_case(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(f"{request.param}_case")
 
 
@@ -143,3 +149,38 @@ def test_cancel_during_acquire_gives_everything_back(stallable_case: Any) -> Non
         finally:
             timer.cancel()
     assert stallable_case.leftovers(job.run_id) == []
+
+
+def test_the_sweeper_removes_a_dead_runs_leftovers_and_leaves_a_live_runs_whole(sweepable_case: Any) -> None:
+    """Through the provider alone (:meth:`Provider.find_leftovers`, :meth:`Provider.remove_leftovers`):
+    the sweeper of the compute knows no cloud."""
+    from prefect_sgpu.compute.remote.sweep import sweeper
+    from prefect_sgpu.jobfolder import CONTROL
+
+    case = sweepable_case
+    tag = uuid.uuid4().hex[:8]
+    live, dead = f"live-{tag}", f"dead-{tag}"
+    case.leave_behind(live, dead=False)
+    case.leave_behind(dead, dead=True)
+    compute = case.options()["compute"]
+    try:
+        left_dead, left_live = case.leftovers(dead), case.leftovers(live)
+        assert left_dead and left_live, "machines, a secret and control files of each run"
+        made = sweeper(compute)
+        dry = made.sweep(dry_run=True)
+        assert {x.run_id for x in dry.found} == {dead} and live in dry.live, dry
+        categories = {x.category for x in compute.provisioner.find_leftovers(compute.store).found if x.run_id == dead}
+        assert {"machine", "secret"} <= categories
+        assert case.leftovers(dead) == left_dead, "a dry run removes nothing"
+        report = made.sweep()
+        assert not report.errors, report.errors
+        assert {(x.kind, x.name) for x in report.removed} == {(x.kind, x.name) for x in dry.found}, report
+        assert case.leftovers(dead) == []
+        assert live in report.live and case.leftovers(live) == left_live, "a live run is left whole"
+        assert not made.sweep().found, "a second pass finds nothing"
+    finally:
+        provider = compute.provisioner
+        provider.remove_leftovers(live, [x for x in provider.find_leftovers(compute.store).found if x.run_id == live])
+        for key in CONTROL:
+            compute.store.delete(live, key)
+

@@ -13,6 +13,7 @@ import pytest
 
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
+from prefect_sgpu.compute.ec2.instances import EC2Provisioner
 from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.store import LocalStore
@@ -71,7 +72,9 @@ def test_create_is_idempotent_and_the_sweeper_deletes_only_its_stores_ended_runs
                                                      PolicyName=roles.ROLE_POLICY_NAME)["PolicyDocument"])) == policy
     roles.create(iam, "theirs-1", policy, {rq.RUN_ID_TAG: "theirs-1", rq.STORE_TAG: other.root_uri}, other.scope)
     try:
-        report = Sweeper(store, ttl_s=60, iam=iam).sweep()
+        cloud = EC2Provisioner(EC2Settings(region=aws_env.region, endpoint_url=aws_env.endpoint_url, job_roles=True),
+                               session=aws_env.session())
+        report = Sweeper(store, ttl_s=60, cloud=cloud).sweep()
         assert [(x.run_id, x.kind, x.name) for x in report.removed] == [("mine-1", "IAM role", "sgpu-mine-1")]
         with pytest.raises(iam.exceptions.NoSuchEntityException):
             iam.get_role(RoleName="sgpu-mine-1")

@@ -149,7 +149,7 @@ def test_sweeping_one_store_leaves_every_ssm_parameter_of_another_stores_runs(aw
     theirs_before = {name: ssm.get_parameter(Name=name, WithDecryption=True)["Parameter"]["Value"]
                      for run in ("b-live", "b-ended") for name in _parameters(runs[run], theirs)}
 
-    sweeper = Sweeper(mine, ttl_s=60.0, ec2=_provisioner(aws_env), ssm=ssm)
+    sweeper = Sweeper(mine, ttl_s=60.0, cloud=_provisioner(aws_env))
     dry = sweeper.sweep(dry_run=True)
     assert not [x for x in dry.found if x.kind == "SSM parameter" and x.run_id.startswith("b-")], dry.found
     for report in (sweeper.sweep(scan_store=False, wait=False), sweeper.sweep()):  # a job's start, then gc

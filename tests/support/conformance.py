@@ -3,8 +3,9 @@
 A case says how to run a job on its compute with ``@distributed`` (``options``), what a
 job may have left behind (``leftovers``: processes, instances, groups, parameters, Ray
 actors, control files), how to make ``acquire`` wait (``stalled_acquire``, for the
-timeout and cancel behaviours during acquire; None when acquire never waits), and how to
-check that what ``dry_run`` showed is what was sent (``check_sent``).
+timeout and cancel behaviours during acquire; None when acquire never waits), how to
+check that what ``dry_run`` showed is what was sent (``check_sent``), and, for a compute with a
+cloud, what a driver killed mid-run leaves there for the sweeper (``leave_behind``).
 Adding a compute means writing one case and listing it in ``tests/compute/conftest.py``.
 """
 
@@ -23,6 +24,8 @@ from support.processes import job_processes
 CASES = ["local", "local_spawn", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm", "fake", "fake_warm"]
 #: those whose acquire can be made to wait (timeout and cancel during acquire)
 STALLABLE: list[str] = ["local", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm", "fake", "fake_warm"]
+#: those with a cloud whose leftovers the sweeper removes through the provider (``leave_behind``)
+SWEEPABLE: list[str] = ["fake", "ec2"]
 
 
 class ComputeCase(Protocol):
@@ -38,6 +41,13 @@ class ComputeCase(Protocol):
 
     def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
         """Assert that what ``job.dry_run()`` showed (``shown``) is what the compute sent."""
+
+
+class SweepableCase(ComputeCase, Protocol):
+    def leave_behind(self, run_id: str, dead: bool) -> None:
+        """What a driver killed mid-run leaves of ``run_id``: a machine up, its key in the cloud's
+        secrets, a job folder with payload and heartbeat; ``dead``: that heartbeat past the run's TTL
+        and grace when this returns, else fresh."""
 
 
 def control_files(store_uri_of_job: Path) -> list[str]:

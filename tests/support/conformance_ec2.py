@@ -234,6 +234,30 @@ class EC2Case:
         """The run id the instances were launched (tagged, grouped) for."""
         return str(job.run_id)
 
+    def leave_behind(self, run_id: str, dead: bool) -> None:
+        """An instance in the run's groups that never boots, the run's key parameter, a job folder;
+        a dead run's resources tagged with a heartbeat TTL of 1 s, returned once its heartbeat is
+        older than that and its grace on S3's clock (S3 dates objects itself)."""
+        import time
+
+        from prefect_sgpu.jobfolder import HEARTBEAT, JobFolder, new_key
+        from prefect_sgpu.spec import JobSpec
+
+        compute = self.env.compute(heartbeat_ttl_s=1.0 if dead else JOB_HEARTBEAT_TTL_S)
+        request = compute.plan(JobSpec(gpus=1, gpu_type="A10", remote=True), run_id)
+        boot = self.env.simulator.boot  # the run's instances never boot, whenever the simulator sees them
+        self.env.simulator.boot = lambda inst: (
+            {"Key": RUN_ID_TAG, "Value": run_id} not in inst.get("Tags", []) and boot(inst))
+        compute.provisioner.provision(run_id, request.plan, request.user_data, attempts=request.run_instances)
+        compute.provisioner.put_secret(request.key_parameter, new_key(), "a job's key")
+        folder = JobFolder(compute.store, run_id, new_key())
+        folder.put_payload(b"payload")
+        folder.beat()
+        deadline = time.monotonic() + 60
+        while dead and compute.store.clock() - compute.store.top(run_id)[0][HEARTBEAT] < 3.0:
+            assert time.monotonic() < deadline, "S3's clock did not move on"
+            time.sleep(0.5)
+
     def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
         """The request dry_run showed is the one launched: field by field, and on the wire."""
         allocation = job.allocation

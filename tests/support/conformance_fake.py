@@ -7,7 +7,10 @@ is this: one provider, one node host, one case.
 
 from __future__ import annotations
 
+import os
 import shlex
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -47,6 +50,24 @@ class FakeCase:
                                                jobfolder.ssm_secrets_parameter(run_id, self.compute.store.scope))
                  if secret_path(self.provider.secrets, name).exists()]
         return left + control_files(self.provider.store_root / run_id)
+
+    def leave_behind(self, run_id: str, dead: bool) -> None:
+        """A machine that never boots, the run's key as a secret, a job folder; a dead run's files
+        dated back ten TTLs (the local store's clock is its files' mtimes)."""
+        self.provider.boot = False
+        try:
+            self.provider.provision(run_id, 1, False, threading.Event())
+        finally:
+            self.provider.boot = True
+        store = self.compute.store
+        self.provider.put_secret(jobfolder.ssm_key_parameter(run_id, store.scope), jobfolder.new_key(), "a job's key")
+        folder = jobfolder.JobFolder(store, run_id, jobfolder.new_key())
+        folder.put_payload(b"payload")
+        folder.beat()
+        if dead:
+            then = time.time() - 10 * HEARTBEAT_TTL_S
+            for path in (store.root / run_id).rglob("*"):
+                os.utime(path, (then, then))
 
     @contextmanager
     def stalled_acquire(self) -> Iterator[None]:

@@ -1,7 +1,7 @@
 """A fake cloud for the remote-node wing: its machines are local processes, and no AWS is involved.
 
 :class:`FakeProvider` implements :class:`prefect_sgpu.compute.remote.provider.Provider` (machine
-states, terminate, secrets, cost); :class:`FakeCompute` is the whole of a cloud's compute on
+states, terminate, secrets, cost, and the leftovers a sweeper finds and removes); :class:`FakeCompute` is the whole of a cloud's compute on
 top of :class:`~prefect_sgpu.compute.remote.nodes.RemoteNodeCompute`: it plans a request and
 boots machines. Each machine runs :mod:`support.fake_node_host` (the real node bootstrap over
 a local job store). With :class:`support.fake_node_host.FakeNodeHost` and the conformance case
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,10 @@ from support.ec2_simulator import pid_namespaces
 from support.fake_node_host import secret_path
 from support.processes import remove_machine_cgroups, wait_gone
 
+from prefect_sgpu import jobfolder
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
+from prefect_sgpu.compute.remote.provider import CloudLeftover, LeftoverScan
+from prefect_sgpu.compute.remote.sweep import Sweeper
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout
 from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store import LocalStore
@@ -167,6 +171,29 @@ class FakeProvider:
         hours = len(instances) * max(0.0, ended - started) / 3600
         return {"instance_hours": round(hours, 6), "usd": 0.0}
 
+    def find_leftovers(self, store: Any) -> LeftoverScan:
+        """Machines still up and the secrets of runs, all of them this cloud's one store's (the
+        machines' store): another store finds nothing. A machine records the provider's TTL."""
+        scan = LeftoverScan()
+        if store.root_uri != LocalStore(self.store_root).root_uri:
+            return scan
+        with self._lock:
+            machines = list(self.machines.values())
+        scan.found += [CloudLeftover(m.launch_id, "machine", "machine", m.id, self.heartbeat_ttl_s)
+                       for m in machines if m.proc.poll() is None]
+        for path in sorted(self.secrets.iterdir()):
+            name = urllib.parse.unquote(path.name)
+            run_id = name.removeprefix(jobfolder.ssm_root(store.scope)).split("/")[0]
+            if name in (jobfolder.ssm_key_parameter(run_id, store.scope),
+                        jobfolder.ssm_secrets_parameter(run_id, store.scope)):
+                scan.found.append(CloudLeftover(run_id, "secret", "secret", name))
+        return scan
+
+    def remove_leftovers(self, run_id: str, leftovers: list[CloudLeftover], wait: bool = True) -> list[CloudLeftover]:
+        gone = set(self.terminate(run_id)) if any(x.category == "machine" for x in leftovers) else set()
+        removed = [x for x in leftovers if x.category == "machine" and x.name in gone]
+        return removed + [x for x in leftovers if x.category == "secret" and self.delete_secret(x.name)]
+
     def close(self) -> None:
         for launch_id in {m.launch_id for m in self.machines.values()}:
             self.terminate(launch_id)
@@ -193,6 +220,11 @@ class FakeCompute(RemoteNodeCompute):
 
     def default_store(self) -> LocalStore:
         return self.store
+
+    def sweeper(self, tracking_uri: str | None = None, **options: Any) -> Sweeper:
+        """The fake cloud's sweeper: its store, its provider's leftovers, its nodes' TTL."""
+        options.setdefault("ttl_s", self.heartbeat_ttl_s)
+        return Sweeper(self.store, cloud=self.provisioner, tracking_uri=tracking_uri, **options)
 
     def plan(self, spec: JobSpec, run_id: str) -> RemoteRequest:
         from prefect_sgpu.compute.remote.lease import lease_id

@@ -396,12 +396,12 @@ class EC2InstanceCompute(RemoteNodeCompute):
                      self.settings.node_permissions_boundary)
 
     def sweeper(self, tracking_uri: str | None = None, **options: Any) -> "Sweeper":
-        """The sweeper of this compute (:mod:`prefect_sgpu.compute.remote.sweep`): its store, clients and TTL."""
+        """The sweeper of this compute (:mod:`prefect_sgpu.compute.remote.sweep`): its store, its provider
+        (instances, groups, SSM parameters and, with ``job_roles``, job roles) and its heartbeat TTL."""
         from prefect_sgpu.compute.remote.sweep import Sweeper
 
-        iam = self._client("iam") if self.settings.job_roles else None
-        return Sweeper(self.store, ttl_s=self.heartbeat_ttl_s, ec2=self.provisioner, ssm=self._client("ssm"),
-                       tracking_uri=tracking_uri, iam=iam, **options)
+        options.setdefault("ttl_s", self.heartbeat_ttl_s)
+        return Sweeper(self.store, cloud=self.provisioner, tracking_uri=tracking_uri, **options)
 
     def _sweep(self, request: RemoteRequest) -> None:
         """What dead drivers of this store left (:mod:`prefect_sgpu.compute.remote.sweep`): removed before launching,

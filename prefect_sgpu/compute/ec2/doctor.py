@@ -159,7 +159,7 @@ class Doctor:
 
         s = self.settings
         try:
-            image_id, _ = self.provisioner._image()
+            image_id, _ = self.provisioner.image()
             (image,) = self.client("ec2").describe_images(ImageIds=[image_id])["Images"]
         except (SGPUConfigError, ProvisioningError) as exc:
             return Check("image", "fail", str(exc), "ami_id, or an ami_ssm_parameter of the region")
@@ -204,7 +204,7 @@ class Doctor:
 
     def quota(self, it: catalog.InstanceType, nodes: int) -> Check:
         from prefect_sgpu.aws import error_code
-        from prefect_sgpu.compute.ec2.instances import vcpu_quota_of
+        from prefect_sgpu.compute.ec2.gang_launch import vcpu_quota_of
 
         market = "on-demand" if self.settings.market == "reserved" else self.settings.market
         needed = it.vcpus * nodes

@@ -1,0 +1,360 @@
+"""Launching one run's gang of EC2 instances: one request per try, failing over, cleaned up on failure.
+
+- **One ``run_instances`` per attempt with ``MinCount=MaxCount=nodes``** in a cluster
+  placement group: a multi-node job is useless with part of its nodes, and EC2 then
+  either places the whole gang or none of it.
+- **Failover** walks the configured subnets (one per availability zone) in order, then
+  on to on-demand when ``fallback_to_on_demand`` is set, but only for capacity errors;
+  anything else (permissions, a bad AMI, quotas) is raised at once because another
+  zone would fail the same way.
+- **Throttling** is botocore's job: every client uses its ``standard``/``adaptive``
+  retry mode. A retried ``run_instances`` carries the same ``ClientToken`` (one per run
+  and attempt), so a lost response never launches a second gang.
+- A launch that fails, or is cancelled, removes everything of the run before the error
+  propagates (:class:`~prefect_sgpu.compute.ec2.cleanup.RunCleanup`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from botocore.exceptions import ClientError, WaiterError
+
+from prefect_sgpu.aws import error_of
+from prefect_sgpu.compute.ec2.describe import Instance, launched_instances
+from prefect_sgpu.compute.ec2.request import DEFAULT_ROOT_DEVICE, LaunchAttempt
+from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
+
+logger = logging.getLogger("prefect_sgpu.compute.ec2.gang_launch")
+
+#: how long a launch waits for EC2 to see a job's new instance profile
+PROFILE_PROPAGATION_S = 60.0
+#: errors that say "no room here right now": worth another zone or market
+CAPACITY_ERRORS = frozenset(
+    {
+        "InsufficientInstanceCapacity",
+        "InsufficientCapacity",
+        "InsufficientHostCapacity",
+        "InsufficientReservedInstanceCapacity",
+        "ReservationCapacityExceeded",
+        "InsufficientFreeAddressesInSubnet",
+        "SpotMaxPriceTooLow",
+        "MaxSpotInstanceCountExceeded",
+        "Unsupported",  # the instance type is not offered in this availability zone
+    }
+)
+#: the regional vCPU quota of an instance family and market: run_instances says VcpuLimitExceeded when a
+#: launch would pass it (Service Quotas, service "ec2"); the other zones of the region share it
+VCPU_QUOTAS = {
+    ("G and VT", "on-demand"): "L-DB2E81BA", ("G and VT", "spot"): "L-3819A6DF",
+    ("P", "on-demand"): "L-417A185B", ("P", "spot"): "L-7212CCBC",
+    ("Standard", "on-demand"): "L-1216C47A", ("Standard", "spot"): "L-34B43A08",
+}
+
+Progress = Callable[[str], None] | None
+
+
+@dataclass
+class Attempt:
+    """One ``run_instances`` try and why it failed."""
+
+    subnet_id: str
+    availability_zone: str
+    market: str
+    error_code: str
+    message: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.subnet_id} ({self.availability_zone}, {self.market}): {self.error_code}: {self.message}"
+        )
+
+
+def vcpu_quota_of(instance_type: str, market: str) -> tuple[str, str | None]:
+    """(name, code or None where unknown here) of the Service Quotas quota an ``instance_type``
+    launch in ``market`` counts against."""
+    prefix = re.match(r"[a-z]+", instance_type.lower())
+    family = prefix.group(0) if prefix else ""
+    kind = {"g": "G and VT", "vt": "G and VT", "p": "P", "trn": "Trn", "inf": "Inf", "dl": "DL", "f": "F",
+            "x": "X"}.get(family, "Standard")
+    spot = market == "spot"
+    name = f"All {kind} Spot Instance Requests" if spot else f"Running On-Demand {kind} instances"
+    return name, VCPU_QUOTAS.get((kind, "spot" if spot else "on-demand"))
+
+
+def vcpu_quota(instance_type: str, market: str) -> str:
+    """The Service Quotas quota an ``instance_type`` launch in ``market`` counts against, by name and code."""
+    name, code = vcpu_quota_of(instance_type, market)
+    return f"EC2 quota \"{name}\"" + (f" ({code})" if code else "")
+
+
+class GangLaunch:
+    """The launching half of :class:`~prefect_sgpu.compute.ec2.instances.EC2Provisioner`, which
+    provides ``settings``, ``client``, the request builders (``attempts``, ``tags``,
+    ``instance_type_for``, ``placement_group_name``), ``instance_states``, ``terminate`` and the
+    ``_launched`` record of what each run launched (which ``terminate`` ends even before tags are seen).
+    """
+
+    settings: Any
+    _launched: dict[str, set[str]]
+
+    def provision(self, run_id: str, plan: Any, user_data: str, progress: Progress = None,
+                  should_stop: Callable[[], bool] | None = None, *,
+                  attempts: tuple[LaunchAttempt, ...] | None = None,
+                  deadline: float | None = None, sent: list[dict[str, Any]] | None = None) -> list[Instance]:
+        """Launch ``plan.nodes`` instances as one gang, failing over as configured.
+
+        ``attempts`` are the requests rendered when the job was planned (what dry_run
+        showed); without them they are rendered now. Returns the running instances
+        sorted by launch index. The wait for "running" ends at ``deadline`` (a
+        ``time.monotonic()`` value) or ``running_timeout_s``, whichever comes first
+        (``LaunchTimeout``, phase "provisioning"). On any failure, and when
+        ``should_stop()`` turns true before they run (``JobCancelled``), every resource
+        of the run is cleaned up before the error propagates. Each request actually
+        sent is appended to ``sent``.
+        """
+        stop = should_stop or (lambda: False)
+        say = progress or (lambda message: None)
+        self.settings.require_launchable()
+        itype = self.instance_type_for(plan)
+        if attempts is None:
+            attempts = self.attempts(run_id, plan, user_data)  # shape and secrets, before any call
+        subnets = self._describe_subnets()
+        todo = list(attempts)
+        if any(a.market == "reserved" for a in todo):
+            zone = self._reservation_zone(itype)
+            todo = [a for a in todo if a.market != "reserved" or subnets[a.subnet_id or ""]["AvailabilityZone"] == zone]
+            if not any(a.market == "reserved" for a in todo):
+                raise SGPUConfigError(
+                    "subnet_ids",
+                    self.settings.subnet_ids,
+                    f"a subnet in {zone}, the zone of capacity reservation "
+                    f"{self.settings.capacity_reservation_id}",
+                )
+        image_id, root_device = self.image()
+        try:
+            sg = self.settings.security_group_id or self._create_security_group(run_id, subnets)
+            self._create_placement_group(run_id)
+            tried: list[Attempt] = []
+            over_quota: set[str] = set()  # markets whose regional vCPU quota this launch would pass
+            for launch in todo:
+                if stop():
+                    raise JobCancelled(f"run {run_id} was cancelled while provisioning")
+                market, subnet_id = launch.market, launch.subnet_id or ""
+                if market in over_quota:
+                    continue  # every zone of the region counts against the same quota
+                zone = subnets[subnet_id]["AvailabilityZone"]
+                request = launch.resolved(image_id, sg, root_device)
+                if sent is not None:
+                    sent.append(request)
+                say(f"run_instances {plan.nodes} x {itype} in {subnet_id} ({zone}), {market}")
+                try:
+                    response = self._run_instances(request, stop, deadline)
+                except ClientError as exc:
+                    code, message = error_of(exc)
+                    if code == "VcpuLimitExceeded":
+                        quota = vcpu_quota(itype, "spot" if market == "spot" else "on-demand")
+                        message = (f"{message} {plan.nodes} x {itype} needs more vCPUs than the {quota} in "
+                                   f"{self.settings.region} leaves: raise it in Service Quotas")
+                        tried.append(Attempt(subnet_id, zone, market, code, message))
+                        over_quota.add(market)
+                        say(f"over the vCPU quota for {market} {itype}: {quota}")
+                        continue
+                    if code not in CAPACITY_ERRORS:
+                        raise ProvisioningError(
+                            f"run_instances failed in {subnet_id} ({zone}, {market}) with "
+                            f"{code or type(exc).__name__}: {message}. "
+                            "Not retried in other zones: this is not a capacity error."
+                        ) from exc
+                    tried.append(Attempt(subnet_id, zone, market, code, message))
+                    say(f"no capacity in {subnet_id} ({zone}, {market}): {code}")
+                    logger.info("run %s: %s", run_id, tried[-1])
+                    continue
+                ids = [i["InstanceId"] for i in response["Instances"]]
+                self._launched.setdefault(run_id, set()).update(ids)
+                say(f"launched {', '.join(ids)} in {zone}; waiting for running")
+                return self._wait_running(run_id, ids, market, stop, deadline)
+            error = ProvisioningError(
+                f"could not launch {plan.nodes} x {itype} for run {run_id}; tried "
+                f"{len(tried)} subnet/market combination(s):\n" + "\n".join(f"  - {a}" for a in tried)
+            )
+            error.attempts = [asdict(a) for a in tried]  # type: ignore[attr-defined]
+            raise error
+        except BaseException:
+            try:
+                self.terminate(run_id)
+            except Exception:  # keep the launch error; the failed cleanup is logged
+                logger.exception("cleanup of run %s after a failed launch failed", run_id)
+            raise
+
+    def _run_instances(self, request: dict[str, Any], stop: Callable[[], bool],
+                       deadline: float | None) -> dict[str, Any]:
+        """``run_instances``; a just-created instance profile that EC2 does not see yet (IAM is
+        eventually consistent: seconds) is waited for, up to ``PROFILE_PROPAGATION_S``."""
+        give_up = time.monotonic() + PROFILE_PROPAGATION_S
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        while True:
+            try:
+                return self.client("ec2").run_instances(**request)
+            except ClientError as exc:
+                code, message = error_of(exc)
+                fresh_profile = (code == "InvalidParameterValue" and "iaminstanceprofile" in message.lower()
+                                 and self.settings.job_roles)
+                if not fresh_profile or time.monotonic() > give_up or stop():
+                    raise
+                logger.info("instance profile not visible to EC2 yet: retrying run_instances")
+                time.sleep(2.0)
+
+    def _describe_subnets(self) -> dict[str, dict[str, Any]]:
+        try:
+            found = self.client("ec2").describe_subnets(SubnetIds=list(self.settings.subnet_ids))["Subnets"]
+        except ClientError as exc:
+            code, message = error_of(exc)
+            if code.startswith("InvalidSubnet"):
+                raise SGPUConfigError(
+                    "subnet_ids",
+                    self.settings.subnet_ids,
+                    f"subnets that exist in {self.settings.region} ({message})",
+                ) from None
+            raise
+        by_id = {s["SubnetId"]: s for s in found}
+        if len({s["VpcId"] for s in found}) > 1 and not self.settings.security_group_id:
+            raise SGPUConfigError(
+                "subnet_ids",
+                self.settings.subnet_ids,
+                "subnets of one VPC (the security group created for the nodes lives in one VPC)",
+            )
+        return by_id
+
+    def _reservation_zone(self, instance_type: str) -> str:
+        """The capacity reservation's zone, after checking it can hold this launch."""
+        rid = self.settings.capacity_reservation_id
+        allowed = (
+            f"an active capacity reservation for {instance_type} in {self.settings.region} "
+            "that this account can use"
+        )
+        try:
+            found = self.client("ec2").describe_capacity_reservations(CapacityReservationIds=[rid])
+        except ClientError as exc:
+            code, message = error_of(exc)
+            if code.startswith("InvalidCapacityReservationId"):
+                raise SGPUConfigError("capacity_reservation_id", rid, allowed, hint=message) from None
+            raise
+        (reservation,) = found["CapacityReservations"]
+        if reservation.get("State") != "active":
+            raise SGPUConfigError(
+                "capacity_reservation_id", rid, allowed, hint=f"it is {reservation.get('State')}"
+            )
+        if reservation.get("InstanceType") != instance_type:
+            raise SGPUConfigError(
+                "capacity_reservation_id", rid, allowed, hint=f"it holds {reservation.get('InstanceType')}"
+            )
+        return reservation["AvailabilityZone"]
+
+    def image(self) -> tuple[str, str]:
+        """The AMI id (resolved from SSM when not given) and its root device name."""
+        s = self.settings
+        image_id = s.ami_id
+        if not image_id:
+            try:
+                image_id = self.client("ssm").get_parameter(Name=s.ami_ssm_parameter)["Parameter"]["Value"]
+            except ClientError as exc:
+                code, message = error_of(exc)
+                if code == "ParameterNotFound":
+                    raise SGPUConfigError(
+                        "ami_ssm_parameter",
+                        s.ami_ssm_parameter,
+                        f"an SSM parameter in {s.region} that names an AMI, or set ami_id",
+                    ) from None
+                raise ProvisioningError(
+                    f"could not read SSM parameter {s.ami_ssm_parameter}: {code}: {message}"
+                ) from exc
+        try:
+            images = self.client("ec2").describe_images(ImageIds=[image_id])["Images"]
+        except ClientError as exc:
+            code, message = error_of(exc)
+            if code.startswith("InvalidAMIID"):
+                images = []
+            else:
+                raise
+        if not images:
+            raise SGPUConfigError(
+                "ami_id", image_id, f"an AMI that exists in {s.region} and this account can launch"
+            )
+        return image_id, images[0].get("RootDeviceName") or DEFAULT_ROOT_DEVICE
+
+    def _create_security_group(self, run_id: str, subnets: dict[str, dict[str, Any]]) -> str:
+        """A group that admits only its own members: rendezvous, NCCL and EFA traffic."""
+        ec2 = self.client("ec2")
+        vpc_id = next(iter(subnets.values()))["VpcId"]
+        name = f"sgpu-{run_id}"
+        try:
+            group_id = ec2.create_security_group(
+                GroupName=name,
+                Description=f"prefect-sgpu nodes of run {run_id}; admits only itself",
+                VpcId=vpc_id,
+                TagSpecifications=[{"ResourceType": "security-group", "Tags": self.tags(run_id)}],
+            )["GroupId"]
+        except ClientError as exc:
+            if error_of(exc)[0] != "InvalidGroup.Duplicate":
+                raise
+            group_id = ec2.describe_security_groups(
+                Filters=[{"Name": "group-name", "Values": [name]}, {"Name": "vpc-id", "Values": [vpc_id]}]
+            )["SecurityGroups"][0]["GroupId"]
+            return group_id
+        itself = [
+            {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group_id, "Description": "sgpu nodes"}]}
+        ]
+        ec2.authorize_security_group_ingress(GroupId=group_id, IpPermissions=itself)
+        ec2.authorize_security_group_egress(GroupId=group_id, IpPermissions=itself)  # EFA needs it explicitly
+        return group_id
+
+    def _create_placement_group(self, run_id: str) -> None:
+        try:
+            self.client("ec2").create_placement_group(
+                GroupName=self.placement_group_name(run_id),
+                Strategy="cluster",
+                TagSpecifications=[{"ResourceType": "placement-group", "Tags": self.tags(run_id)}],
+            )
+        except ClientError as exc:
+            if error_of(exc)[0] != "InvalidPlacementGroup.Duplicate":
+                raise
+
+    def _wait_running(self, run_id: str, ids: list[str], market: str,
+                      should_stop: Callable[[], bool] = lambda: False,
+                      deadline: float | None = None) -> list[Instance]:
+        """botocore's ``instance_running`` waiter, one poll at a time so a cancel is seen between polls.
+
+        Ends at ``deadline`` (the job's) or after ``running_timeout_s``, whichever is first.
+        """
+        ec2 = self.client("ec2")
+        delay = self.settings.waiter_delay_s
+        waiter = ec2.get_waiter("instance_running")
+        limit = time.monotonic() + self.settings.running_timeout_s
+        if deadline is not None:
+            limit = min(limit, deadline)
+        while True:
+            try:
+                waiter.wait(InstanceIds=ids, WaiterConfig={"Delay": delay, "MaxAttempts": 1})
+                break
+            except WaiterError as exc:
+                if "Max attempts exceeded" not in str(exc):  # a terminal state: not coming up
+                    states = self.instance_states(ids, reasons=True)
+                    raise ProvisioningError(
+                        f"run {run_id}: instances stopped before running (spot reclaimed or launch failure): "
+                        f"{states}"
+                    ) from exc
+                if time.monotonic() + delay > limit:
+                    raise LaunchTimeout(run_id, self.settings.running_timeout_s, phase="provisioning") from exc
+            pause_until = time.monotonic() + delay
+            while time.monotonic() < pause_until:
+                if should_stop():
+                    raise JobCancelled(f"run {run_id} was cancelled while its instances started")
+                time.sleep(min(0.5, max(0.0, pause_until - time.monotonic())))
+        return launched_instances(ec2, ids, market)
