@@ -25,7 +25,7 @@ from prefect_sgpu import distributed, environment_ship
 from prefect_sgpu.compute.ec2.request import render_user_data
 from prefect_sgpu.environment import capture
 from prefect_sgpu.errors import ProvisioningError, SGPUConfigError
-from prefect_sgpu.launch import node_env
+from prefect_sgpu.launch import ec2_stage, node_env
 from support.conformance_ec2 import EC2Env
 
 USER_MODULE = "sgpu_user_project_train"
@@ -93,9 +93,12 @@ def test_the_user_data_names_the_manifest_and_carries_the_stage(project: Path) -
     assert "-m prefect_sgpu.launch.bootstrap" in script and "pip install" not in script
     # the stage travels without its docstrings and comments: room is left for setup_commands
     assert len(script.encode()) <= 12 * 1024 < environment_ship.USER_DATA_LIMIT
-    carried = zlib.decompress(base64.b85decode(max(script.split(), key=len).strip("'"))).decode()
-    assert carried == environment_ship.stage_text() and '"""' not in carried
-    assert "def uv(" in carried and "def main(" in carried and node_env.UV_WHEELS["x86_64"][1] in carried
+    files = json.loads(zlib.decompress(base64.b85decode(max(script.split(), key=len).strip("'"))))
+    assert files == environment_ship.stage_files("ec2_stage") and "--transport=ec2_stage" in script
+    carried = files[environment_ship.STAGE_MAIN]
+    assert carried == environment_ship.stage_text() and not any('"""' in text for text in files.values())
+    assert "def uv(" in carried and "def main(" in carried and node_env.UV_WHEELS["x86_64"][1] in files["stage_uv.py"]
+    assert "AWS4-HMAC-SHA256" in files["ec2_stage.py"] and "AWS4" not in carried and "169.254" not in carried
     image = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env.model_copy(
         update={"mode": "image"}))
     assert "--manifest" not in image and image.splitlines()[-1].startswith("python3 -m prefect_sgpu.launch.bootstrap")
@@ -184,13 +187,13 @@ def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_
     monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
     monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
     monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "envs"))
-    s3 = node_env.S3(bucket, aws_env.region, aws_env.endpoint_url, None)
-    s3.put("jobs/run-1/setup/i-1.log", b"what the stage said")  # signed by the stage, read by the driver
+    s3 = ec2_stage.S3StageTransport(f"s3://{bucket}/jobs", aws_env.region, aws_env.endpoint_url)
+    s3.put("run-1/setup/i-1.log", b"what the stage said")  # signed by the stage, read by the driver
     assert store.get("run-1", "setup/i-1.log") == b"what the stage said"
 
     def boot(environment: Environment) -> tuple[Path, bool]:
         sha = environment_ship.manifest_sha256(environment)
-        base = f"jobs/.environments/{environment.digest}"
+        base = f".environments/{environment.digest}"
         manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
         venv, how = node_env.ensure(manifest, s3, f"{base}/files")
         return venv, how == "built"
@@ -257,25 +260,26 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     monkeypatch.setenv("UV_OFFLINE", "1")
     monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
     monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
-    monkeypatch.setattr(node_pack, "part_size", lambda size: 5 << 20)  # S3's smallest part: a multipart upload
-    s3 = node_env.S3(bucket, aws_env.region, aws_env.endpoint_url, None)
+    monkeypatch.setattr(node_pack, "part_size", lambda size: 5 << 20)
+    monkeypatch.setattr(ec2_stage, "part_size", lambda size: 5 << 20)  # S3's smallest part: a multipart upload
+    s3 = ec2_stage.S3StageTransport(f"s3://{bucket}/jobs", aws_env.region, aws_env.endpoint_url)
     sha = environment_ship.manifest_sha256(env)
-    base = f"jobs/.environments/{env.digest}"
+    base = f".environments/{env.digest}"
     manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
     job_key = new_key()
     packages = node_env.packages_digest(manifest)
     folder = environment_ship.packages_folder(env)
     assert folder == f"packages-{packages}"
-    packs_key = f"jobs/.environments/{folder}"
+    packs_key = f".environments/{folder}"
 
     def boot(root: str, packs: list[str], offer_as: str | None = None, manifest: dict = manifest) -> tuple[Path, str]:
         monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / root))
         offer_to = None
         if offer_as:
             offer_to = lambda venv, packing: packing.offer(  # noqa: E731
-                s3, packs_key, f"jobs/run-1/setup/pack-{offer_as}.json", venv, manifest, packages,
+                s3, packs_key, f"run-1/setup/pack-{offer_as}.json", venv, manifest, packages,
                 node_env.platform_key(), lambda: job_key, "run-1", offer_as)
-        files = f"jobs/.environments/{manifest['digest']}/files"
+        files = f".environments/{manifest['digest']}/files"
         return node_env.ensure(manifest, s3, files, packs=node_env.parse_packs(packs), offer_to=offer_to,
                                packs_key=packs_key)
 
@@ -320,7 +324,7 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     assert environment_ship.recorded_packs(store, changed) == recorded
     changed_sha = environment_ship.manifest_sha256(changed)
     changed_manifest = node_env.check_manifest(
-        s3.get(f"jobs/.environments/{changed.digest}/manifest-{changed_sha}.json"), changed_sha)
+        s3.get(f".environments/{changed.digest}/manifest-{changed_sha}.json"), changed_sha)
     fourth, how = boot("node-b", recorded, manifest=changed_manifest)
     assert how == "unpacked" and fourth != second and runs(fourth) == f"{metadata.version('six')} [2]"
     assert list(empty.iterdir()) == [], "uv never ran"
@@ -404,8 +408,9 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
     image = bare_image(other)
     bucket, store, env = _store_and_small_environment(aws_env, project)
     environment_ship.ship(store, env)
-    stage = tmp_path / "stage.py"
-    stage.write_text(environment_ship.stage_text())  # as the user-data carries it
+    for name, text in environment_ship.stage_files("ec2_stage").items():  # as the user-data carries them
+        (tmp_path / name).write_text(text)
+    stage = tmp_path / environment_ship.STAGE_MAIN
     node = {"PATH": f"{image / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "UV_OFFLINE": "1",
             "UV_CACHE_DIR": str(Path.home() / ".cache" / "uv"), node_env.ENV_ROOT_ENV: str(tmp_path / "envs"),
             node_env.UV_INDEX_ENV: uv_index().url,  # the image has no uv: the stage fetches the pinned one

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.wheel_index import WheelIndex, pinned_uv, uv_wheel
 
-from prefect_sgpu.launch import node_env
+from prefect_sgpu.launch import node_env, stage_uv
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def bare_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for name in (node_env.UV_INDEX_ENV, "UV_INDEX_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "envs"))
-    monkeypatch.setattr(node_env, "PYPI_SIMPLE", "http://127.0.0.1:9/simple")  # never the real PyPI here
+    monkeypatch.setattr(stage_uv, "PYPI_SIMPLE", "http://127.0.0.1:9/simple")  # never the real PyPI here
     return tmp_path / "envs"
 
 
