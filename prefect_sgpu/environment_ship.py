@@ -251,8 +251,6 @@ def ship(store: "Store", environment: "Environment") -> dict[str, int]:
     return {"uploaded": len(missing), "skipped": len(sources) - len(missing), "bytes": size}
 
 
-#: the stage's own modules under ``prefect_sgpu/launch/`` (the transport's is named by whoever renders the user-data)
-STAGE_MODULES = ("node_env", "stage_uv")
 #: the name the stage's main module has on the node
 STAGE_MAIN = "prefect_sgpu_node_env.py"
 
@@ -274,10 +272,10 @@ def stage_text(module: str = "node_env") -> str:
 
 
 def stage_files(transport: str) -> dict[str, str]:
-    """File name -> text of what the user-data writes into the stage's folder: the stage, its uv
-    fetcher and the transport module ``transport`` (a module of ``prefect_sgpu/launch/``) it imports
-    from there."""
-    return {STAGE_MAIN: stage_text("node_env"), **{f"{m}.py": stage_text(m) for m in (*STAGE_MODULES[1:], transport)}}
+    """File name -> text of what the user-data writes into the stage's folder: the stage and the transport
+    module ``transport`` (a module of ``prefect_sgpu/launch/``) it imports from there. What else the stage
+    needs comes from the environment's shipped files (:func:`prefect_sgpu.launch.node_env.shipped_module`)."""
+    return {STAGE_MAIN: stage_text("node_env"), f"{transport}.py": stage_text(transport)}
 
 
 @lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ own folder; it imports nothing of prefect-sgpu.
   reader of both the stage and :mod:`prefect_sgpu.launch.ec2_host`.
 - **Credentials**: the environment's keys, else the instance profile's from IMDSv2.
 - **Signature V4** (:func:`signed`) for S3's REST API and SSM's JSON API.
-- **S3**: GET, PUT, ranged GET and multipart upload of one bucket's objects.
+- **S3**: GET, PUT, ranged GET and the steps of a multipart upload of one bucket's objects.
 - **SSM**: a SecureString's value (GetParameter WithDecryption).
 """
 
@@ -28,8 +28,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 DEFAULT_IMDS = "http://169.254.169.254/"
 IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
@@ -139,11 +137,6 @@ def read_parameter(name: str, region: str, endpoint_url: str | None, creds: tupl
 # --- the stage's transport ------------------------------------------------------------------------
 
 
-def part_size(size: int) -> int:
-    """Upload parts: 8 MiB, 64 MiB from 1 GiB (S3 takes at most 10,000 parts: 640 GiB)."""
-    return max(8 << 20 if size < (1 << 30) else 64 << 20, -(-size // 10_000))
-
-
 class S3StageTransport:
     """The stage's transport (:mod:`prefect_sgpu.launch.node_env`) for an ``s3://bucket/prefix`` store:
     its objects (keys relative to the store's root), SSM for secrets, IMDSv2 for the node itself.
@@ -201,41 +194,28 @@ class S3StageTransport:
     def put(self, key: str, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
         _call(self._request("PUT", key, body, headers={"content-type": content_type}))
 
-    def put_file(self, key: str, path: Path, content_type: str = "application/octet-stream") -> None:
-        """A file of any size: one PUT up to a part, else a multipart upload (4 parts at a time; S3
-        takes at most 5 GB in one PUT), aborted when a part fails."""
-        size, part = path.stat().st_size, part_size(path.stat().st_size)
-        if size <= part:
-            self.put(key, path.read_bytes(), content_type)
-            return
-        body, _ = _call(self._request("POST", key, query={"uploads": ""}))
-        found = re.search(rb"<UploadId>([^<]+)</UploadId>", body)
+    def start_upload(self, key: str) -> str:
+        """A multipart upload of ``key`` (S3 takes at most 5 GB in one PUT): its id."""
+        found = re.search(rb"<UploadId>([^<]+)</UploadId>", _call(self._request("POST", key, query={"uploads": ""}))[0])
         if found is None:
-            raise TransportError(f"no upload id in {body[:200]!r}")
-        upload_id = found.group(1).decode()
+            raise TransportError(f"no upload id for {key}")
+        return found.group(1).decode()
 
-        def send(number: int) -> str:
-            with open(path, "rb") as fh:
-                fh.seek((number - 1) * part)
-                data = fh.read(part)
-            query = {"partNumber": str(number), "uploadId": upload_id}
-            return _call(self._request("PUT", key, data, query=query), timeout=600)[1]["ETag"]
+    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str:
+        """Part ``number`` (from 1) of an upload: its token for :meth:`finish_upload`."""
+        query = {"partNumber": str(number), "uploadId": upload}
+        return _call(self._request("PUT", key, data, query=query), timeout=600)[1]["ETag"]
 
-        try:
-            with ThreadPoolExecutor(4) as pool:
-                etags = list(pool.map(send, range(1, -(-size // part) + 1)))
-            parts = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{e}</ETag></Part>" for n, e in enumerate(etags, 1))
-            body, _ = _call(self._request(
-                "POST", key, f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode(),
-                query={"uploadId": upload_id}, headers={"content-type": "application/xml"}))
-            if b"<Error>" in body:  # S3 may answer 200 with an error in the body
-                raise TransportError(body[:300].decode("utf-8", "replace"))
-        except BaseException:
-            try:
-                _call(self._request("DELETE", key, query={"uploadId": upload_id}))
-            except Exception:  # noqa: BLE001 - the upload's own error says more
-                pass
-            raise
+    def finish_upload(self, key: str, upload: str, parts: list[str]) -> None:
+        """The object, from the parts' tokens in order; ``parts`` empty: the upload is abandoned."""
+        if not parts:
+            _call(self._request("DELETE", key, query={"uploadId": upload}))
+            return
+        body = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{e}</ETag></Part>" for n, e in enumerate(parts, 1))
+        done = _call(self._request("POST", key, f"<CompleteMultipartUpload>{body}</CompleteMultipartUpload>".encode(),
+                                   query={"uploadId": upload}, headers={"content-type": "application/xml"}))[0]
+        if b"<Error>" in done:  # S3 may answer 200 with an error in the body
+            raise TransportError(done[:300].decode("utf-8", "replace"))
 
     def read_secret(self, name: str) -> str:
         return read_parameter(name, self.region, self.endpoint_url, self.creds)

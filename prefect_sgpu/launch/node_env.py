@@ -22,7 +22,11 @@ it installed. It is the node half of :mod:`prefect_sgpu.environment_ship`:
 The store, the secrets and the node's own identity are reached through a :class:`Transport`, chosen
 by the store URL's scheme (:data:`STAGE_TRANSPORTS`) or by ``--transport``: for ``s3://`` stores it is
 :mod:`prefect_sgpu.launch.ec2_stage` (S3, SSM and IMDSv2 from the standard library), which the
-user-data carries beside this file (with :mod:`prefect_sgpu.launch.stage_uv`, the uv it brings).
+user-data carries beside this file. What the stage needs only sometimes, the uv it brings when the
+image has none (:mod:`prefect_sgpu.launch.stage_uv`) and the pack code
+(:mod:`prefect_sgpu.launch.node_pack`), it loads from the environment's own shipped prefect-sgpu
+files, each checked against the manifest's sha256 (:func:`shipped_module`): the user-data has room
+for little more than this file and its transport.
 This module knows no cloud. A failing step prints its output (the console) and writes it to
 ``<store>/<run id>/setup/<instance id>.log``, where the driver shows it, then exits non-zero: the
 user-data's trap powers the instance off.
@@ -45,15 +49,10 @@ import types
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
-if __package__:  # imported from its package; else run from the user-data, beside its siblings
-    from prefect_sgpu.launch import stage_uv
-else:
-    import stage_uv  # type: ignore[no-redef]
-
-UV_INDEX_ENV, UV_VERSION, UV_WHEELS, masked_url = (stage_uv.UV_INDEX_ENV, stage_uv.UV_VERSION, stage_uv.UV_WHEELS,
-                                                   stage_uv.masked_url)
+#: an image's own package index for uv's wheel (:data:`prefect_sgpu.launch.stage_uv.UV_INDEX_ENV`)
+UV_INDEX_ENV = "PREFECT_SGPU_UV_INDEX"
 
 FORMAT = 1
 ENV_ROOT_ENV = "PREFECT_SGPU_ENV_ROOT"
@@ -76,6 +75,15 @@ class SetupError(Exception):
 _MASKS: list[tuple[str, str]] = []
 #: the name of the revealed index settings in a job's secrets SecureString (environment_ship.INDEX_SECRET)
 INDEX_SECRET = "PREFECT_SGPU_INDEX_URLS"
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its user info and query replaced by ``***`` (as the driver shows it; stage_uv's twin:
+    neither file can import the other on a node)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    netloc = f"***@{netloc}" if "@" in parts.netloc else netloc
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
 
 
 def hide(url: str) -> None:
@@ -128,7 +136,11 @@ class Transport(Protocol):
 
     def put(self, key: str, body: bytes, content_type: str = ...) -> None: ...
 
-    def put_file(self, key: str, path: Path, content_type: str = ...) -> None: ...
+    def start_upload(self, key: str) -> str: ...
+
+    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str: ...
+
+    def finish_upload(self, key: str, upload: str, parts: list[str]) -> None: ...
 
     def read_secret(self, name: str) -> str: ...
 
@@ -243,8 +255,19 @@ def site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def uv(index: dict | None = None) -> str:
-    """The image's ``uv``, else the pinned one this stage fetches (:func:`prefect_sgpu.launch.stage_uv.uv`)."""
+def uv(index: dict | None = None, shipped: "Callable[[str], Any] | None" = None) -> str:
+    """The image's ``uv``, else the pinned one this stage fetches (:func:`prefect_sgpu.launch.stage_uv.uv`:
+    from this stage's package, or ``shipped(UV_MODULE)``, the environment's own copy)."""
+    found = shutil.which("uv")
+    if found:
+        return found
+    if __package__:
+        from prefect_sgpu.launch import stage_uv
+    else:
+        stage_uv = shipped(UV_MODULE) if shipped is not None else None
+        if stage_uv is None:
+            raise SetupError("fetching uv", f"the image has no `uv` on PATH and the environment ships no "
+                             f"{UV_MODULE}: install uv in the image")
     try:
         return stage_uv.uv(index, env_root(), log)
     except stage_uv.UvMissing as exc:
@@ -300,7 +323,8 @@ def packages_digest(manifest: dict) -> str:
                                      separators=(",", ":")).encode()).hexdigest()
 
 
-def install(venv: Path, manifest: dict, index: dict | None = None) -> None:
+def install(venv: Path, manifest: dict, index: dict | None = None,
+            shipped: "Callable[[str], Any] | None" = None) -> None:
     """The venv with the driver's Python and packages, nothing shipped yet. ``index``: the revealed index
     settings (credentials only in uv's environment), else the manifest's.
 
@@ -308,7 +332,7 @@ def install(venv: Path, manifest: dict, index: dict | None = None) -> None:
     trees names them relative to site-packages), and a Python uv downloads lands under the
     environments' root (``python/``, unless the image sets ``UV_PYTHON_INSTALL_DIR``): a pack of both
     works under another root."""
-    tool = uv(manifest["index"] if index is None else index)
+    tool = uv(manifest["index"] if index is None else index, shipped)
     if venv.exists():  # an earlier build that did not finish
         shutil.rmtree(venv)
     pythons = {} if os.environ.get("UV_PYTHON_INSTALL_DIR") else {"UV_PYTHON_INSTALL_DIR": str(venv.parent / "python")}
@@ -357,7 +381,7 @@ def lay_out_trees(venv: Path, manifest: dict, store: Transport, files_key: str, 
 
 
 def build(venv: Path, manifest: dict, store: Transport, files_key: str, cache: Path, index: dict | None = None) -> None:
-    install(venv, manifest, index)
+    install(venv, manifest, index, lambda path: shipped_module(manifest, store, files_key, cache, path))
     lay_out_trees(venv, manifest, store, files_key, cache)
 
 
@@ -366,24 +390,30 @@ def platform_key() -> str:
     return f"{sys.platform}-{platform.machine()}"
 
 
-#: where this project's own code lies in its shipped tree (the pack code, loaded from there)
+#: where this project's own code lies in its shipped tree: what the stage loads from there
 PACK_MODULE = "prefect_sgpu/launch/node_pack.py"
+UV_MODULE = "prefect_sgpu/launch/stage_uv.py"
 
 
-def pack_module(manifest: dict, store: Transport, files_key: str, cache: Path):
-    """:mod:`prefect_sgpu.launch.node_pack`, from this environment's own prefect-sgpu files (checked
-    against the manifest's sha256, like every shipped file); None when the manifest has none."""
+def shipped_module(manifest: dict, store: Transport, files_key: str, cache: Path, path: str):
+    """The module at ``path`` of this environment's own prefect-sgpu files (checked against the manifest's
+    sha256, like every shipped file); None when the manifest has none."""
     for tree in manifest["trees"]:
         if tree["name"] != "prefect-sgpu":
             continue
-        want = "/".join(p for p in (tree.get("root") or "", PACK_MODULE) if p) if tree["kind"] == "path" else PACK_MODULE
-        for path, _size, sha in tree["files"]:
-            if path == want:
-                module = types.ModuleType("prefect_sgpu_node_pack")
+        want = "/".join(p for p in (tree.get("root") or "", path) if p) if tree["kind"] == "path" else path
+        for name, _size, sha in tree["files"]:
+            if name == want:
+                module = types.ModuleType("prefect_sgpu_" + path.rsplit("/", 1)[-1][:-3])
                 code = fetch_file(store, files_key, cache, sha).read_bytes()
-                exec(compile(code, PACK_MODULE, "exec"), module.__dict__)  # noqa: S102 - checked by sha256
+                exec(compile(code, path, "exec"), module.__dict__)  # noqa: S102 - checked by sha256
                 return module
     return None
+
+
+def pack_module(manifest: dict, store: Transport, files_key: str, cache: Path):
+    """:mod:`prefect_sgpu.launch.node_pack`, from this environment's own prefect-sgpu files."""
+    return shipped_module(manifest, store, files_key, cache, PACK_MODULE)
 
 
 def ensure(manifest: dict, store: Transport, files_key: str, read_secret=None, packs: dict | None = None,
@@ -423,7 +453,7 @@ def ensure(manifest: dict, store: Transport, files_key: str, read_secret=None, p
                 log(f"the store's pack {named[0][:16]} of these packages was not used "
                     f"({type(exc).__name__}: {exc}): building")
         index = revealed_index(manifest, read_secret) if read_secret is not None else None
-        install(venv, manifest, index)
+        install(venv, manifest, index, lambda path: shipped_module(manifest, store, files_key, cache, path))
         if offer_to is not None and packing is not None:
             try:
                 offer_to(venv, packing)

@@ -12,8 +12,8 @@ not make a new pack, and the shipped files are laid out after unpacking as after
 
 - **Offer.** Node 0 of a job whose driver asks for it (``--offer-pack``), having installed the
   packages cold, tars the venv (and the Python uv downloaded for it, when it lies under the
-  environments' root) into ``.environments/packages-<packages digest>/<sha256>.tar`` (the transport's
-  ``put_file``: on S3 one PUT, or a multipart upload), then writes ``<run>/setup/pack-<instance>.json``: the pack's description sealed
+  environments' root) into ``.environments/packages-<packages digest>/<sha256>.tar`` (one PUT, or an
+  upload in parts: S3 takes at most 5 GB in one PUT), then writes ``<run>/setup/pack-<instance>.json``: the pack's description sealed
   as :func:`prefect_sgpu.jobfolder.seal` seals a document of kind ``envpack`` bound to the instance,
   with the job key's ``env-pack`` key. All of this happens before the bootstrap starts: no rank has
   run. The driver reads the offer before it launches any rank and records the pack, sealed with a
@@ -58,7 +58,7 @@ def log(message: str) -> None:
 
 
 def part_size(size: int) -> int:
-    """Download ranges: 8 MiB, 64 MiB from 1 GiB."""
+    """Upload parts and download ranges: 8 MiB, 64 MiB from 1 GiB (at most 10,000 parts: 640 GiB)."""
     return max(8 << 20 if size < (1 << 30) else 64 << 20, -(-size // 10_000))
 
 
@@ -71,6 +71,32 @@ def file_sha256(path: Path) -> str:
 
 
 # --- large objects, through the stage's transport (:class:`prefect_sgpu.launch.node_env.Transport`) ----------
+
+
+def upload(store, key: str, path: Path, part: int) -> None:
+    """A file of any size: one PUT up to ``part`` bytes, else an upload in parts (4 at a time),
+    abandoned when a part fails."""
+    size = path.stat().st_size
+    if size <= part:
+        store.put(key, path.read_bytes(), "application/x-tar")
+        return
+    upload_id = store.start_upload(key)
+
+    def send(number: int) -> str:
+        with open(path, "rb") as fh:
+            fh.seek((number - 1) * part)
+            return store.put_part(key, upload_id, number, fh.read(part))
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            parts = list(pool.map(send, range(1, -(-size // part) + 1)))
+        store.finish_upload(key, upload_id, parts)
+    except BaseException:
+        try:
+            store.finish_upload(key, upload_id, [])
+        except Exception:  # noqa: BLE001 - the upload's own error says more
+            pass
+        raise
 
 
 def download(store, key: str, path: Path, size: int, part: int) -> str:
@@ -237,7 +263,7 @@ def offer(store, packs_key: str, offer_key: str, venv: Path, manifest: dict, pac
     archive = venv.parent / f".pack-{os.getpid()}.tar"
     try:
         sha, size = pack(venv, archive)
-        store.put_file(f"{packs_key}/{sha}.tar", archive, "application/x-tar")
+        upload(store, f"{packs_key}/{sha}.tar", archive, part_size(size))
         body = json.dumps({"format": PACK_FORMAT, "packages": packages, "platform": platform,
                            "python": manifest["python"], "sha256": sha, "size": size}, sort_keys=True).encode()
         store.put(offer_key, seal_offer(read_key(), run_id, instance, body), "application/octet-stream")

@@ -1,6 +1,7 @@
 """The uv the environment stage (:mod:`prefect_sgpu.launch.node_env`) runs: the image's, else a pinned wheel.
 
-Standard library only: it runs on a bare image beside the stage (the user-data carries it). It knows
+Standard library only: it runs on a bare image, loaded by the stage from the environment's own shipped
+files only when the image has no uv (:func:`prefect_sgpu.launch.node_env.shipped_module`). It knows
 no cloud: the wheel comes from a package index (simple API) or a find-links page.
 """
 

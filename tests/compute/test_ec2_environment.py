@@ -25,7 +25,7 @@ from prefect_sgpu import distributed, environment_ship
 from prefect_sgpu.compute.ec2.request import render_user_data
 from prefect_sgpu.environment import capture
 from prefect_sgpu.errors import ProvisioningError, SGPUConfigError
-from prefect_sgpu.launch import ec2_stage, node_env
+from prefect_sgpu.launch import ec2_stage, node_env, stage_uv
 from support.conformance_ec2 import EC2Env
 
 USER_MODULE = "sgpu_user_project_train"
@@ -97,7 +97,7 @@ def test_the_user_data_names_the_manifest_and_carries_the_stage(project: Path) -
     assert files == environment_ship.stage_files("ec2_stage") and "--transport=ec2_stage" in script
     carried = files[environment_ship.STAGE_MAIN]
     assert carried == environment_ship.stage_text() and not any('"""' in text for text in files.values())
-    assert "def uv(" in carried and "def main(" in carried and node_env.UV_WHEELS["x86_64"][1] in files["stage_uv.py"]
+    assert "def uv(" in carried and "def main(" in carried and set(files) == {environment_ship.STAGE_MAIN, "ec2_stage.py"}
     assert "AWS4-HMAC-SHA256" in files["ec2_stage.py"] and "AWS4" not in carried and "169.254" not in carried
     image = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env.model_copy(
         update={"mode": "image"}))
@@ -144,6 +144,23 @@ def test_the_stage_refuses_a_manifest_the_user_data_does_not_name() -> None:
     with pytest.raises(node_env.SetupError, match="the user-data names"):
         node_env.check_manifest(raw, hashlib.sha256(b"another").hexdigest())
     assert node_env.check_manifest(raw, hashlib.sha256(raw).hexdigest())["digest"] == "0" * 64
+
+
+def _with_own_files(env: Any, tmp_path: Path, *modules: str) -> Any:
+    """``env`` with prefect-sgpu's own files reduced to ``modules`` (of ``prefect_sgpu/launch/``): what
+    the stage loads from the environment (its uv fetcher, the pack code)."""
+    import shutil
+
+    from prefect_sgpu.environment import Distribution
+    from prefect_sgpu.environment_files import scan
+
+    own = tmp_path / "prefect-sgpu-source"
+    (own / "prefect_sgpu" / "launch").mkdir(parents=True, exist_ok=True)
+    for module in modules:
+        shutil.copy(module, own / "prefect_sgpu" / "launch" / Path(module).name)
+    return env.model_copy(update={
+        "distributions": (*env.distributions, Distribution(name="prefect-sgpu", version="0.0.0", source="editable")),
+        "local_packages": (scan("prefect-sgpu", own, "environment.local_packages"),)})
 
 
 def _store_and_small_environment(aws_env: Any, project: Path) -> tuple[str, Any, Any]:
@@ -260,8 +277,7 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     monkeypatch.setenv("UV_OFFLINE", "1")
     monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
     monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
-    monkeypatch.setattr(node_pack, "part_size", lambda size: 5 << 20)
-    monkeypatch.setattr(ec2_stage, "part_size", lambda size: 5 << 20)  # S3's smallest part: a multipart upload
+    monkeypatch.setattr(node_pack, "part_size", lambda size: 5 << 20)  # S3's smallest part: a multipart upload
     s3 = ec2_stage.S3StageTransport(f"s3://{bucket}/jobs", aws_env.region, aws_env.endpoint_url)
     sha = environment_ship.manifest_sha256(env)
     base = f".environments/{env.digest}"
@@ -294,7 +310,7 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     assert how == "built"
     packs = [n for n in store.list(environment_ship.STORE_FOLDER, folder)]
     assert len(packs) == 1 and packs[0].endswith(".tar")
-    tar_key = f"{packs_key}/{packs[0].rsplit('/', 1)[-1]}"
+    tar_key = f"jobs/{packs_key}/{packs[0].rsplit('/', 1)[-1]}"
     size = aws_env.client("s3").head_object(Bucket=bucket, Key=tar_key)
     assert size["ContentLength"] > 5 << 20 and "-" in size["ETag"], "one object from a multipart upload"
 
@@ -407,6 +423,7 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
         pytest.skip("no CPython of another minor version on this machine")
     image = bare_image(other)
     bucket, store, env = _store_and_small_environment(aws_env, project)
+    env = _with_own_files(env, tmp_path, stage_uv.__file__)  # the stage loads its uv fetcher from them
     environment_ship.ship(store, env)
     for name, text in environment_ship.stage_files("ec2_stage").items():  # as the user-data carries them
         (tmp_path / name).write_text(text)
@@ -422,7 +439,7 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
          "-c", "import sys, six, features.encode; print('%d.%d' % sys.version_info[:2], six.__version__)"],
         capture_output=True, text=True, env=node, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "built environment" in done.stdout and f"fetched uv {node_env.UV_VERSION}" in done.stdout
+    assert "built environment" in done.stdout and f"fetched uv {stage_uv.UV_VERSION}" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == f"{env.python.minor} {metadata.version('six')}", done.stdout
 
 
@@ -455,7 +472,7 @@ def test_bare_nodes_build_the_driver_environment_once_and_run_the_users_project(
     assert venvs == [f"{digest}-{sys.platform}-{__import__('platform').machine()}"]
     consoles = _consoles(bare, first.run_id)
     assert sum("built environment" in c for c in consoles) == 1, consoles  # the other node waited, then reused
-    assert sum(f"fetched uv {node_env.UV_VERSION}" in c for c in consoles) == 1, consoles  # the image has none
+    assert sum(f"fetched uv {stage_uv.UV_VERSION}" in c for c in consoles) == 1, consoles  # the image has none
     assert sum("reused environment" in c for c in consoles) == 1, consoles
 
     second = job()
