@@ -45,11 +45,11 @@ def imds_base() -> str:
     return os.environ.get(IMDS_ENV, DEFAULT_IMDS).rstrip("/") + "/"
 
 
-def _imds(path: str, headers: dict[str, str], method: str, timeouts: tuple[float, ...]) -> str:
+def _imds(path: str, headers: dict[str, str], method: str, timeouts: tuple[float, ...], base: str | None) -> str:
     """One IMDS request, tried once per timeout: a busy machine can answer late. An HTTP error
     (404: no such entry, 401: an expired token) is raised at once."""
     for attempt, timeout in enumerate(timeouts):
-        request = urllib.request.Request(imds_base() + path, method=method, headers=headers)
+        request = urllib.request.Request((base or imds_base()) + path, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.read().decode()
@@ -62,15 +62,16 @@ def _imds(path: str, headers: dict[str, str], method: str, timeouts: tuple[float
     raise AssertionError("not reached")
 
 
-def imds_token(timeouts: tuple[float, ...] = (5, 10, 20), ttl: int = 21600) -> str:
-    """A session token of IMDSv2."""
-    return _imds("latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": str(ttl)}, "PUT", timeouts)
+def imds_token(timeouts: tuple[float, ...] = (5, 10, 20), ttl: int = 21600, base: str | None = None) -> str:
+    """A session token of IMDSv2 (``base``: another metadata service than :func:`imds_base`'s)."""
+    return _imds("latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": str(ttl)}, "PUT", timeouts, base)
 
 
-def imds_get(path: str, token: str | None = None, timeouts: tuple[float, ...] = (5, 10, 20)) -> str:
+def imds_get(path: str, token: str | None = None, timeouts: tuple[float, ...] = (5, 10, 20),
+             base: str | None = None) -> str:
     """``latest/meta-data/<path>``, stripped (a new token when none is given)."""
-    token = token or imds_token(timeouts)
-    return _imds("latest/meta-data/" + path, {"X-aws-ec2-metadata-token": token}, "GET", timeouts).strip()
+    token = token or imds_token(timeouts, base=base)
+    return _imds("latest/meta-data/" + path, {"X-aws-ec2-metadata-token": token}, "GET", timeouts, base).strip()
 
 
 def credentials() -> tuple[str, str, str | None]:
