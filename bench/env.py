@@ -94,7 +94,7 @@ def pack_rows(work: Path, aws: Any) -> list[tuple[str, float, str]]:
 
     from prefect_sgpu import environment_ship
     from prefect_sgpu.environment import capture
-    from prefect_sgpu.launch import node_env, node_pack
+    from prefect_sgpu.launch import ec2_stage, node_env, node_pack
     from prefect_sgpu.store_s3 import S3Store
     from support.ec2_simulator import bare_image
 
@@ -104,8 +104,9 @@ def pack_rows(work: Path, aws: Any) -> list[tuple[str, float, str]]:
     store = S3Store(f"s3://{bucket}/jobs", session=aws.session(), endpoint_url=aws.endpoint_url)
     environment_ship.ship(store, env)
     sha = environment_ship.manifest_sha256(env)
-    base = f"jobs/.environments/{env.digest}"
-    s3 = node_env.S3(bucket, aws.env.get("AWS_DEFAULT_REGION", "us-east-1"), aws.endpoint_url, None)
+    base = f".environments/{env.digest}"
+    s3 = ec2_stage.S3StageTransport(f"s3://{bucket}/jobs", aws.env.get("AWS_DEFAULT_REGION", "us-east-1"),
+                                    aws.endpoint_url)
     manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
     saved = dict(os.environ)
     rows = []

@@ -100,6 +100,7 @@ def node_host() -> int:
     from prefect_sgpu import aws
     from prefect_sgpu.launch import bootstrap as bs
     from prefect_sgpu.launch import ec2_host as eh
+    from prefect_sgpu.launch.ec2_stage import imds_get, imds_token
     from prefect_sgpu.launch.node_host import NodeIdentity
     from prefect_sgpu.store_s3 import S3Store
 
@@ -128,10 +129,10 @@ def node_host() -> int:
             argv = [a for a in shlex.split(line) if not a.startswith("--backstop-marker")]
             assert argv[1:3] == ["-m", "prefect_sgpu.launch.bootstrap"], argv
             args = bs.parse_args(argv[3:])
-            token = eh._imds_token(imds, 2.0)
-            identity = NodeIdentity(instance_id=eh._imds_get(imds, token, "instance-id", 2.0),
-                                    launch_index=int(eh._imds_get(imds, token, "ami-launch-index", 2.0)),
-                                    private_ip=eh._imds_get(imds, token, "local-ipv4", 2.0))
+            token = imds_token((2.0,), base=imds)
+            identity = NodeIdentity(instance_id=imds_get("instance-id", token, (2.0,), base=imds),
+                                    launch_index=int(imds_get("ami-launch-index", token, (2.0,), base=imds)),
+                                    private_ip=imds_get("local-ipv4", token, (2.0,), base=imds))
             store = S3Store(args.store, region=args.region, endpoint_url=args.endpoint_url,
                             client=client("s3", args.region, args.endpoint_url),
                             kms_key_id=args.store_kms_key, bucket_owner=args.bucket_owner)

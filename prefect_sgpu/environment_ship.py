@@ -251,13 +251,17 @@ def ship(store: "Store", environment: "Environment") -> dict[str, int]:
     return {"uploaded": len(missing), "skipped": len(sources) - len(missing), "bytes": size}
 
 
-@lru_cache(maxsize=1)
-def stage_text() -> str:
-    """The node stage (:mod:`prefect_sgpu.launch.node_env`) as the user-data carries it: the same code
-    without its docstrings and comments (a quarter of its size)."""
+#: the name the stage's main module has on the node
+STAGE_MAIN = "prefect_sgpu_node_env.py"
+
+
+@lru_cache(maxsize=None)
+def stage_text(module: str = "node_env") -> str:
+    """A module of the node stage (:mod:`prefect_sgpu.launch.node_env` and its siblings) as the user-data
+    carries it: the same code without its docstrings and comments (a quarter of its size)."""
     import ast
 
-    tree = ast.parse((Path(__file__).parent / "launch" / "node_env.py").read_text())
+    tree = ast.parse((Path(__file__).parent / "launch" / f"{module}.py").read_text())
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
@@ -267,25 +271,35 @@ def stage_text() -> str:
     return ast.unparse(tree) + "\n"
 
 
-@lru_cache(maxsize=1)
-def _stage_source() -> str:
-    """The node stage, compressed for the user-data."""
-    return base64.b85encode(zlib.compress(stage_text().encode(), 9)).decode()  # a sixteenth smaller than base64
+def stage_files(transport: str) -> dict[str, str]:
+    """File name -> text of what the user-data writes into the stage's folder: the stage and the transport
+    module ``transport`` (a module of ``prefect_sgpu/launch/``) it imports from there. What else the stage
+    needs comes from the environment's shipped files (:func:`prefect_sgpu.launch.node_env.shipped_module`)."""
+    return {STAGE_MAIN: stage_text("node_env"), f"{transport}.py": stage_text(transport)}
+
+
+@lru_cache(maxsize=None)
+def _stage_source(transport: str) -> str:
+    """The node stage's files, compressed together for the user-data."""
+    raw = json.dumps(stage_files(transport), separators=(",", ":")).encode()
+    return base64.b85encode(zlib.compress(raw, 9)).decode()  # a sixteenth smaller than base64
 
 
 def stage_lines(python: str, digest: str, manifest_sha: str, store_uri: str, run_id: str, region: str,
                 endpoint_url: str | None, bucket_owner: str | None, packs: list[str] | tuple[str, ...] = (),
-                offer_pack: bool = False) -> tuple[list[str], str]:
+                offer_pack: bool = False, *, transport: str) -> tuple[list[str], str]:
     """User-data lines that write the stage out, and the shell words that run it (the bootstrap's
-    own arguments, without its Python, follow them)."""
-    unpack = "import base64,sys,zlib;open(sys.argv[1],'wb').write(zlib.decompress(base64.b85decode(sys.argv[2])))"
+    own arguments, without its Python, follow them). ``transport``: the module under ``launch/`` of the
+    stage's transport to the store (:class:`prefect_sgpu.launch.node_env.Transport`), carried beside it."""
+    unpack = ("import base64,json,os,sys,zlib;[open(os.path.join(sys.argv[1],n),'w').write(t) for n,t in "
+              "json.loads(zlib.decompress(base64.b85decode(sys.argv[2]))).items()]")
     lines = [
         "# the environment stage: build or reuse the driver's environment (a venv by digest), then the bootstrap",
-        'stage="$(mktemp -d)/prefect_sgpu_node_env.py"',
-        f'{shlex.quote(python)} -c {shlex.quote(unpack)} "$stage" {shlex.quote(_stage_source())}',
+        'stage="$(mktemp -d)"',
+        f'{shlex.quote(python)} -c {shlex.quote(unpack)} "$stage" {shlex.quote(_stage_source(transport))}',
     ]
     args = [f"--store={store_uri}", f"--run-id={run_id}", f"--region={region}", f"--environment={digest}",
-            f"--manifest={manifest_sha}"]
+            f"--manifest={manifest_sha}", f"--transport={transport}"]
     if endpoint_url:
         args.append(f"--endpoint-url={endpoint_url}")
     if bucket_owner:
@@ -293,7 +307,7 @@ def stage_lines(python: str, digest: str, manifest_sha: str, store_uri: str, run
     args += [f"--pack={value}" for value in packs]
     if offer_pack:
         args.append("--offer-pack")
-    return lines, f'{shlex.quote(python)} "$stage" {shlex.join(args)} --'
+    return lines, f'{shlex.quote(python)} "$stage/{STAGE_MAIN}" {shlex.join(args)} --'
 
 
 # --- packs of built environments ----------------------------------------------------------------

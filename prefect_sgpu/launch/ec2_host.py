@@ -1,8 +1,8 @@
 """The EC2 node host: what the node bootstrap asks of EC2 (:mod:`prefect_sgpu.launch.node_host`).
 
-- **Identity** from IMDSv2 (a token PUT, then GETs): the instance id, the AMI launch index
-  (the node's index in its gang) and the private IPv4 address.
-  ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` points it elsewhere, as botocore honours it.
+- **Identity** from IMDSv2 (:mod:`prefect_sgpu.launch.ec2_stage`'s reader, the environment stage's
+  too): the instance id, the AMI launch index (the node's index in its gang) and the private IPv4
+  address. ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` points it elsewhere, as botocore honours it.
 - **Secrets** are SSM SecureStrings, read and deleted with the instance profile's rights.
 - **Reclaim notices**: IMDS's ``spot/instance-action`` (a spot interruption) and
   ``events/recommendations/rebalance`` (a rebalance recommendation), 404 until there is one.
@@ -12,49 +12,24 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
-import urllib.request
 from typing import Any
 
 from prefect_sgpu import aws
+from prefect_sgpu.launch.ec2_stage import IMDS_ENV, imds_base, imds_get, imds_token  # noqa: F401 - IMDS_ENV: its name
 from prefect_sgpu.launch.node_host import NodeIdentity
 from prefect_sgpu.launch.processes import node_log as _log
-
-DEFAULT_IMDS = "http://169.254.169.254/"
-IMDS_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable botocore itself honours
 
 #: what IMDS says when the cloud will take the instance away, and how to say it to people
 NOTICE_PATHS = (("spot/instance-action", "spot interruption"),
                 ("events/recommendations/rebalance", "rebalance recommendation"))
 
 
-def _imds_base() -> str:
-    return os.environ.get(IMDS_ENV, DEFAULT_IMDS).rstrip("/") + "/"
-
-
-def _imds_token(base: str, timeout: float) -> str:
-    request = urllib.request.Request(
-        base + "latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read().decode()
-
-
-def _imds_get(base: str, token: str, path: str, timeout: float) -> str:
-    request = urllib.request.Request(
-        base + "latest/meta-data/" + path, headers={"X-aws-ec2-metadata-token": token}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return response.read().decode().strip()
-
-
 class NoticeWatch:
     """Reads IMDS for reclaim notices (404 until there is one), at most every ``every`` seconds."""
 
     def __init__(self, every: float = 2.0, timeout: float = 1.0) -> None:
-        self.base = _imds_base()
         self.every = every
         self.timeout = timeout
         self._token: str | None = None
@@ -69,10 +44,10 @@ class NoticeWatch:
         self._checked = now
         try:
             if self._token is None:
-                self._token = _imds_token(self.base, self.timeout)
+                self._token = imds_token((self.timeout,))
             for path, what in NOTICE_PATHS:
                 try:
-                    return f"{what}: {_imds_get(self.base, self._token, path, self.timeout)}"
+                    return f"{what}: {imds_get(path, self._token, (self.timeout,))}"
                 except urllib.error.HTTPError as exc:
                     if exc.code == 401:
                         self._token = None
@@ -85,20 +60,19 @@ class NoticeWatch:
 
 def fetch_identity(attempts: int = 30, timeout: float = 2.0) -> NodeIdentity:
     """Instance id, launch index and private IP from IMDSv2 (token PUT, then GETs)."""
-    base = _imds_base()
     last: Exception | None = None
     for attempt in range(attempts):
         try:
-            token = _imds_token(base, timeout)
+            token = imds_token((timeout,))
             return NodeIdentity(
-                instance_id=_imds_get(base, token, "instance-id", timeout),
-                launch_index=int(_imds_get(base, token, "ami-launch-index", timeout)),
-                private_ip=_imds_get(base, token, "local-ipv4", timeout),
+                instance_id=imds_get("instance-id", token, (timeout,)),
+                launch_index=int(imds_get("ami-launch-index", token, (timeout,))),
+                private_ip=imds_get("local-ipv4", token, (timeout,)),
             )
         except (OSError, ValueError) as exc:  # the metadata service may lag right after boot
             last = exc
             time.sleep(min(0.2 * (attempt + 1), 2.0))
-    raise RuntimeError(f"instance metadata service at {base} did not answer: {last}")
+    raise RuntimeError(f"instance metadata service at {imds_base()} did not answer: {last}")
 
 
 class EC2NodeHost:

@@ -14,14 +14,20 @@ it installed. It is the node half of :mod:`prefect_sgpu.environment_ship`:
    ``UV_CACHE_DIR`` included, apply); every shipped file (local packages, this project, the
    user's ``working_dir`` and ``py_modules``) fetched by sha256, checked, and laid out; then the
    marker. When the manifest's index settings carry credentials (it shows them masked), the real
-   URLs come from the job's SSM SecureString (``/prefect-sgpu/<store scope>/<run id>/secrets``, GetParameter
-   signed like S3) and reach uv only through its environment (``UV_INDEX_URL``,
+   URLs come from the job's secrets (``/prefect-sgpu/<store scope>/<run id>/secrets``) and reach uv only through its environment (``UV_INDEX_URL``,
    ``UV_EXTRA_INDEX_URL``, ``UV_FIND_LINKS``), never a command line; every line this stage
    prints or uploads has them masked;
 4. ``exec`` the bootstrap with the venv's Python.
 
-S3 is read with Signature V4 from the standard library (credentials from the environment or the
-instance profile through IMDSv2). A failing step prints its output (the console) and writes it to
+The store, the secrets and the node's own identity are reached through a :class:`Transport`, chosen
+by the store URL's scheme (:data:`STAGE_TRANSPORTS`) or by ``--transport``: for ``s3://`` stores it is
+:mod:`prefect_sgpu.launch.ec2_stage` (S3, SSM and IMDSv2 from the standard library), which the
+user-data carries beside this file. What the stage needs only sometimes, the uv it brings when the
+image has none (:mod:`prefect_sgpu.launch.stage_uv`) and the pack code
+(:mod:`prefect_sgpu.launch.node_pack`), it loads from the environment's own shipped prefect-sgpu
+files, each checked against the manifest's sha256 (:func:`shipped_module`): the user-data has room
+for little more than this file and its transport.
+This module knows no cloud. A failing step prints its output (the console) and writes it to
 ``<store>/<run id>/setup/<instance id>.log``, where the driver shows it, then exits non-zero: the
 user-data's trap powers the instance off.
 """
@@ -29,12 +35,8 @@ user-data's trap powers the instance off.
 from __future__ import annotations
 
 import argparse
-import base64
-import datetime as _dt
 import fcntl
 import hashlib
-import hmac
-import io
 import json
 import os
 import platform
@@ -44,12 +46,13 @@ import subprocess
 import sys
 import time
 import types
-import urllib.error
 import urllib.parse
-import urllib.request
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable, Protocol
+
+#: an image's own package index for uv's wheel (:data:`prefect_sgpu.launch.stage_uv.UV_INDEX_ENV`)
+UV_INDEX_ENV = "PREFECT_SGPU_UV_INDEX"
 
 FORMAT = 1
 ENV_ROOT_ENV = "PREFECT_SGPU_ENV_ROOT"
@@ -57,7 +60,6 @@ DEFAULT_ROOTS = ("/var/lib/prefect-sgpu/envs", "~/.cache/prefect-sgpu/envs")
 COMPLETE = ".complete"
 SHA = re.compile(r"^[0-9a-f]{64}$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_UNRESERVED = "-_.~"
 
 
 class SetupError(Exception):
@@ -76,7 +78,8 @@ INDEX_SECRET = "PREFECT_SGPU_INDEX_URLS"
 
 
 def masked_url(url: str) -> str:
-    """``url`` with its user info and query replaced by ``***`` (as the driver shows it)."""
+    """``url`` with its user info and query replaced by ``***`` (as the driver shows it; stage_uv's twin:
+    neither file can import the other on a node)."""
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc.rsplit("@", 1)[-1]
     netloc = f"***@{netloc}" if "@" in parts.netloc else netloc
@@ -110,123 +113,56 @@ def log(message: str) -> None:
     print(mask(f"[prefect-sgpu env] {message}"), flush=True)
 
 
-# --- S3 with Signature V4, standard library only ------------------------------------------------
+# --- the transport to the store -----------------------------------------------------------------
+
+#: the stage transport of each store scheme: a module's name, imported from this stage's own folder (the
+#: user-data carries it beside this file) or, when this stage runs from its package, from the package
+STAGE_TRANSPORTS = {"s3": "ec2_stage"}
 
 
-def _imds(path: str, token: str | None = None, method: str = "GET") -> str:
-    """One IMDS read; tried three times (5, 10, 20 s): a busy machine can answer late, and a stage
-    that gives up powers its instance off."""
-    base = os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://169.254.169.254/").rstrip("/")
-    headers = {"X-aws-ec2-metadata-token": token} if token else {"X-aws-ec2-metadata-token-ttl-seconds": "300"}
-    for attempt, timeout in enumerate((5, 10, 20)):
-        req = urllib.request.Request(base + path, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.read().decode()
-        except urllib.error.HTTPError:
-            raise
-        except OSError:  # a timeout, a reset connection
-            if attempt == 2:
-                raise
-            time.sleep(1)
-    raise AssertionError("not reached")
+class Transport(Protocol):
+    """What the stage asks of the cloud it runs on, whatever the cloud: the module a transport lives in
+    names its class ``TRANSPORT``, built by ``TRANSPORT.from_args(store_uri, argv)`` from the stage's
+    arguments this module does not know. Keys are relative to the store's root. Each method raises
+    when it fails (the stage then ends, saying why)."""
+
+    root_uri: str
+
+    def uri(self, key: str) -> str: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def get_range(self, key: str, start: int, end: int) -> bytes: ...
+
+    def put(self, key: str, body: bytes, content_type: str = ...) -> None: ...
+
+    def start_upload(self, key: str) -> str: ...
+
+    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str: ...
+
+    def finish_upload(self, key: str, upload: str, parts: list[str]) -> None: ...
+
+    def read_secret(self, name: str) -> str: ...
+
+    def instance_id(self) -> str: ...
+
+    def launch_index(self) -> int: ...
 
 
-def credentials() -> tuple[str, str, str | None]:
-    """The environment's keys, else the instance profile's from IMDSv2 (as botocore finds them)."""
-    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        return (os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"],
-                os.environ.get("AWS_SESSION_TOKEN") or None)
-    token = _imds("/latest/api/token", method="PUT")
-    role = _imds("/latest/meta-data/iam/security-credentials/", token).strip().splitlines()[0]
-    doc = json.loads(_imds(f"/latest/meta-data/iam/security-credentials/{role}", token))
-    return doc["AccessKeyId"], doc["SecretAccessKey"], doc.get("Token")
+def load_transport(name: str, store_uri: str, argv: list[str]) -> Transport:
+    """The transport of module ``name`` (a plain name: beside this stage), over ``store_uri``."""
+    import importlib
+
+    module = importlib.import_module(f"{__package__}.{name}" if __package__ and "." not in name else name)
+    return module.TRANSPORT.from_args(store_uri, argv)
 
 
-def instance_id() -> str:
+def read(transport: Transport, key: str) -> bytes:
     try:
-        return _imds("/latest/meta-data/instance-id", _imds("/latest/api/token", method="PUT")).strip()
-    except (OSError, urllib.error.URLError):
-        return "unknown-instance"
+        return transport.get(key)
+    except Exception as exc:  # noqa: BLE001 - the stage ends, saying what it could not read
+        raise SetupError(f"reading {transport.uri(key)}", f"{exc}") from None
 
-
-def signed(method: str, url: str, service: str, region: str, creds: tuple[str, str, str | None],
-           body: bytes = b"", extra: dict[str, str] | None = None,
-           query: dict[str, str] | None = None) -> urllib.request.Request:
-    """A request signed with Signature V4 (``url`` already quoted, without its query: ``query``)."""
-    parts = urllib.parse.urlsplit(url)
-    canonical_query = "&".join(f"{urllib.parse.quote(k, safe=_UNRESERVED)}={urllib.parse.quote(v, safe=_UNRESERVED)}"
-                               for k, v in sorted((query or {}).items()))
-    now = _dt.datetime.now(_dt.timezone.utc)
-    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-    payload = hashlib.sha256(body).hexdigest()
-    headers = {"host": parts.netloc, "x-amz-content-sha256": payload, "x-amz-date": stamp, **(extra or {})}
-    access, secret, token = creds
-    if token:
-        headers["x-amz-security-token"] = token
-    names = sorted(headers)
-    canonical = "\n".join([method, parts.path or "/", canonical_query, *(f"{n}:{headers[n].strip()}" for n in names), "",
-                           ";".join(names), payload])
-    scope = f"{day}/{region}/{service}/aws4_request"
-    to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-    key_bytes = ("AWS4" + secret).encode()
-    for part in (day, region, service, "aws4_request"):
-        key_bytes = hmac.new(key_bytes, part.encode(), hashlib.sha256).digest()
-    signature = hmac.new(key_bytes, to_sign.encode(), hashlib.sha256).hexdigest()
-    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={access}/{scope}, "
-                                f"SignedHeaders={';'.join(names)}, Signature={signature}")
-    del headers["host"]
-    return urllib.request.Request(url + (f"?{canonical_query}" if canonical_query else ""),
-                                  data=body if method in ("PUT", "POST") else None, method=method, headers=headers)
-
-
-def read_parameter(name: str, region: str, endpoint_url: str | None, creds: tuple[str, str, str | None]) -> str:
-    """An SSM SecureString's value (GetParameter WithDecryption), signed with the node's credentials."""
-    base = endpoint_url.rstrip("/") + "/" if endpoint_url else f"https://ssm.{region}.amazonaws.com/"
-    body = json.dumps({"Name": name, "WithDecryption": True}).encode()
-    req = signed("POST", base, "ssm", region, creds, body,
-                 {"content-type": "application/x-amz-json-1.1", "x-amz-target": "AmazonSSM.GetParameter"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return json.loads(resp.read())["Parameter"]["Value"]
-    except urllib.error.HTTPError as exc:
-        raise SetupError(f"reading the SSM parameter {name}", f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
-
-
-class S3:
-    """GET and PUT of one bucket's objects, signed (SigV4) with the node's credentials."""
-
-    def __init__(self, bucket: str, region: str, endpoint_url: str | None, bucket_owner: str | None) -> None:
-        self.bucket, self.region, self.owner = bucket, region, bucket_owner
-        if endpoint_url:  # path style, as botocore uses against a custom endpoint
-            self.base, self.path_prefix = endpoint_url.rstrip("/"), f"/{bucket}"
-        else:
-            self.base, self.path_prefix = f"https://{bucket}.s3.{region}.amazonaws.com", ""
-        self.creds = credentials()
-
-    def _request(self, method: str, key: str, body: bytes = b"", query: dict[str, str] | None = None,
-                 headers: dict[str, str] | None = None) -> urllib.request.Request:
-        path = self.path_prefix + "/" + urllib.parse.quote(key, safe="/" + _UNRESERVED)
-        headers = dict(headers or {})
-        if method in ("PUT", "POST"):  # else urllib says form data
-            headers.setdefault("content-type", "application/octet-stream")
-        if self.owner:
-            headers["x-amz-expected-bucket-owner"] = self.owner
-        return signed(method, self.base + path, "s3", self.region, self.creds, body, headers, query)
-
-    def _call(self, what: str, request: urllib.request.Request, timeout: float = 60):
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as resp:
-                return resp.read(), resp.headers
-        except urllib.error.HTTPError as exc:
-            raise SetupError(what, f"HTTP {exc.code}: {exc.read()[:300]!r}") from None
-
-    def get(self, key: str) -> bytes:
-        return self._call(f"reading s3://{self.bucket}/{key}", self._request("GET", key))[0]
-
-    def put(self, key: str, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-        self._call(f"writing s3://{self.bucket}/{key}", self._request("PUT", key, body,
-                                                                      headers={"content-type": content_type}))
 
 # --- the manifest -------------------------------------------------------------------------------
 
@@ -289,12 +225,12 @@ def env_root() -> Path:
     raise SetupError("choosing the environment folder", f"none of {candidates} is writable (set {ENV_ROOT_ENV})")
 
 
-def fetch_file(s3: S3, files_key: str, cache: Path, sha: str) -> Path:
+def fetch_file(store: Transport, files_key: str, cache: Path, sha: str) -> Path:
     """One shipped file, from this node's cache by sha256 or from the store, checked either way."""
     path = cache / sha
     if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == sha:
         return path
-    data = s3.get(f"{files_key}/{sha}")
+    data = read(store, f"{files_key}/{sha}")
     if hashlib.sha256(data).hexdigest() != sha:
         raise SetupError("fetching shipped files", f"{files_key}/{sha} does not match its sha256")
     tmp = cache / f".{sha}.{os.getpid()}"
@@ -319,106 +255,23 @@ def site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-#: The uv this stage brings when the image has none: per machine, the wheel's file name and its
-#: sha256 as PyPI lists it. Only this exact file is used, from whichever index serves it.
-UV_VERSION = "0.13.9"
-UV_WHEELS = {
-    "x86_64": ("uv-0.13.9-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
-               "d7f459fe4fd247d830351c75686d3996ace3c6f3f728eb0e85a30b7ada0cef19"),
-    "aarch64": ("uv-0.13.9-py3-none-manylinux_2_17_aarch64.manylinux2014_aarch64.musllinux_1_1_aarch64.whl",
-                "5435c5ce14a56431208ca0996416d310f1598e8c2c8ba707688985a16bb82dbe"),
-}
-#: an image's own package index (simple API) for uv's wheel, tried before the environment's and PyPI
-UV_INDEX_ENV = "PREFECT_SGPU_UV_INDEX"
-PYPI_SIMPLE = "https://pypi.org/simple"
-_MACHINES = {"amd64": "x86_64", "arm64": "aarch64"}
-
-
-def _open(url: str, accept: str = "*/*", timeout: float = 30):
-    """GET ``url``; user info in it becomes Basic auth (urllib sends none of its own)."""
-    parts = urllib.parse.urlsplit(url)
-    auth = None
-    if "@" in parts.netloc:
-        userinfo, host = parts.netloc.rsplit("@", 1)
-        user, _, password = userinfo.partition(":")
-        auth = base64.b64encode(f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()).decode()
-        url = urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, ""))
-    request = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "prefect-sgpu-node-env"})
-    if auth:  # to this URL only: urllib copies a plain header onto a redirect, wherever it points
-        request.add_unredirected_header("Authorization", f"Basic {auth}")
-    return urllib.request.urlopen(request, timeout=timeout)
-
-
-def _wheel_link(page_url: str, wheel: str) -> str:
-    """The URL of file ``wheel`` on a simple-API project page (JSON, PEP 691, or HTML, PEP 503) or a
-    find-links page."""
-    with _open(page_url, "application/vnd.pypi.simple.v1+json, text/html;q=0.5") as page:
-        kind, body = page.headers.get("Content-Type", ""), page.read(16 << 20)
-        final = page.geturl()
-    if "json" in kind:
-        links = [f.get("url", "") for f in json.loads(body).get("files", ())]
-    else:
-        links = [urllib.parse.unquote(h) for h in re.findall(r'href\s*=\s*["\']([^"\']+)', body.decode("utf-8", "replace"))]
-    for link in links:
-        if urllib.parse.urlsplit(link).path.rsplit("/", 1)[-1] == wheel:
-            # relative to the page as asked for (its credentials too), unless it was redirected elsewhere
-            same = urllib.parse.urlsplit(final).netloc == urllib.parse.urlsplit(page_url).netloc.rsplit("@", 1)[-1]
-            return urllib.parse.urljoin(page_url if same else final, link.split("#", 1)[0])
-    raise FileNotFoundError(f"{wheel} is not listed there")
-
-
-def uv(index: dict | None = None) -> str:
-    """The image's ``uv``; else the pinned uv wheel, fetched once per node into the environments'
-    root and checked against its sha256. From the index ``PREFECT_SGPU_UV_INDEX`` names (an image
-    setting) alone; else from the environment's index settings (``index``: revealed or the
-    manifest's) as uv would install from them: its ``index_url`` (else the image's ``UV_INDEX_URL``,
-    else PyPI), its extra index URLs, its find-links pages."""
+def uv(index: dict | None = None, shipped: "Callable[[str], Any] | None" = None) -> str:
+    """The image's ``uv``, else the pinned one this stage fetches (:func:`prefect_sgpu.launch.stage_uv.uv`:
+    from this stage's package, or ``shipped(UV_MODULE)``, the environment's own copy)."""
     found = shutil.which("uv")
     if found:
         return found
-    machine = platform.machine().lower()
-    machine = _MACHINES.get(machine, machine)
-    if machine not in UV_WHEELS:
-        raise SetupError("fetching uv", f"the image has no `uv` on PATH and no uv wheel is pinned for "
-                         f"{machine} (only {', '.join(UV_WHEELS)}): install uv in the image")
-    wheel, sha = UV_WHEELS[machine]
-    tool = env_root() / "tools" / f"uv-{UV_VERSION}-{machine}" / "uv"
-    if tool.exists():
-        return str(tool)
-    index = index or {}
-    if os.environ.get(UV_INDEX_ENV):
-        pages = [f"{os.environ[UV_INDEX_ENV].rstrip('/')}/uv/"]
+    if __package__:
+        from prefect_sgpu.launch import stage_uv
     else:
-        bases = [index.get("index_url") or os.environ.get("UV_INDEX_URL") or PYPI_SIMPLE,
-                 *(index.get("extra_index_urls") or ())]
-        pages = [f"{base.rstrip('/')}/uv/" for base in bases]
-        pages += list(index.get("find_links") or ())  # pages that list files themselves
-    tried = []
-    for page in dict.fromkeys(pages):
-        try:
-            url = _wheel_link(page, wheel)
-            with _open(url, timeout=120) as got:
-                data = got.read(256 << 20)
-        except (OSError, ValueError) as exc:  # URLError, HTTPError and timeouts are OSErrors
-            tried.append(f"{masked_url(page)}: {exc}")
-            continue
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != sha:
-            tried.append(f"{masked_url(url)}: its sha256 is {digest}, not the pinned {sha}")
-            continue
-        with zipfile.ZipFile(io.BytesIO(data)) as whl:
-            binary = whl.read(f"uv-{UV_VERSION}.data/scripts/uv")
-        tool.parent.mkdir(parents=True, exist_ok=True)
-        part = tool.with_name(f".uv-{os.getpid()}")
-        part.write_bytes(binary)
-        part.chmod(0o755)
-        part.replace(tool)  # whole or absent: a second boot beside this one reuses it
-        log(f"fetched uv {UV_VERSION} ({wheel}) from {masked_url(url)}")
-        return str(tool)
-    raise SetupError("fetching uv", f"the image has no `uv` on PATH, and no index gave uv {UV_VERSION}'s "
-                     f"wheel {wheel} (sha256 {sha}):\n" + "\n".join(tried) + f"\ninstall uv in the image, set "
-                     f"{UV_INDEX_ENV} to an index (simple API) that serves it, or say environment='image' "
-                     "if the image has every package")
+        stage_uv = shipped(UV_MODULE) if shipped is not None else None
+        if stage_uv is None:
+            raise SetupError("fetching uv", f"the image has no `uv` on PATH and the environment ships no "
+                             f"{UV_MODULE}: install uv in the image")
+    try:
+        return stage_uv.uv(index, env_root(), log)
+    except stage_uv.UvMissing as exc:
+        raise SetupError("fetching uv", str(exc)) from None
 
 
 def index_args(index: dict) -> list[str]:
@@ -470,7 +323,8 @@ def packages_digest(manifest: dict) -> str:
                                      separators=(",", ":")).encode()).hexdigest()
 
 
-def install(venv: Path, manifest: dict, index: dict | None = None) -> None:
+def install(venv: Path, manifest: dict, index: dict | None = None,
+            shipped: "Callable[[str], Any] | None" = None) -> None:
     """The venv with the driver's Python and packages, nothing shipped yet. ``index``: the revealed index
     settings (credentials only in uv's environment), else the manifest's.
 
@@ -478,7 +332,7 @@ def install(venv: Path, manifest: dict, index: dict | None = None) -> None:
     trees names them relative to site-packages), and a Python uv downloads lands under the
     environments' root (``python/``, unless the image sets ``UV_PYTHON_INSTALL_DIR``): a pack of both
     works under another root."""
-    tool = uv(manifest["index"] if index is None else index)
+    tool = uv(manifest["index"] if index is None else index, shipped)
     if venv.exists():  # an earlier build that did not finish
         shutil.rmtree(venv)
     pythons = {} if os.environ.get("UV_PYTHON_INSTALL_DIR") else {"UV_PYTHON_INSTALL_DIR": str(venv.parent / "python")}
@@ -498,12 +352,12 @@ def install(venv: Path, manifest: dict, index: dict | None = None) -> None:
         run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(pins)], env)
 
 
-def lay_out_trees(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path) -> None:
+def lay_out_trees(venv: Path, manifest: dict, store: Transport, files_key: str, cache: Path) -> None:
     """Every shipped file (fetched by sha256, checked) in the venv, then the marker."""
     shas = sorted({sha for tree in manifest["trees"] for _p, _s, sha in tree["files"]})
     log(f"fetching {len(shas)} shipped file(s)")
     with ThreadPoolExecutor(8) as pool:
-        blobs = dict(zip(shas, pool.map(lambda sha: fetch_file(s3, files_key, cache, sha), shas)))
+        blobs = dict(zip(shas, pool.map(lambda sha: fetch_file(store, files_key, cache, sha), shas)))
     site = site_packages(venv / "bin" / "python")
     roots = []
     for tree in manifest["trees"]:
@@ -526,9 +380,9 @@ def lay_out_trees(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Pat
     (venv / COMPLETE).write_text(manifest["digest"] + "\n")
 
 
-def build(venv: Path, manifest: dict, s3: S3, files_key: str, cache: Path, index: dict | None = None) -> None:
-    install(venv, manifest, index)
-    lay_out_trees(venv, manifest, s3, files_key, cache)
+def build(venv: Path, manifest: dict, store: Transport, files_key: str, cache: Path, index: dict | None = None) -> None:
+    install(venv, manifest, index, lambda path: shipped_module(manifest, store, files_key, cache, path))
+    lay_out_trees(venv, manifest, store, files_key, cache)
 
 
 def platform_key() -> str:
@@ -536,27 +390,33 @@ def platform_key() -> str:
     return f"{sys.platform}-{platform.machine()}"
 
 
-#: where this project's own code lies in its shipped tree (the pack code, loaded from there)
+#: where this project's own code lies in its shipped tree: what the stage loads from there
 PACK_MODULE = "prefect_sgpu/launch/node_pack.py"
+UV_MODULE = "prefect_sgpu/launch/stage_uv.py"
 
 
-def pack_module(manifest: dict, s3: S3, files_key: str, cache: Path):
-    """:mod:`prefect_sgpu.launch.node_pack`, from this environment's own prefect-sgpu files (checked
-    against the manifest's sha256, like every shipped file); None when the manifest has none."""
+def shipped_module(manifest: dict, store: Transport, files_key: str, cache: Path, path: str):
+    """The module at ``path`` of this environment's own prefect-sgpu files (checked against the manifest's
+    sha256, like every shipped file); None when the manifest has none."""
     for tree in manifest["trees"]:
         if tree["name"] != "prefect-sgpu":
             continue
-        want = "/".join(p for p in (tree.get("root") or "", PACK_MODULE) if p) if tree["kind"] == "path" else PACK_MODULE
-        for path, _size, sha in tree["files"]:
-            if path == want:
-                module = types.ModuleType("prefect_sgpu_node_pack")
-                code = fetch_file(s3, files_key, cache, sha).read_bytes()
-                exec(compile(code, PACK_MODULE, "exec"), module.__dict__)  # noqa: S102 - checked by sha256
+        want = "/".join(p for p in (tree.get("root") or "", path) if p) if tree["kind"] == "path" else path
+        for name, _size, sha in tree["files"]:
+            if name == want:
+                module = types.ModuleType("prefect_sgpu_" + path.rsplit("/", 1)[-1][:-3])
+                code = fetch_file(store, files_key, cache, sha).read_bytes()
+                exec(compile(code, path, "exec"), module.__dict__)  # noqa: S102 - checked by sha256
                 return module
     return None
 
 
-def ensure(manifest: dict, s3: S3, files_key: str, read_secret=None, packs: dict | None = None,
+def pack_module(manifest: dict, store: Transport, files_key: str, cache: Path):
+    """:mod:`prefect_sgpu.launch.node_pack`, from this environment's own prefect-sgpu files."""
+    return shipped_module(manifest, store, files_key, cache, PACK_MODULE)
+
+
+def ensure(manifest: dict, store: Transport, files_key: str, read_secret=None, packs: dict | None = None,
            offer_to=None, packs_key: str | None = None) -> tuple[Path, str]:
     """The venv of this manifest's digest on this node: (its folder, ``"reused"``, ``"unpacked"`` from
     the store's pack or ``"built"``). ``read_secret``: the job's secrets SecureString, read only when
@@ -579,45 +439,52 @@ def ensure(manifest: dict, s3: S3, files_key: str, read_secret=None, packs: dict
         packing = None
         if named is not None or offer_to is not None:
             try:
-                packing = pack_module(manifest, s3, files_key, cache)
+                packing = pack_module(manifest, store, files_key, cache)
             except Exception as exc:  # noqa: BLE001 - a pack only saves time: build
                 log(f"the pack code could not be loaded ({type(exc).__name__}: {exc})")
         if named is not None and packing is not None and packs_key:
             if venv.exists():
                 shutil.rmtree(venv)
             try:
-                packing.from_pack(s3, packs_key, named[0], named[1], root, venv, manifest["python"])
-                lay_out_trees(venv, manifest, s3, files_key, cache)
+                packing.from_pack(store, packs_key, named[0], named[1], root, venv, manifest["python"])
+                lay_out_trees(venv, manifest, store, files_key, cache)
                 return venv, "unpacked"
             except Exception as exc:  # noqa: BLE001 - whatever is wrong with a pack, the node builds
                 log(f"the store's pack {named[0][:16]} of these packages was not used "
                     f"({type(exc).__name__}: {exc}): building")
         index = revealed_index(manifest, read_secret) if read_secret is not None else None
-        install(venv, manifest, index)
+        install(venv, manifest, index, lambda path: shipped_module(manifest, store, files_key, cache, path))
         if offer_to is not None and packing is not None:
             try:
                 offer_to(venv, packing)
             except Exception as exc:  # noqa: BLE001 - a pack only saves later boots time
                 log(f"the packages were not packed into the store: {type(exc).__name__}: {exc}")
-        lay_out_trees(venv, manifest, s3, files_key, cache)
+        lay_out_trees(venv, manifest, store, files_key, cache)
     return venv, "built"
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """(this stage's arguments, the transport's, the bootstrap's: those after ``--``)."""
     split = argv.index("--") if "--" in argv else len(argv)
     own, rest = argv[:split], argv[split + 1:]
     p = argparse.ArgumentParser(prog="prefect-sgpu-node-env")
     p.add_argument("--store", required=True)
     p.add_argument("--run-id", required=True)
-    p.add_argument("--region", required=True)
     p.add_argument("--environment", required=True, help="the environment's digest")
     p.add_argument("--manifest", required=True, help="sha256 of the environment's manifest")
-    p.add_argument("--endpoint-url", default=None)
-    p.add_argument("--bucket-owner", default=None)
+    p.add_argument("--transport", default=None, help="the transport's module (default: by the store's scheme)")
     p.add_argument("--pack", action="append", default=[],
                    help="<platform>:<sha256>:<size> of a pack of this environment the driver recorded")
     p.add_argument("--offer-pack", action="store_true", help="node 0: pack what it builds into the store")
-    return p.parse_args(own), rest
+    args, transport_args = p.parse_known_args(own)
+    return args, transport_args, rest
+
+
+def secret(transport: Transport, name: str) -> str:
+    try:
+        return transport.read_secret(name)
+    except Exception as exc:  # noqa: BLE001 - the stage ends, saying which secret it could not read
+        raise SetupError(f"reading the secret {name}", f"{exc}") from None
 
 
 def parse_packs(values: list[str]) -> dict[str, tuple[str, int]]:
@@ -630,58 +497,54 @@ def parse_packs(values: list[str]) -> dict[str, tuple[str, int]]:
     return packs
 
 
-def node_index(bootstrap: list[str]) -> int:
+def node_index(bootstrap: list[str], transport: Transport) -> int:
     """This node's index: the bootstrap's ``--node-index`` (a machine launched alone), else its launch index."""
     for arg in bootstrap:
         if arg.startswith("--node-index="):
             return int(arg.split("=", 1)[1])
-    try:
-        return int(_imds("/latest/meta-data/ami-launch-index", _imds("/latest/api/token", method="PUT")).strip())
-    except (OSError, ValueError, urllib.error.URLError):
-        return -1
+    return transport.launch_index()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, bootstrap = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args, transport_args, bootstrap = parse_args(list(sys.argv[1:] if argv is None else argv))
     for name in ("environment", "manifest"):
         if not SHA.match(getattr(args, name)):
             raise SystemExit(f"--{name}={getattr(args, name)!r} is not allowed: a sha256 (64 hex digits)")
-    bucket, _, prefix = args.store[len("s3://"):].partition("/")
-    prefix = prefix.strip("/")
-    base = "/".join(p for p in (prefix, ".environments", args.environment) if p)
-    s3 = None
+    module = args.transport or STAGE_TRANSPORTS.get(args.store.partition("://")[0])
+    if module is None:
+        raise SystemExit(f"--store={args.store!r}: no stage transport for its scheme (say --transport)")
+    base = f".environments/{args.environment}"
+    store = None
     started = time.monotonic()
     try:
-        s3 = S3(bucket, args.region, args.endpoint_url, args.bucket_owner)
-        manifest = check_manifest(s3.get(f"{base}/manifest-{args.manifest}.json"), args.manifest)
+        store = load_transport(module, args.store, transport_args)
+        manifest = check_manifest(read(store, f"{base}/manifest-{args.manifest}.json"), args.manifest)
         if manifest["digest"] != args.environment:
             raise SetupError("checking the manifest", f"it describes {manifest['digest']}, the user-data names "
                              f"{args.environment}")
-        # jobfolder.ssm_secrets_parameter: under the store's scope (sha256 of its URI, as S3Store.root_uri writes it)
-        scope = hashlib.sha256(f"s3://{bucket}/{prefix}".rstrip("/").encode()).hexdigest()[:16]
+        # jobfolder.ssm_secrets_parameter: under the store's scope (store.store_scope of its root URI)
+        scope = hashlib.sha256(store.root_uri.rstrip("/").encode()).hexdigest()[:16]
         secrets = f"/prefect-sgpu/{scope}/{args.run_id}/secrets"
         # packs of the environment's packages, whatever its files (environment_ship.packages_folder)
-        packs_key = "/".join(p for p in (prefix, ".environments", f"packages-{packages_digest(manifest)}") if p)
+        packs_key = f".environments/packages-{packages_digest(manifest)}"
         offer_to = None
-        if args.offer_pack and node_index(bootstrap) == 0:
-            instance = instance_id()
+        if args.offer_pack and node_index(bootstrap, store) == 0:
+            instance = store.instance_id()
             key_parameter = f"/prefect-sgpu/{scope}/{args.run_id}/payload-key"
-            offer_key = "/".join(p for p in (prefix, args.run_id, "setup", f"pack-{instance}.json") if p)
+            offer_key = f"{args.run_id}/setup/pack-{instance}.json"
             offer_to = lambda venv, packing: packing.offer(  # noqa: E731
-                s3, packs_key, offer_key, venv, manifest, packages_digest(manifest), platform_key(),
-                lambda: read_parameter(key_parameter, args.region, args.endpoint_url, s3.creds).strip(),
-                args.run_id, instance)
-        venv, how = ensure(manifest, s3, f"{base}/files",
-                           lambda: read_parameter(secrets, args.region, args.endpoint_url, s3.creds),
+                store, packs_key, offer_key, venv, manifest, packages_digest(manifest), platform_key(),
+                lambda: secret(store, key_parameter).strip(), args.run_id, instance)
+        venv, how = ensure(manifest, store, f"{base}/files", lambda: secret(store, secrets),
                            parse_packs(args.pack), offer_to, packs_key)
     except Exception as exc:  # noqa: BLE001 - every failure ends this node, with its reason where the driver reads
         text = str(exc) if isinstance(exc, SetupError) else f"environment setup failed: {type(exc).__name__}: {exc}"
         text = mask(text)
         log(text)
-        if s3 is not None:
-            key = "/".join(p for p in (prefix, args.run_id, "setup", f"{instance_id()}.log") if p)
+        if store is not None:
+            key = f"{args.run_id}/setup/{store.instance_id()}.log"
             try:
-                s3.put(key, text.encode()[-8000:])
+                store.put(key, text.encode()[-8000:])
             except Exception as put_exc:  # noqa: BLE001 - the console still has it
                 log(f"could not write {key}: {put_exc}")
         return 3

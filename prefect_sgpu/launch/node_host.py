@@ -21,13 +21,22 @@ Each method's guarantee:
   API refused, and then :meth:`NodeHost.power_off` is the last resort.
 - :meth:`NodeHost.error_text`: a short name for an error of this cloud's API, for logs.
 
-This module imports nothing of any cloud.
+A node's command line names its host (``--host ec2``); :data:`HOSTS` maps each name to the class
+that implements it, as a ``"module:Class"`` string, and :func:`open_host` imports it only when
+asked: this module imports nothing of any cloud. A new cloud adds one line to :data:`HOSTS` (or
+its command line names its ``"module:Class"`` directly).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+#: node host name (a node's ``--host``) -> the class implementing it, as ``"module:Class"``
+HOSTS = {"ec2": "prefect_sgpu.launch.ec2_host:EC2NodeHost"}
+#: the host of a node whose command line names none
+DEFAULT_HOST = "ec2"
 
 
 @dataclass(frozen=True)
@@ -55,3 +64,13 @@ class NodeHost(Protocol):
     def power_off(self, reason: str) -> int: ...
 
     def error_text(self, exc: BaseException) -> str: ...
+
+
+def open_host(name: str, **options: Any) -> NodeHost:
+    """The node host ``name`` (a key of :data:`HOSTS`, or a ``"module:Class"``), built with ``options``
+    (what the node's command line says of its cloud: ``region``, ``endpoint_url``)."""
+    target = HOSTS.get(name, name)
+    module, _, cls = target.partition(":")
+    if not cls:
+        raise ValueError(f"node host {name!r}: not one of {sorted(HOSTS)} and not a 'module:Class'")
+    return getattr(importlib.import_module(module), cls)(**options)

@@ -12,8 +12,8 @@ not make a new pack, and the shipped files are laid out after unpacking as after
 
 - **Offer.** Node 0 of a job whose driver asks for it (``--offer-pack``), having installed the
   packages cold, tars the venv (and the Python uv downloaded for it, when it lies under the
-  environments' root) into ``.environments/packages-<packages digest>/<sha256>.tar`` (one PUT, or a
-  multipart upload: S3 takes at most 5 GB in one PUT), then writes ``<run>/setup/pack-<instance>.json``: the pack's description sealed
+  environments' root) into ``.environments/packages-<packages digest>/<sha256>.tar`` (one PUT, or an
+  upload in parts: S3 takes at most 5 GB in one PUT), then writes ``<run>/setup/pack-<instance>.json``: the pack's description sealed
   as :func:`prefect_sgpu.jobfolder.seal` seals a document of kind ``envpack`` bound to the instance,
   with the job key's ``env-pack`` key. All of this happens before the bootstrap starts: no rank has
   run. The driver reads the offer before it launches any rank and records the pack, sealed with a
@@ -70,48 +70,36 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-# --- S3: large objects, through the stage's signed client ----------------------------------------
+# --- large objects, through the stage's transport (:class:`prefect_sgpu.launch.node_env.Transport`) ----------
 
 
-def upload(s3, key: str, path: Path, part: int) -> None:
-    """A file of any size: one PUT up to ``part`` bytes, else a multipart upload (parts of ``part``,
-    4 at a time), aborted when a part fails."""
+def upload(store, key: str, path: Path, part: int) -> None:
+    """A file of any size: one PUT up to ``part`` bytes, else an upload in parts (4 at a time),
+    abandoned when a part fails."""
     size = path.stat().st_size
     if size <= part:
-        s3.put(key, path.read_bytes(), "application/x-tar")
+        store.put(key, path.read_bytes(), "application/x-tar")
         return
-    what = f"uploading s3://{s3.bucket}/{key}"
-    body, _ = s3._call(what, s3._request("POST", key, query={"uploads": ""}))
-    found = re.search(rb"<UploadId>([^<]+)</UploadId>", body)
-    if found is None:
-        raise PackError(f"{what}: no upload id in {body[:200]!r}")
-    upload_id = found.group(1).decode()
+    upload_id = store.start_upload(key)
 
     def send(number: int) -> str:
         with open(path, "rb") as fh:
             fh.seek((number - 1) * part)
-            data = fh.read(part)
-        query = {"partNumber": str(number), "uploadId": upload_id}
-        return s3._call(what, s3._request("PUT", key, data, query=query), timeout=600)[1]["ETag"]
+            return store.put_part(key, upload_id, number, fh.read(part))
 
     try:
         with ThreadPoolExecutor(4) as pool:
-            etags = list(pool.map(send, range(1, -(-size // part) + 1)))
-        parts = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{e}</ETag></Part>" for n, e in enumerate(etags, 1))
-        body, _ = s3._call(what, s3._request(
-            "POST", key, f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode(),
-            query={"uploadId": upload_id}, headers={"content-type": "application/xml"}))
-        if b"<Error>" in body:  # S3 may answer 200 with an error in the body
-            raise PackError(f"{what}: {body[:300].decode('utf-8', 'replace')}")
+            parts = list(pool.map(send, range(1, -(-size // part) + 1)))
+        store.finish_upload(key, upload_id, parts)
     except BaseException:
         try:
-            s3._call(what, s3._request("DELETE", key, query={"uploadId": upload_id}))
+            store.finish_upload(key, upload_id, [])
         except Exception:  # noqa: BLE001 - the upload's own error says more
             pass
         raise
 
 
-def download(s3, key: str, path: Path, size: int, part: int) -> str:
+def download(store, key: str, path: Path, size: int, part: int) -> str:
     """An object of ``size`` bytes into ``path`` (ranges of ``part`` bytes, 8 at a time): its sha256."""
     with open(path, "wb") as fh:
         fh.truncate(size)
@@ -119,10 +107,9 @@ def download(s3, key: str, path: Path, size: int, part: int) -> str:
 
     def fetch(start: int) -> None:
         end = min(start + part, size) - 1
-        got = s3._call(f"reading s3://{s3.bucket}/{key}",
-                       s3._request("GET", key, headers={"range": f"bytes={start}-{end}"}), timeout=300)[0]
+        got = store.get_range(key, start, end)
         if len(got) != end - start + 1:
-            raise PackError(f"s3://{s3.bucket}/{key}: {len(got)} bytes at {start}, not {end - start + 1}")
+            raise PackError(f"{store.uri(key)}: {len(got)} bytes at {start}, not {end - start + 1}")
         os.pwrite(fd, got, start)
 
     try:
@@ -243,12 +230,12 @@ def unpack(archive: Path, root: Path, venv: Path, python: str) -> None:
         shutil.rmtree(str(staging), ignore_errors=True)
 
 
-def from_pack(s3, packs_key: str, sha: str, size: int, root: Path, venv: Path, python: str) -> None:
+def from_pack(store, packs_key: str, sha: str, size: int, root: Path, venv: Path, python: str) -> None:
     """The pack ``sha`` of ``size`` bytes from the store, checked, as the venv ``venv``."""
     started = time.monotonic()
     archive = root / f".pack-{os.getpid()}.tar"
     try:
-        found = download(s3, f"{packs_key}/{sha}.tar", archive, size, part_size(size))
+        found = download(store, f"{packs_key}/{sha}.tar", archive, size, part_size(size))
         if found != sha:
             raise PackError(f"{packs_key}/{sha}.tar has sha256 {found}")
         unpack(archive, root, venv, python)
@@ -268,7 +255,7 @@ def seal_offer(job_key: str, run_id: str, instance: str, body: bytes) -> bytes:
     return b"SGPU2\n" + hmac.new(key, message, hashlib.sha256).digest() + message
 
 
-def offer(s3, packs_key: str, offer_key: str, venv: Path, manifest: dict, packages: str, platform: str, read_key,
+def offer(store, packs_key: str, offer_key: str, venv: Path, manifest: dict, packages: str, platform: str, read_key,
           run_id: str, instance: str) -> None:
     """Pack ``venv`` (its packages installed, nothing shipped laid out yet), put the pack in the store under
     ``packs_key``, and offer it to the driver (see the module doc). ``packages``: the packages' digest."""
@@ -276,10 +263,10 @@ def offer(s3, packs_key: str, offer_key: str, venv: Path, manifest: dict, packag
     archive = venv.parent / f".pack-{os.getpid()}.tar"
     try:
         sha, size = pack(venv, archive)
-        upload(s3, f"{packs_key}/{sha}.tar", archive, part_size(size))
+        upload(store, f"{packs_key}/{sha}.tar", archive, part_size(size))
         body = json.dumps({"format": PACK_FORMAT, "packages": packages, "platform": platform,
                            "python": manifest["python"], "sha256": sha, "size": size}, sort_keys=True).encode()
-        s3.put(offer_key, seal_offer(read_key(), run_id, instance, body), "application/octet-stream")
+        store.put(offer_key, seal_offer(read_key(), run_id, instance, body), "application/octet-stream")
     finally:
         if archive.exists():
             archive.unlink()

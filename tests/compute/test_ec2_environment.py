@@ -25,7 +25,7 @@ from prefect_sgpu import distributed, environment_ship
 from prefect_sgpu.compute.ec2.request import render_user_data
 from prefect_sgpu.environment import capture
 from prefect_sgpu.errors import ProvisioningError, SGPUConfigError
-from prefect_sgpu.launch import node_env
+from prefect_sgpu.launch import ec2_stage, node_env, stage_uv
 from support.conformance_ec2 import EC2Env
 
 USER_MODULE = "sgpu_user_project_train"
@@ -93,9 +93,12 @@ def test_the_user_data_names_the_manifest_and_carries_the_stage(project: Path) -
     assert "-m prefect_sgpu.launch.bootstrap" in script and "pip install" not in script
     # the stage travels without its docstrings and comments: room is left for setup_commands
     assert len(script.encode()) <= 12 * 1024 < environment_ship.USER_DATA_LIMIT
-    carried = zlib.decompress(base64.b85decode(max(script.split(), key=len).strip("'"))).decode()
-    assert carried == environment_ship.stage_text() and '"""' not in carried
-    assert "def uv(" in carried and "def main(" in carried and node_env.UV_WHEELS["x86_64"][1] in carried
+    files = json.loads(zlib.decompress(base64.b85decode(max(script.split(), key=len).strip("'"))))
+    assert files == environment_ship.stage_files("ec2_stage") and "--transport=ec2_stage" in script
+    carried = files[environment_ship.STAGE_MAIN]
+    assert carried == environment_ship.stage_text() and not any('"""' in text for text in files.values())
+    assert "def uv(" in carried and "def main(" in carried and set(files) == {environment_ship.STAGE_MAIN, "ec2_stage.py"}
+    assert "AWS4-HMAC-SHA256" in files["ec2_stage.py"] and "AWS4" not in carried and "169.254" not in carried
     image = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env.model_copy(
         update={"mode": "image"}))
     assert "--manifest" not in image and image.splitlines()[-1].startswith("python3 -m prefect_sgpu.launch.bootstrap")
@@ -143,6 +146,23 @@ def test_the_stage_refuses_a_manifest_the_user_data_does_not_name() -> None:
     assert node_env.check_manifest(raw, hashlib.sha256(raw).hexdigest())["digest"] == "0" * 64
 
 
+def _with_own_files(env: Any, tmp_path: Path, *modules: str) -> Any:
+    """``env`` with prefect-sgpu's own files reduced to ``modules`` (of ``prefect_sgpu/launch/``): what
+    the stage loads from the environment (its uv fetcher, the pack code)."""
+    import shutil
+
+    from prefect_sgpu.environment import Distribution
+    from prefect_sgpu.environment_files import scan
+
+    own = tmp_path / "prefect-sgpu-source"
+    (own / "prefect_sgpu" / "launch").mkdir(parents=True, exist_ok=True)
+    for module in modules:
+        shutil.copy(module, own / "prefect_sgpu" / "launch" / Path(module).name)
+    return env.model_copy(update={
+        "distributions": (*env.distributions, Distribution(name="prefect-sgpu", version="0.0.0", source="editable")),
+        "local_packages": (scan("prefect-sgpu", own, "environment.local_packages"),)})
+
+
 def _store_and_small_environment(aws_env: Any, project: Path) -> tuple[str, Any, Any]:
     """A new bucket, its store on moto, and an environment of one pinned distribution and the project."""
     import uuid
@@ -184,13 +204,13 @@ def test_a_second_boot_installs_nothing_a_new_requirement_builds_a_new_venv_and_
     monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
     monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
     monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "envs"))
-    s3 = node_env.S3(bucket, aws_env.region, aws_env.endpoint_url, None)
-    s3.put("jobs/run-1/setup/i-1.log", b"what the stage said")  # signed by the stage, read by the driver
+    s3 = ec2_stage.S3StageTransport(f"s3://{bucket}/jobs", aws_env.region, aws_env.endpoint_url)
+    s3.put("run-1/setup/i-1.log", b"what the stage said")  # signed by the stage, read by the driver
     assert store.get("run-1", "setup/i-1.log") == b"what the stage said"
 
     def boot(environment: Environment) -> tuple[Path, bool]:
         sha = environment_ship.manifest_sha256(environment)
-        base = f"jobs/.environments/{environment.digest}"
+        base = f".environments/{environment.digest}"
         manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
         venv, how = node_env.ensure(manifest, s3, f"{base}/files")
         return venv, how == "built"
@@ -258,24 +278,24 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     monkeypatch.setenv("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv"))
     monkeypatch.setenv("UV_PYTHON_DOWNLOADS", "never")
     monkeypatch.setattr(node_pack, "part_size", lambda size: 5 << 20)  # S3's smallest part: a multipart upload
-    s3 = node_env.S3(bucket, aws_env.region, aws_env.endpoint_url, None)
+    s3 = ec2_stage.S3StageTransport(f"s3://{bucket}/jobs", aws_env.region, aws_env.endpoint_url)
     sha = environment_ship.manifest_sha256(env)
-    base = f"jobs/.environments/{env.digest}"
+    base = f".environments/{env.digest}"
     manifest = node_env.check_manifest(s3.get(f"{base}/manifest-{sha}.json"), sha)
     job_key = new_key()
     packages = node_env.packages_digest(manifest)
     folder = environment_ship.packages_folder(env)
     assert folder == f"packages-{packages}"
-    packs_key = f"jobs/.environments/{folder}"
+    packs_key = f".environments/{folder}"
 
     def boot(root: str, packs: list[str], offer_as: str | None = None, manifest: dict = manifest) -> tuple[Path, str]:
         monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / root))
         offer_to = None
         if offer_as:
             offer_to = lambda venv, packing: packing.offer(  # noqa: E731
-                s3, packs_key, f"jobs/run-1/setup/pack-{offer_as}.json", venv, manifest, packages,
+                s3, packs_key, f"run-1/setup/pack-{offer_as}.json", venv, manifest, packages,
                 node_env.platform_key(), lambda: job_key, "run-1", offer_as)
-        files = f"jobs/.environments/{manifest['digest']}/files"
+        files = f".environments/{manifest['digest']}/files"
         return node_env.ensure(manifest, s3, files, packs=node_env.parse_packs(packs), offer_to=offer_to,
                                packs_key=packs_key)
 
@@ -290,7 +310,7 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     assert how == "built"
     packs = [n for n in store.list(environment_ship.STORE_FOLDER, folder)]
     assert len(packs) == 1 and packs[0].endswith(".tar")
-    tar_key = f"{packs_key}/{packs[0].rsplit('/', 1)[-1]}"
+    tar_key = f"jobs/{packs_key}/{packs[0].rsplit('/', 1)[-1]}"
     size = aws_env.client("s3").head_object(Bucket=bucket, Key=tar_key)
     assert size["ContentLength"] > 5 << 20 and "-" in size["ETag"], "one object from a multipart upload"
 
@@ -320,7 +340,7 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     assert environment_ship.recorded_packs(store, changed) == recorded
     changed_sha = environment_ship.manifest_sha256(changed)
     changed_manifest = node_env.check_manifest(
-        s3.get(f"jobs/.environments/{changed.digest}/manifest-{changed_sha}.json"), changed_sha)
+        s3.get(f".environments/{changed.digest}/manifest-{changed_sha}.json"), changed_sha)
     fourth, how = boot("node-b", recorded, manifest=changed_manifest)
     assert how == "unpacked" and fourth != second and runs(fourth) == f"{metadata.version('six')} [2]"
     assert list(empty.iterdir()) == [], "uv never ran"
@@ -403,9 +423,11 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
         pytest.skip("no CPython of another minor version on this machine")
     image = bare_image(other)
     bucket, store, env = _store_and_small_environment(aws_env, project)
+    env = _with_own_files(env, tmp_path, stage_uv.__file__)  # the stage loads its uv fetcher from them
     environment_ship.ship(store, env)
-    stage = tmp_path / "stage.py"
-    stage.write_text(environment_ship.stage_text())  # as the user-data carries it
+    for name, text in environment_ship.stage_files("ec2_stage").items():  # as the user-data carries them
+        (tmp_path / name).write_text(text)
+    stage = tmp_path / environment_ship.STAGE_MAIN
     node = {"PATH": f"{image / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "UV_OFFLINE": "1",
             "UV_CACHE_DIR": str(Path.home() / ".cache" / "uv"), node_env.ENV_ROOT_ENV: str(tmp_path / "envs"),
             node_env.UV_INDEX_ENV: uv_index().url,  # the image has no uv: the stage fetches the pinned one
@@ -417,7 +439,7 @@ def test_an_image_of_another_python_runs_the_stage_and_gets_a_venv_of_the_driver
          "-c", "import sys, six, features.encode; print('%d.%d' % sys.version_info[:2], six.__version__)"],
         capture_output=True, text=True, env=node, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "built environment" in done.stdout and f"fetched uv {node_env.UV_VERSION}" in done.stdout
+    assert "built environment" in done.stdout and f"fetched uv {stage_uv.UV_VERSION}" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == f"{env.python.minor} {metadata.version('six')}", done.stdout
 
 
@@ -450,7 +472,7 @@ def test_bare_nodes_build_the_driver_environment_once_and_run_the_users_project(
     assert venvs == [f"{digest}-{sys.platform}-{__import__('platform').machine()}"]
     consoles = _consoles(bare, first.run_id)
     assert sum("built environment" in c for c in consoles) == 1, consoles  # the other node waited, then reused
-    assert sum(f"fetched uv {node_env.UV_VERSION}" in c for c in consoles) == 1, consoles  # the image has none
+    assert sum(f"fetched uv {stage_uv.UV_VERSION}" in c for c in consoles) == 1, consoles  # the image has none
     assert sum("reused environment" in c for c in consoles) == 1, consoles
 
     second = job()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.wheel_index import WheelIndex, pinned_uv, uv_wheel
 
-from prefect_sgpu.launch import node_env
+from prefect_sgpu.launch import node_env, stage_uv
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def bare_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for name in (node_env.UV_INDEX_ENV, "UV_INDEX_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(node_env.ENV_ROOT_ENV, str(tmp_path / "envs"))
-    monkeypatch.setattr(node_env, "PYPI_SIMPLE", "http://127.0.0.1:9/simple")  # never the real PyPI here
+    monkeypatch.setattr(stage_uv, "PYPI_SIMPLE", "http://127.0.0.1:9/simple")  # never the real PyPI here
     return tmp_path / "envs"
 
 
@@ -42,11 +42,11 @@ def test_the_pinned_uv_is_fetched_once_from_the_environments_index_and_a_tampere
         tool = node_env.uv(index)
         assert Path(tool).parent.parent == bare_node / "tools" and Path(tool).name == "uv"
         version = subprocess.run([tool, "--version"], capture_output=True, text=True, check=True).stdout
-        assert version.split()[:2] == ["uv", node_env.UV_VERSION]
+        assert version.split()[:2] == ["uv", stage_uv.UV_VERSION]
         # the private index's credentials went with both requests (the file's link is relative to the page)
         assert bad.requests == ["/simple/uv/", f"/files/{name}"], "the tampered copy was downloaded and refused"
         said = capsys.readouterr().out
-        assert f"fetched uv {node_env.UV_VERSION} ({name}) from {good.url.removesuffix('/simple')}/files/{name}" in said
+        assert f"fetched uv {stage_uv.UV_VERSION} ({name}) from {good.url.removesuffix('/simple')}/files/{name}" in said
         assert "tok-3f9a1c77e2" not in said
 
         asked = len(good.requests) + len(bad.requests)
@@ -100,5 +100,5 @@ def test_the_image_s_uv_comes_first(bare_node: Path, tmp_path: Path, monkeypatch
 def test_the_pinned_uv_is_the_one_the_project_pins() -> None:
     """node_env's pin follows constraints.txt's, so the drivers' uv and the nodes' are one version."""
     pins = (Path(__file__).parents[2] / "constraints.txt").read_text()
-    assert f"uv=={node_env.UV_VERSION}\n" in pins
-    assert all(wheel.startswith(f"uv-{node_env.UV_VERSION}-py3-none-") for wheel, _ in node_env.UV_WHEELS.values())
+    assert f"uv=={stage_uv.UV_VERSION}\n" in pins
+    assert all(wheel.startswith(f"uv-{stage_uv.UV_VERSION}-py3-none-") for wheel, _ in stage_uv.UV_WHEELS.values())

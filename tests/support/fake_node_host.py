@@ -17,15 +17,13 @@ import argparse
 import os
 import signal
 import sys
-import urllib.parse
 from pathlib import Path
+
+from support.fake_stage import secret_path
 
 from prefect_sgpu.launch.node_host import NodeIdentity
 
-
-def secret_path(folder: Path, name: str) -> Path:
-    """Where the fake cloud keeps secret ``name``: one file, named by the quoted name."""
-    return folder / urllib.parse.quote(name, safe="")
+__all__ = ["FakeNodeHost", "main", "secret_path"]
 
 
 class FakeNodeHost:

@@ -1,7 +1,7 @@
 """A package index on 127.0.0.1 for the nodes of the fake cloud, and the uv wheel it serves.
 
 A bare image has no uv; the environment stage fetches the uv wheel it pins
-(:data:`prefect_sgpu.launch.node_env.UV_WHEELS`) from a package index and checks its sha256. On AWS
+(:data:`prefect_sgpu.launch.stage_uv.UV_WHEELS`) from a package index and checks its sha256. On AWS
 that index is PyPI or the user's mirror; here it is :class:`WheelIndex`, serving the real wheel that
 ``./dev`` downloads once into the venv (``python tests/support/wheel_index.py --fetch``), so the
 stage runs the same code with the index swapped.
@@ -23,9 +23,9 @@ WHEELS = Path(sys.prefix) / "sgpu-wheels"
 
 def pinned_uv() -> tuple[str, str]:
     """(file name, sha256) of the uv wheel the stage pins for this machine."""
-    from prefect_sgpu.launch import node_env
+    from prefect_sgpu.launch import stage_uv
 
-    return node_env.UV_WHEELS[node_env._MACHINES.get(platform.machine().lower(), platform.machine().lower())]
+    return stage_uv.UV_WHEELS[stage_uv.this_machine()]
 
 
 def uv_wheel() -> Path:

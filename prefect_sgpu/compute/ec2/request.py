@@ -316,7 +316,7 @@ def render_user_data(
     as it exits: the bootstrap never ends while its machine should live on, and with the driver
     gone nothing else would end it.
     """
-    argv = [python, "-m", "prefect_sgpu.launch.bootstrap", f"--store={store_uri}", f"--run-id={run_id}",
+    argv = [python, "-m", "prefect_sgpu.launch.bootstrap", "--host=ec2", f"--store={store_uri}", f"--run-id={run_id}",
             f"--region={region}", f"--heartbeat-ttl={heartbeat_ttl:g}"]
     if endpoint_url:
         argv.append(f"--endpoint-url={endpoint_url}")
@@ -351,7 +351,8 @@ def render_user_data(
         assert environment is not None
         manifest = environment_ship.manifest_sha256(environment)
         stage, runs = environment_ship.stage_lines(python, environment.digest, manifest, store_uri, run_id, region,
-                                                   endpoint_url, bucket_owner, packs, offer_pack)
+                                                   endpoint_url, bucket_owner, packs, offer_pack,
+                                                   transport="ec2_stage")
         lines += [*stage, f'{runs} {shlex.join(argv[1:])} --backstop-marker="$marker"']
     else:
         lines.append(shlex.join(argv) + ' --backstop-marker="$marker"')
