@@ -314,5 +314,13 @@ def store_class(uri: str) -> type[Store]:
 
 
 def open_store(uri: str, **options: Any) -> Store:
-    """The store at ``uri``, opened by the class its scheme names (a folder for a path)."""
-    return store_class(uri)(uri, **options)  # type: ignore[call-arg]
+    """The store at ``uri``, opened by the class its scheme names: a folder for a path or ``file://``.
+    ``options`` are that class's (for S3: ``region``, ``endpoint_url``, ``kms_key_id``, ``bucket_owner``);
+    None values are left out, so a caller passes what its command line said without sorting it."""
+    scheme, sep, rest = str(uri).partition("://")
+    if sep and scheme == "file":
+        return LocalStore(rest)
+    cls = store_class(uri)
+    if cls is LocalStore:
+        return LocalStore(uri)
+    return cls(uri, **{k: v for k, v in options.items() if v is not None})  # type: ignore[call-arg]

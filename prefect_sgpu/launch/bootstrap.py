@@ -2,7 +2,7 @@
 
 This module is the command line: it opens the node host its ``--host`` names
 (:func:`prefect_sgpu.launch.node_host.open_host`) and the store its ``--store`` URL names
-(:func:`prefect_sgpu.launch.node_store.open_store`), then runs
+(:func:`prefect_sgpu.store.open_store`), then runs
 :class:`prefect_sgpu.launch.node_bootstrap.NodeBootstrap` (the protocol over the store, in
 parts: :mod:`~prefect_sgpu.launch.node_job`, :mod:`~prefect_sgpu.launch.node_sync`,
 :mod:`~prefect_sgpu.launch.node_liveness`). What it asks of the cloud (who am I, read a
@@ -56,9 +56,9 @@ from pathlib import Path
 from prefect_sgpu.launch.node_bootstrap import NodeBootstrap
 from prefect_sgpu.launch.node_host import DEFAULT_HOST, HOSTS, NodeIdentity, open_host
 from prefect_sgpu.launch.node_job import KEY_ENV
-from prefect_sgpu.launch.node_store import open_store
+from prefect_sgpu.store import open_store
 from prefect_sgpu.launch.node_sync import PROGRESS_UPLOAD_S
-from prefect_sgpu.launch.processes import node_log as _log
+from prefect_sgpu.procs.processes import node_log as _log
 
 __all__ = ["KEY_ENV", "NODE_DIR_ENV", "PROGRESS_UPLOAD_S", "NodeBootstrap", "NodeIdentity", "main", "parse_args"]
 

@@ -19,7 +19,7 @@ from typing import Any
 from prefect_sgpu import aws
 from prefect_sgpu.launch.ec2_stage import IMDS_ENV, imds_base, imds_get, imds_token  # noqa: F401 - IMDS_ENV: its name
 from prefect_sgpu.launch.node_host import NodeIdentity
-from prefect_sgpu.launch.processes import node_log as _log
+from prefect_sgpu.procs.processes import node_log as _log
 
 #: what IMDS says when the cloud will take the instance away, and how to say it to people
 NOTICE_PATHS = (("spot/instance-action", "spot interruption"),

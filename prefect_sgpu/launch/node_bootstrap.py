@@ -31,7 +31,7 @@ from prefect_sgpu.launch.node_host import DEFAULT_HOST, NodeHost, NodeIdentity, 
 from prefect_sgpu.launch.node_job import JobServing
 from prefect_sgpu.launch.node_liveness import NodeLiveness
 from prefect_sgpu.launch.node_sync import NodeSync
-from prefect_sgpu.launch.processes import node_log as _log
+from prefect_sgpu.procs.processes import node_log as _log
 
 
 class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):

@@ -24,7 +24,7 @@ from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.jobfolder import HEARTBEAT_STOP, PAYLOAD, LaunchDocument, Rejoin, agent_output_key, ssm_secrets_parameter
 from prefect_sgpu.launch.job_cgroup import JobCgroup
 from prefect_sgpu.launch.lease_node import ForkedAgent
-from prefect_sgpu.launch.processes import kill_and_reap, node_log as _log
+from prefect_sgpu.procs.processes import kill_and_reap, node_log as _log
 
 #: the job key in the environment of the job's agent and ranks
 KEY_ENV = "SGPU_PAYLOAD_KEY"

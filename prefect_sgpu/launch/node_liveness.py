@@ -21,7 +21,7 @@ from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.jobfolder import HEARTBEAT, Alive, NodeStatus, Notice, ssm_key_parameter, ssm_secrets_parameter, unseal
-from prefect_sgpu.launch.processes import node_log as _log
+from prefect_sgpu.procs.processes import node_log as _log
 from prefect_sgpu.versions import runtime_versions
 
 
