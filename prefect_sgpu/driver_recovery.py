@@ -22,7 +22,6 @@ from prefect_sgpu.errors import (EnvironmentMismatch, GangCheckFailed, Infrastru
 from prefect_sgpu.jobfolder import HEARTBEAT_STOP, NodeStatus
 
 if TYPE_CHECKING:
-    from prefect_sgpu.driver import Job
     from prefect_sgpu.logs import LogTailer
 
 logger = logging.getLogger("prefect_sgpu.driver")
@@ -82,7 +81,7 @@ def stopped_for_heartbeat(statuses: dict[int, NodeStatus]) -> dict[int, NodeStat
     return {i: s for i, s in sorted(statuses.items()) if (s.stopped or "").startswith(HEARTBEAT_STOP)}
 
 
-def recover(job: "Job", allocation: Allocation, end: GangEnd, request: Request, deadline: float,
+def recover(job: Any, allocation: Allocation, end: GangEnd, request: Request, deadline: float,
             gang_started: float, tailer: "LogTailer") -> tuple[Allocation | None, Request] | None:
     """After a gang's end: None when the end is the job's own (success, a rank's error, a node that
     stopped itself for a stale heartbeat); else the lost nodes replaced (only them where the compute
@@ -143,7 +142,7 @@ def recover(job: "Job", allocation: Allocation, end: GangEnd, request: Request, 
     return next_allocation, request
 
 
-def failed_gang_check(job: "Job", allocation: Allocation) -> dict[int, str]:
+def failed_gang_check(job: Any, allocation: Allocation) -> dict[int, str]:
     """The nodes the gang check found at fault, when they are some of a remote gang's nodes (not all:
     a fault every node shares is the job's, not a machine's): replaced like lost ones, what each saw."""
     if not job.compute.remote or len(allocation.nodes) < 2:
@@ -162,7 +161,7 @@ def failed_gang_check(job: "Job", allocation: Allocation) -> dict[int, str]:
     return {}
 
 
-def replace_lost(job: "Job", allocation: Allocation, lost: set[int], request: Request, deadline: float) -> bool:
+def replace_lost(job: Any, allocation: Allocation, lost: set[int], request: Request, deadline: float) -> bool:
     """Only the lost nodes replaced, the others kept (True); False when the compute cannot, the nodes it
     would keep are unfit, or the new nodes could not be had (the whole gang is replaced then)."""
     try:
@@ -181,7 +180,7 @@ def replace_lost(job: "Job", allocation: Allocation, lost: set[int], request: Re
     return True
 
 
-def checkpoint_progress(job: "Job", gang_ran_s: float, noticed_at: float) -> tuple[int | None, float | None]:
+def checkpoint_progress(job: Any, gang_ran_s: float, noticed_at: float) -> tuple[int | None, float | None]:
     """The newest complete checkpoint step and the seconds of work the lost gang did after it, until
     its loss was noticed (``noticed_at``, wall clock; ``gang_ran_s``: how long it had run then)."""
     from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV, Location, step_dir_name

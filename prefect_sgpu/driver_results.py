@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefect_sgpu import payload as payload_mod
 from prefect_sgpu.driver_recovery import GangEnd, Recovery, stopped_for_heartbeat
@@ -19,9 +19,6 @@ from prefect_sgpu.errors import HeartbeatExpired, JobHung, RankFailedError
 from prefect_sgpu.heartbeat import HEARTBEAT_INTERVAL_S
 from prefect_sgpu.jobfolder import NodeStatus
 from prefect_sgpu.spec import Plan
-
-if TYPE_CHECKING:
-    from prefect_sgpu.driver import Job
 
 
 @dataclass
@@ -60,7 +57,7 @@ class JobResult:
     gang_check: dict[str, Any] | None = None
 
 
-def collect(job: "Job", plan: Plan, end: GangEnd) -> JobResult:
+def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
     """The job's values and rank reports from a gang that ended well; else the error it ended with
     (:func:`failure`), raised once every other node is stopped."""
     codes, statuses, lost = end.codes, end.statuses, end.lost
@@ -89,7 +86,7 @@ def collect(job: "Job", plan: Plan, end: GangEnd) -> JobResult:
     )
 
 
-def failure(job: "Job", codes: dict[int, int], statuses: dict[int, NodeStatus],
+def failure(job: Any, codes: dict[int, int], statuses: dict[int, NodeStatus],
             lost: dict[int, str]) -> BaseException:
     """JobHung when a watchdog stopped the job; else the first failing rank's own exception
     (with rank/host notes); else RankFailedError."""
@@ -133,7 +130,7 @@ def failure(job: "Job", codes: dict[int, int], statuses: dict[int, NodeStatus],
     return RankFailedError(None, None, None, None, "the job failed without a report")
 
 
-def heartbeat_expired(job: "Job", statuses: dict[int, NodeStatus],
+def heartbeat_expired(job: Any, statuses: dict[int, NodeStatus],
                       failed: list[payload_mod.Envelope]) -> HeartbeatExpired | None:
     """A node that stopped itself for want of a new driver heartbeat is the cause; the errors its
     peers raised afterwards (a collective whose peer vanished) are collateral, named as such."""
@@ -155,7 +152,7 @@ def heartbeat_expired(job: "Job", statuses: dict[int, NodeStatus],
     return HeartbeatExpired(None, status.host, status.exit_code, None, message, node=index, collateral=collateral)
 
 
-def agent_output_tail(job: "Job", index: int, lines: int = 12, limit: int = 3000) -> str:
+def agent_output_tail(job: Any, index: int, lines: int = 12, limit: int = 3000) -> str:
     """The last lines a node agent printed (its import error, its own traceback), for a node
     that ended without a status: the reason is there, and nowhere else."""
     from prefect_sgpu.jobfolder import agent_output_key

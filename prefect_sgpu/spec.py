@@ -25,7 +25,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from typing_extensions import TypedDict
 
@@ -34,9 +34,6 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from prefect_sgpu import catalog
 from prefect_sgpu import environment as environment_mod
 from prefect_sgpu.errors import SGPUConfigError
-
-if TYPE_CHECKING:
-    from prefect_sgpu.compute.base import Compute
 
 DEFAULT_TIMEOUT_S = 3 * 60 * 60.0
 DEFAULT_HANG_TIMEOUT_S = 15 * 60.0
@@ -307,14 +304,15 @@ def build(*layers: SpecLayer | None, environ: Mapping[str, str] | None = None) -
     return merge(*layers, environment_layer(environ))
 
 
-def compute_layer(compute: "Compute") -> SpecLayer | None:
+def compute_layer(compute: Any) -> SpecLayer | None:
     """What a compute block gave (``EC2Compute(environment=...)``), at the runner / work-pool level:
-    below the call, task and runner, above ``PREFECT_SGPU_ENVIRONMENT``."""
+    below the call, task and runner, above ``PREFECT_SGPU_ENVIRONMENT``. (``compute`` is a
+    :class:`~prefect_sgpu.compute.base.Compute`, typed loosely: computes import this module, not the reverse.)"""
     option = compute.sgpu_environment
     return None if option is None else layer("compute block", environment=option)
 
 
-def for_compute(compute: "Compute", *layers: SpecLayer | None, environ: Mapping[str, str] | None = None,
+def for_compute(compute: Any, *layers: SpecLayer | None, environ: Mapping[str, str] | None = None,
                 script: str | None = None) -> JobSpec:
     """The spec of a job on ``compute``: ``layers`` (highest first) over the compute block's, the
     environment variables and the built-in defaults; for remote nodes its environment captured now
