@@ -51,7 +51,7 @@ AWS_PACKAGES = ("boto3", "botocore", "prefect_aws")
 ENTRY_POINTS = {
     "console_scripts": "prefect-sgpu = prefect_sgpu.cli:main",
     "prefect.collections": "prefect_sgpu = prefect_sgpu",
-    "mlflow.tracking_store": "sgpu-relay = prefect_sgpu.mlflow_relay:store_builder",
+    "mlflow.tracking_store": "sgpu-relay = prefect_sgpu.observe.mlflow_relay:store_builder",
 }
 
 LIST_BLOCKS = """

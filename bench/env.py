@@ -92,10 +92,10 @@ def pack_rows(work: Path, aws: Any) -> list[tuple[str, float, str]]:
     import subprocess
     import uuid
 
-    from prefect_sgpu import environment_ship
+    from prefect_sgpu.environment import ship as environment_ship
     from prefect_sgpu.environment import capture
     from prefect_sgpu.launch import ec2_stage, node_env, node_pack
-    from prefect_sgpu.store_s3 import S3Store
+    from prefect_sgpu.store.s3 import S3Store
     from support.ec2_simulator import bare_image
 
     env = capture()

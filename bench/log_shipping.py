@@ -33,7 +33,7 @@ def main() -> None:
     from moto.server import ThreadedMotoServer
 
     from prefect_sgpu.launch.bootstrap import NodeBootstrap, NodeIdentity
-    from prefect_sgpu.store_s3 import S3Store
+    from prefect_sgpu.store.s3 import S3Store
 
     import logging
 

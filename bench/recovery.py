@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from prefect_sgpu import distributed  # noqa: E402
-from prefect_sgpu.jobfolder import log_key  # noqa: E402
+from prefect_sgpu.protocol.jobfolder import log_key  # noqa: E402
 from support.aws_fixtures import create_network, offline_aws  # noqa: E402
 from support.conformance_ec2 import ec2_environment  # noqa: E402
 from support.training import train_with_checkpoints  # noqa: E402

@@ -87,7 +87,7 @@ sys.path.insert(0, str(ROOT))
 HEARTBEAT_TTL_S = 60.0
 AGENT_TIMEOUT_S = 240.0
 RUNNING_TIMEOUT_S = 180.0
-#: the driver's own cadences (prefect_sgpu.driver)
+#: the driver's own cadences (prefect_sgpu.driver.job)
 POLL_INTERVAL_S = 0.05
 HEARTBEAT_INTERVAL_S = 2.0
 
@@ -102,7 +102,7 @@ def node_host() -> int:
     from prefect_sgpu.launch import ec2_host as eh
     from prefect_sgpu.launch.ec2_stage import imds_get, imds_token
     from prefect_sgpu.launch.node_host import NodeIdentity
-    from prefect_sgpu.store_s3 import S3Store
+    from prefect_sgpu.store.s3 import S3Store
 
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # "connection pool is full" with 128 threads
     out_lock, client_lock = threading.Lock(), threading.Lock()
@@ -450,9 +450,9 @@ def environment(aws: Any, proxy: Any, workdir: Path, stub: bool,
 def run_size(aws: Any, proxy: Any, nodes: int, stub: bool, waiter_delay: float, gpu_type: str) -> Result:
     from prefect_sgpu.compute.base import JobLaunch, NodeCommand
     from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
-    from prefect_sgpu.driver import new_run_id
-    from prefect_sgpu.heartbeat import DriverHeartbeat
-    from prefect_sgpu.jobfolder import JobFolder, new_key
+    from prefect_sgpu.driver.job import new_run_id
+    from prefect_sgpu.driver.heartbeat import DriverHeartbeat
+    from prefect_sgpu.protocol.jobfolder import JobFolder, new_key
     from prefect_sgpu.spec import JobSpec
 
     result = Result(nodes, "stub" if stub else "real bootstrap")

@@ -81,7 +81,7 @@ def _register_blocks() -> None:
 def _version() -> str:
     """The installed distribution's version: pyproject.toml is its one source. A checkout on
     ``sys.path`` without an install has no metadata and says so."""
-    from prefect_sgpu.versions import distribution_version
+    from prefect_sgpu.protocol.versions import distribution_version
 
     return distribution_version("prefect-sgpu") or "0+unknown"
 

@@ -135,7 +135,7 @@ def _sweeper(args: argparse.Namespace) -> Any:
 
     tracking_uri = None
     if not args.no_mlflow:
-        from prefect_sgpu.tracking import default_tracking_uri, mlflow_available
+        from prefect_sgpu.observe.tracking import default_tracking_uri, mlflow_available
 
         tracking_uri = args.tracking_uri or (default_tracking_uri() if mlflow_available() else None)
     options: dict[str, Any] = {"grace_s": args.grace_seconds}
@@ -152,7 +152,7 @@ def _sweeper(args: argparse.Namespace) -> Any:
     if args.store and args.store.startswith("s3://"):
         from prefect_sgpu.compute.ec2.instances import EC2Provisioner
         from prefect_sgpu.compute.ec2.settings import EC2Settings
-        from prefect_sgpu.store_s3 import S3Store
+        from prefect_sgpu.store.s3 import S3Store
 
         region = args.region or _default_region()
         settings = EC2Settings(region=region, endpoint_url=args.endpoint_url)

@@ -67,7 +67,7 @@ class PayloadImportError(PayloadError, ModuleNotFoundError):
     @classmethod
     def explained(cls, module: str, rank_detail: str = "") -> "PayloadImportError":
         """The error as this process explains it: with where this process imports ``module`` from."""
-        from prefect_sgpu.environment_modules import is_local_source, where_on_driver
+        from prefect_sgpu.environment.modules import is_local_source, where_on_driver
 
         try:
             source = where_on_driver(module)
@@ -91,7 +91,7 @@ class ProvisioningError(SGPUError):
 
 class EnvironmentMismatch(SGPUError):
     """A node runs what cannot run the driver's calls (another Python minor version, another
-    prefect-sgpu, ...): found once the nodes are up, before any rank starts (:mod:`prefect_sgpu.versions`)."""
+    prefect-sgpu, ...): found once the nodes are up, before any rank starts (:mod:`prefect_sgpu.protocol.versions`)."""
 
     def __init__(self, run_id: str, node: int, host: str, differences: list[str]) -> None:
         self.run_id, self.node, self.host, self.differences = run_id, node, host, list(differences)
@@ -102,7 +102,7 @@ class EnvironmentMismatch(SGPUError):
 
 
 class GangCheckFailed(SGPUError):
-    """The gang check before the user's function (:mod:`prefect_sgpu.gang_check`) found ranks that
+    """The gang check before the user's function (:mod:`prefect_sgpu.observe.gang_check`) found ranks that
     could not join it, or a collective whose result was wrong: nothing of the user's ran.
 
     ``failed`` maps each failing rank to where it ran (node, host, instance id) and what it saw.

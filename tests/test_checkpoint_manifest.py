@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from support.aws_fixtures import MotoAWS
-from prefect_sgpu.checkpoint_manifest import (KEY_ENV, SECRET_ENV, driver_secret, hash_folder, location_key,
+from prefect_sgpu.checkpoints.manifest import (KEY_ENV, SECRET_ENV, driver_secret, hash_folder, location_key,
                                               secret_path, seal_marker)
 from prefect_sgpu.checkpoints import ENDPOINT_ENV, MARKER, URI_ENV, Location
 from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
@@ -204,7 +204,7 @@ def test_the_driver_hands_ranks_their_locations_key_as_a_secret_never_in_the_env
 def _saves_and_restores(step: int, other: str | None = None) -> dict[str, Any]:
     """In a rank that cannot read the user's secret (as on a remote node): restore, save ``step``,
     and say which steps it can verify at ``other`` (a location that is not its own)."""
-    from prefect_sgpu.checkpoint_manifest import read_secret
+    from prefect_sgpu.checkpoints.manifest import read_secret
 
     assert read_secret() is None and os.environ.get(KEY_ENV), "the rank has its location's key only"
     w = _wrapped()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from support.aws_fixtures import MotoAWS
-from prefect_sgpu.checkpoint_manifest import inside, name_problem
+from prefect_sgpu.checkpoints.manifest import inside, name_problem
 from prefect_sgpu.checkpoints import ENDPOINT_ENV, MARKER, URI_ENV, Location, private_dir
 from prefect_sgpu.errors import CheckpointRefused
 from prefect_sgpu.pipeline.checkpoint import Checkpointer, load_model
@@ -81,7 +81,7 @@ def test_a_store_writers_climbing_key_and_unsigned_marker_write_nothing_outside_
 
 def test_a_climbing_name_in_a_manifest_is_refused_by_name(s3_location: tuple[Any, str, str]) -> None:
     """Even a key holder cannot seal a manifest naming a path outside its folder."""
-    from prefect_sgpu.checkpoint_manifest import FileEntry
+    from prefect_sgpu.checkpoints.manifest import FileEntry
 
     location = Location()
     with pytest.raises(CheckpointRefused, match=r"'\.\./\.\./x'.*'\.\.' part"):

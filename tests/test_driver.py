@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from prefect_sgpu import jobfolder, payload, spec as spec_mod
-from prefect_sgpu.driver import Job
+from prefect_sgpu import spec as spec_mod
+from prefect_sgpu.protocol import jobfolder
+from prefect_sgpu.protocol import payload
+from prefect_sgpu.driver.job import Job
 from prefect_sgpu.errors import InfrastructureLost, JobCancelled, LaunchTimeout, RankFailedError
 from prefect_sgpu.store import LocalStore
 from support.fake_compute import FakeCompute
@@ -133,7 +135,7 @@ def test_the_driver_beats_through_acquire_stop_release_and_relaunch_and_stops_wh
         tmp_path: Path, monkeypatch) -> None:
     """The heartbeat is the driver's alone: no compute writes it, and it never pauses while a lost gang
     is stopped, released and acquired again (nodes and sweepers would take the run for dead)."""
-    from prefect_sgpu import heartbeat
+    from prefect_sgpu.driver import heartbeat
 
     monkeypatch.setattr(heartbeat, "HEARTBEAT_INTERVAL_S", 0.05)
     compute = _SlowCompute(nodes=2, lose_node=1, lose_times=1)

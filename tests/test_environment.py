@@ -16,7 +16,7 @@ import pytest
 from prefect_sgpu import SGPUConfigError
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.environment import Environment, EnvironmentOptions, capture, option_text, parse_option
-from prefect_sgpu.environment_files import DEFAULT_MAX_BYTES
+from prefect_sgpu.environment.files import DEFAULT_MAX_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "hunter2-s3cret"
@@ -56,7 +56,7 @@ def test_capture_finds_this_project_as_an_editable_install_and_pins_every_distri
     tree = next(t for t in env.local_packages if t.name == "prefect-sgpu")
     assert Path(tree.source) == ROOT
     paths = {f.path for f in tree.files}
-    assert "prefect_sgpu/environment.py" in paths and "pyproject.toml" in paths
+    assert "prefect_sgpu/environment/__init__.py" in paths and "pyproject.toml" in paths
     assert not any(p.startswith((".git/", ".venv/")) or "__pycache__" in p or p.endswith(".pyc") for p in paths)
     assert env.python.version == "{}.{}.{}".format(*sys.version_info[:3])
     assert env.python.implementation == sys.implementation.name and env.python.minor == "3.11"
@@ -340,7 +340,7 @@ def test_an_imported_module_over_the_size_limit_fails_before_anything_starts(
 
 
 def test_a_script_ships_the_modules_of_its_folder_it_imports(tmp_path: Path) -> None:
-    from prefect_sgpu.environment_modules import imported_by_script
+    from prefect_sgpu.environment.modules import imported_by_script
 
     project = tmp_path / "scripts"
     (project / "helpers").mkdir(parents=True)
@@ -358,7 +358,7 @@ def test_a_script_ships_the_modules_of_its_folder_it_imports(tmp_path: Path) -> 
 
 def test_a_rank_that_cannot_import_a_module_names_it_and_where_the_driver_has_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefect_sgpu import payload
+    from prefect_sgpu.protocol import payload
     from prefect_sgpu.errors import PayloadImportError
 
     project = _sibling_project(tmp_path / "proj", "sgpu_auto_d_")

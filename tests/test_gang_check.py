@@ -1,4 +1,4 @@
-"""The gang check (prefect_sgpu.gang_check) on real processes and a real workers' store.
+"""The gang check (prefect_sgpu.observe.gang_check) on real processes and a real workers' store.
 
 Four rank processes on this host stand for 2 nodes x 2 ranks, with the environment torch elastic
 gives ranks (``RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store the test hosts,
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from prefect_sgpu import gang_check
+from prefect_sgpu.observe import gang_check
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.errors import GangCheckFailed
 
 RANK = textwrap.dedent("""
     import json, os, sys
-    from prefect_sgpu import gang_check
+    from prefect_sgpu.observe import gang_check
     from prefect_sgpu.errors import GangCheckFailed
     out = {"rank": int(os.environ["RANK"])}
     try:

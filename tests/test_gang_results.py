@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
-from prefect_sgpu import jobfolder, payload, spec as spec_mod
-from prefect_sgpu.driver import Job
+from prefect_sgpu import spec as spec_mod
+from prefect_sgpu.protocol import jobfolder
+from prefect_sgpu.protocol import payload
+from prefect_sgpu.driver.job import Job
 from prefect_sgpu.errors import DocumentRefused, RankFailedError
 from prefect_sgpu.store import LocalStore
 from support.fake_compute import FakeCompute

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from prefect_sgpu import jobfolder, payload
+from prefect_sgpu.protocol import jobfolder
+from prefect_sgpu.protocol import payload
 from prefect_sgpu.errors import DocumentRefused, PayloadError
-from prefect_sgpu.jobfolder import Alive, JobFolder, LaunchDocument, NodeStatus
+from prefect_sgpu.protocol.jobfolder import Alive, JobFolder, LaunchDocument, NodeStatus
 from prefect_sgpu.store import LocalStore
 
 
@@ -66,7 +67,7 @@ def test_a_document_moved_to_another_node_or_instance_is_refused(folder: JobFold
 def test_an_assignment_is_bound_to_its_lease_node_and_instance_and_is_no_launch(folder: JobFolder) -> None:
     from pydantic import ValidationError
 
-    from prefect_sgpu.jobfolder import Assign
+    from prefect_sgpu.protocol.jobfolder import Assign
 
     folder.put_assignments({0: (Assign(run_id="job-2", seq=3), "i-0"), 1: (Assign(run_id="job-2", seq=3), "i-1")})
     assert folder.assignment(1, instance_id="i-1") == Assign(run_id="job-2", seq=3)

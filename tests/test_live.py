@@ -8,7 +8,7 @@ import re
 import pytest
 
 from prefect_sgpu import distributed
-from prefect_sgpu.live import LIVE_ENV, LiveStatus, enabled
+from prefect_sgpu.observe.live import LIVE_ENV, LiveStatus, enabled
 
 
 class _Stream(io.StringIO):

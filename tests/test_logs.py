@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prefect_sgpu.logs import LogTailer, RankLogSink, printable
+from prefect_sgpu.observe.logs import LogTailer, RankLogSink, printable
 from prefect_sgpu.store import LocalStore
 
 HOSTILE = b"\x1b]0;owned\x07\x1b[2J\x1b[1Aloss 0.1\tok\rfake line\xc2\x9b31m \xe2\x80\xae\x00end\n"

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from prefect_sgpu import PayloadError, distributed, payload
+from prefect_sgpu import PayloadError, distributed
+from prefect_sgpu.protocol import payload
 from prefect_sgpu.store import LocalStore
 
 LOCK = threading.Lock()

@@ -14,10 +14,10 @@ import pytest
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from prefect_sgpu import mlflow_relay
+from prefect_sgpu.observe import mlflow_relay
 from prefect_sgpu.compute.remote.sweep import Sweeper
-from prefect_sgpu.jobfolder import JobFolder, new_key
-from prefect_sgpu.mlflow_relay import MetricRelay, metrics_key
+from prefect_sgpu.protocol.jobfolder import JobFolder, new_key
+from prefect_sgpu.observe.mlflow_relay import MetricRelay, metrics_key
 from prefect_sgpu.store import LocalStore
 
 RUN = "job-a"
@@ -82,7 +82,7 @@ def _metric(key: str, value: float, step: int) -> Metric:
 
 def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "prefect_sgpu.mlflow_relay" and "was refused" in r.getMessage()]
+            if r.name == "prefect_sgpu.observe.mlflow_relay" and "was refused" in r.getMessage()]
 
 
 def test_a_forged_record_cannot_retag_the_run_and_get_it_swept(world: World,
@@ -94,7 +94,7 @@ def test_a_forged_record_cannot_retag_the_run_and_get_it_swept(world: World,
     for step in range(3):
         rank0.log_batch(world.mlflow_run, [_metric("loss", 1.0 / (step + 1), step)], [], [])
     world.relay.poll()
-    with caplog.at_level(logging.WARNING, logger="prefect_sgpu.mlflow_relay"):
+    with caplog.at_level(logging.WARNING, logger="prefect_sgpu.observe.mlflow_relay"):
         world.plant(0, b'{"metrics":[["planted",1.0,0,0]],"tags":[["sgpu.run_id","gone"]]}\n')  # unsigned
         world.relay.poll()
         assert world.run().data.tags["sgpu.run_id"] == RUN, "a planted tag reached the run"
@@ -129,7 +129,7 @@ def test_a_rank_cannot_set_mlflow_or_sgpu_tags_through_the_relay(world: World,
     sealed = mlflow_relay.Record(w="rank-code", n=1, metrics=[("extra", 1.0, 0, 0)],
                                  tags=[("SGPU.store", "s3://elsewhere"), ("ok", "1")])
     world.plant(0, mlflow_relay.seal_record(mlflow_relay.relay_key(world.key), RUN, 0, sealed))
-    with caplog.at_level(logging.WARNING, logger="prefect_sgpu.mlflow_relay"):
+    with caplog.at_level(logging.WARNING, logger="prefect_sgpu.observe.mlflow_relay"):
         world.relay.poll()
 
     run = world.run()
@@ -153,7 +153,7 @@ def test_a_bad_record_is_refused_alone_and_the_rest_of_its_chunk_is_replayed(
     rank1.log_batch(world.mlflow_run, [], [Param("bad?name", "1")], [])
     rank1.log_batch(world.mlflow_run, [], [Param("lr", "0.2")], [])
     rank1.log_batch(world.mlflow_run, [_metric("loss", 1 / 3, 2)], [Param("epochs", "3")], [])
-    with caplog.at_level(logging.WARNING, logger="prefect_sgpu.mlflow_relay"):
+    with caplog.at_level(logging.WARNING, logger="prefect_sgpu.observe.mlflow_relay"):
         world.relay.poll()
 
     run = world.run()
@@ -184,7 +184,7 @@ def test_records_replayed_moved_or_from_another_job_are_refused(world: World,
     assert world.run().data.tags["phase"] == "train"
 
     attacks = {"written again": (0, first), "moved to rank 1": (1, first), "of another job": (0, from_other_job)}
-    with caplog.at_level(logging.WARNING, logger="prefect_sgpu.mlflow_relay"):
+    with caplog.at_level(logging.WARNING, logger="prefect_sgpu.observe.mlflow_relay"):
         for what, (rank, line) in attacks.items():
             world.plant(rank, line)
             world.relay.poll()

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import pytest
 
-from prefect_sgpu import interrupts
+from prefect_sgpu.driver import interrupts
 
 
 def _raise_into(thread: threading.Thread, exc_type: type[BaseException]) -> None:

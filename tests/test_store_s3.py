@@ -10,8 +10,8 @@ import pytest
 
 from support.aws_fixtures import MotoAWS
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.logs import LogTailer
-from prefect_sgpu.store_s3 import S3Store
+from prefect_sgpu.observe.logs import LogTailer
+from prefect_sgpu.store.s3 import S3Store
 
 
 @pytest.fixture
@@ -214,7 +214,7 @@ def test_a_node_ships_a_growing_log_in_at_most_twice_its_size(store: S3Store, tm
 
 def test_a_large_object_goes_up_in_parts_encrypted_and_reads_back_whole(store: S3Store,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import prefect_sgpu.store_s3 as store_s3
+    import prefect_sgpu.store.s3 as store_s3
 
     monkeypatch.setattr(store_s3, "MULTIPART_BYTES", 5 * 1024 * 1024)  # S3's smallest part
     data = bytes(range(256)) * (12 * 1024 * 1024 // 256)  # 12 MB: 3 parts of 5 MB
@@ -286,7 +286,7 @@ def test_the_store_of_a_url_is_the_class_its_scheme_names(store: S3Store, tmp_pa
         store_mod.store_class("gs://bucket/prefix")
     with pytest.raises(SGPUConfigError, match="object store"):
         store_mod.LocalStore(tmp_path).objects()
-    store_mod.register_scheme("s3test", "prefect_sgpu.store_s3:S3Store")
+    store_mod.register_scheme("s3test", "prefect_sgpu.store.s3:S3Store")
     try:
         assert store_mod.store_class("s3test://bucket") is S3Store
     finally:

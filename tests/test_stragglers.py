@@ -9,9 +9,9 @@ import pytest
 
 from prefect_sgpu import SGPUConfigError, distributed
 from prefect_sgpu import spec as spec_mod
-from prefect_sgpu.progress_watch import StragglerWatch, describe, parse_progress
+from prefect_sgpu.observe.progress_watch import StragglerWatch, describe, parse_progress
 from prefect_sgpu.store import LocalStore
-from prefect_sgpu.stragglers import Straggler, StragglerDetector
+from prefect_sgpu.observe.stragglers import Straggler, StragglerDetector
 
 
 def _feed(detector: StragglerDetector, periods: dict[int, float], until: float,

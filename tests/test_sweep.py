@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from prefect_sgpu import jobfolder
-from prefect_sgpu.jobfolder import JobFolder, new_key
+from prefect_sgpu.protocol import jobfolder
+from prefect_sgpu.protocol.jobfolder import JobFolder, new_key
 from prefect_sgpu.store import LocalStore
 from prefect_sgpu.compute.remote.sweep import Sweeper
 

@@ -118,7 +118,7 @@ class SGPUStore(SGPUBlock):
         from prefect_sgpu.store import LocalStore
 
         if self.uri.startswith("s3://"):
-            from prefect_sgpu.store_s3 import S3Store
+            from prefect_sgpu.store.s3 import S3Store
 
             creds = getattr(self, "aws_credentials", None)
             return S3Store(self.uri, session=creds.get_boto3_session() if creds else None)

@@ -20,11 +20,11 @@ from typing import Any, Callable, Generic, ParamSpec, TypeVar, overload
 
 from typing_extensions import Unpack
 
-from prefect_sgpu import payload as payload_mod
+from prefect_sgpu.protocol import payload as payload_mod
 from prefect_sgpu import spec as spec_mod
-from prefect_sgpu.driver import Job, JobResult
+from prefect_sgpu.driver.job import Job, JobResult
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.logs import RankLogSink
+from prefect_sgpu.observe.logs import RankLogSink
 from prefect_sgpu.resolve import REMOTE_COMPUTE_ENV, resolve
 from prefect_sgpu.spec import JobArgs, JobSpec, SpecLayer
 from prefect_sgpu.store import Store
@@ -49,7 +49,7 @@ class DistributedFuture(Generic[R]):
         try:
             return self._future.result(timeout)
         except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) while waiting: stop every job of this driver
-            from prefect_sgpu import interrupts
+            from prefect_sgpu.driver import interrupts
 
             interrupts.cancel_all("interrupted while waiting for a job")
             raise
@@ -73,7 +73,7 @@ def run_job(job: Job, live: bool = True) -> JobResult:
 
     if reports.in_prefect_run():
         return reports.run_reported(job, live=live)
-    from prefect_sgpu.live import LiveStatus
+    from prefect_sgpu.observe.live import LiveStatus
 
     with LiveStatus(job) if live else contextlib.nullcontext():
         return job.run()
@@ -83,7 +83,7 @@ def _start(job: Job) -> cf.Future[JobResult]:
     """Run ``job`` in a thread of its own: no pool cap that would queue a sweep's jobs unseen.
 
     The thread is not a daemon: at interpreter exit Python waits for it, after the exit
-    hook of :mod:`prefect_sgpu.interrupts` has cancelled the job (so the wait is its cleanup).
+    hook of :mod:`prefect_sgpu.driver.interrupts` has cancelled the job (so the wait is its cleanup).
     """
     future: cf.Future[JobResult] = cf.Future()
 
@@ -194,7 +194,7 @@ class DistributedFunction(Generic[P, R]):
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> DistributedFuture[R]:
         """Start the job in the background (sweeps run side by side)."""
-        from prefect_sgpu import interrupts
+        from prefect_sgpu.driver import interrupts
 
         cancel = threading.Event()
         job = self.job(*args, cancel_event=cancel, **kwargs)

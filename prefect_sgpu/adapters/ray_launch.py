@@ -19,9 +19,9 @@ from typing_extensions import Unpack
 
 from prefect_sgpu.adapters.decorator import DistributedFunction, DistributedFuture
 from prefect_sgpu import spec as spec_mod
-from prefect_sgpu.driver import Job, Launcher
+from prefect_sgpu.driver.job import Job, Launcher
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.logs import RankLogSink
+from prefect_sgpu.observe.logs import RankLogSink
 from prefect_sgpu.spec import JobArgs, SpecLayer
 
 if TYPE_CHECKING:

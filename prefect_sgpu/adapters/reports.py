@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Any, Iterator
 
-from prefect_sgpu.driver import Job, JobResult
+from prefect_sgpu.driver.job import Job, JobResult
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.live import LiveStatus
+from prefect_sgpu.observe.live import LiveStatus
 from prefect_sgpu.spec import JobSpec
 
 logger = logging.getLogger("prefect_sgpu.task_runner")
@@ -99,7 +99,7 @@ class _Progress:
         self._thread.start()
 
     def _read(self) -> tuple[int, int | None] | None:
-        from prefect_sgpu.live import read_step
+        from prefect_sgpu.observe.live import read_step
 
         return read_step(self.job.store, self.job.run_id)
 

@@ -15,7 +15,7 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from prefect_sgpu import payload as payload_mod
+from prefect_sgpu.protocol import payload as payload_mod
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.adapters.task_runner import run_gpu_call
 

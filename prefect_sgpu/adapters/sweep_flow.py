@@ -26,7 +26,7 @@ def gc(compute_block: str | None = None, store_block: str | None = None, store: 
 
     from prefect_sgpu.store import LocalStore
     from prefect_sgpu.compute.remote.sweep import sweeper
-    from prefect_sgpu.tracking import default_tracking_uri, mlflow_available
+    from prefect_sgpu.observe.tracking import default_tracking_uri, mlflow_available
 
     compute = Block.load(compute_block).get_compute() if compute_block else None
     chosen = Block.load(store_block).get_store() if store_block else (LocalStore(store) if store else None)

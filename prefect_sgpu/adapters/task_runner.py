@@ -23,13 +23,13 @@ from typing_extensions import Unpack
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import Task
 
-from prefect_sgpu import payload as payload_mod
+from prefect_sgpu.protocol import payload as payload_mod
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.adapters import reports
 from prefect_sgpu.adapters.reports import slug
-from prefect_sgpu.driver import Job
+from prefect_sgpu.driver.job import Job
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.logs import RankLogSink
+from prefect_sgpu.observe.logs import RankLogSink
 from prefect_sgpu.resolve import COMPUTE_ENV, STORE_ENV, as_compute, resolve
 from prefect_sgpu.spec import FIELDS, JobSpec, SpecLayer, TaskArgs
 from prefect_sgpu.store import LocalStore, Store

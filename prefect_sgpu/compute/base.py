@@ -36,7 +36,7 @@ from prefect_sgpu.spec import JobSpec, Plan
 if TYPE_CHECKING:
     from prefect_sgpu.compute.remote.sweep import Sweeper
     from prefect_sgpu.environment import EnvironmentOptions
-    from prefect_sgpu.jobfolder import JobFolder, NodeStatus
+    from prefect_sgpu.protocol.jobfolder import JobFolder, NodeStatus
     from prefect_sgpu.store import Store
 
 
@@ -266,7 +266,7 @@ class Compute(ABC):
     #: (a lost node's peers often fail first, on a broken collective)
     loss_grace_s: ClassVar[float] = 1.0
     #: True: this compute's nodes build the job's environment themselves from what the driver shipped
-    #: to the store (:mod:`prefect_sgpu.environment_ship`), so the driver hands them the package
+    #: to the store (:mod:`prefect_sgpu.environment.ship`), so the driver hands them the package
     #: indexes' credentials with the job's secrets; False: the nodes run one they already have
     ships_environment: ClassVar[bool] = False
     #: the ``environment=`` this compute's block gave, set on the instance by the block; a spec layer
@@ -313,7 +313,7 @@ class Compute(ABC):
         acquire gives back what it got and raises ``LaunchTimeout`` (phase says where).
         Once ``cancel`` is set it gives back what it got and raises ``JobCancelled``.
         On any exception nothing acquired is left behind. The driver's heartbeat in ``folder``
-        is the driver's own (:mod:`prefect_sgpu.heartbeat`): fresh from before acquire until the
+        is the driver's own (:mod:`prefect_sgpu.driver.heartbeat`): fresh from before acquire until the
         folder goes; no compute writes it.
         """
 

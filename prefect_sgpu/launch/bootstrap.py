@@ -15,7 +15,7 @@ on itself) and no key. The program:
 1. learns who it is from its node host (on EC2, IMDSv2: instance id, AMI launch index =
    node index, private IP);
 2. reads the job key from the secret whose name it derives from its own ``--run-id``
-   (:func:`prefect_sgpu.jobfolder.ssm_key_parameter`; never from a document), waiting for it
+   (:func:`prefect_sgpu.protocol.jobfolder.ssm_key_parameter`; never from a document), waiting for it
    at most ``--heartbeat-ttl`` seconds;
 3. announces itself (a sealed ``nodes/node-<i>.alive``, refreshed while it lives by a thread of
    its own, so that no upload, however slow, holds it back past the driver's ``node_silence_s``;

@@ -3,7 +3,7 @@
 The stage (:mod:`prefect_sgpu.launch.node_env`) runs before anything is installed, so it cannot use
 boto3: everything it asks of AWS is here, behind the small transport it names
 (:class:`S3StageTransport`, the stage transport of ``s3://`` stores). The user-data carries this file
-beside the stage (:func:`prefect_sgpu.environment_ship.stage_files`), and the stage imports it from its
+beside the stage (:func:`prefect_sgpu.environment.ship.stage_files`), and the stage imports it from its
 own folder; it imports nothing of prefect-sgpu.
 
 - **IMDSv2** (:func:`imds_token`, :func:`imds_get`): the instance metadata service, a token PUT then

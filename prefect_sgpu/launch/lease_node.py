@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
-from prefect_sgpu.jobfolder import Assign, agent_output_key
+from prefect_sgpu.protocol.jobfolder import Assign, agent_output_key
 from prefect_sgpu.procs.processes import kill_and_reap
 from prefect_sgpu.procs.processes import node_log as _log
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 _NO_NUMA_QUERY = object()
 
 if TYPE_CHECKING:
-    from prefect_sgpu.jobfolder import JobFolder
+    from prefect_sgpu.protocol.jobfolder import JobFolder
 
 
 class StopNode(Exception):
@@ -58,7 +58,7 @@ def watch_heartbeat(folder: "JobFolder", ttl: float, why: dict[str, str]) -> Non
     sequence number grew), so clock skew does not matter and a forged or replayed
     heartbeat cannot keep a node alive past its driver.
     """
-    from prefect_sgpu.jobfolder import HEARTBEAT_STOP
+    from prefect_sgpu.protocol.jobfolder import HEARTBEAT_STOP
 
     last_seq = -1
     seen = time.monotonic()
@@ -77,7 +77,7 @@ def watch_heartbeat(folder: "JobFolder", ttl: float, why: dict[str, str]) -> Non
 
 def _silent_ranks(job_dir: Path, timeout: float, mine: set[int]) -> dict[int, tuple[int, float, str]]:
     """This node's live ranks with no progress (and no output) for ``timeout`` s: rank -> (pid, silent, step)."""
-    from prefect_sgpu import jobfolder
+    from prefect_sgpu.protocol import jobfolder
     from prefect_sgpu.runtime import PROGRESS_DIR, finished_marker
 
     now = time.time()
@@ -108,7 +108,7 @@ def _silent_ranks(job_dir: Path, timeout: float, mine: set[int]) -> dict[int, tu
 
 def _dump_stacks(job_dir: Path, silent: dict[int, tuple[int, float, str]]) -> dict[str, dict[str, Any]]:
     """Ask each silent rank for its Python stacks (SIGUSR1: faulthandler writes them to its log)."""
-    from prefect_sgpu import jobfolder
+    from prefect_sgpu.protocol import jobfolder
 
     sizes: dict[int, int] = {}
     for rank, (pid, _, _) in silent.items():
@@ -164,7 +164,7 @@ def node_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from prefect_sgpu.jobfolder import RANK_STARTS  # the driver checks its setting against the same names
+    from prefect_sgpu.protocol.jobfolder import RANK_STARTS  # the driver checks its setting against the same names
 
     p = node_parser("prefect-sgpu-node-agent")
     p.add_argument("--nproc-per-node", type=int, required=True)
@@ -200,7 +200,7 @@ def rank_start_method(requested: str, forked: bool) -> str:
     that a fork could lose. Where they may use a GPU, ranks are new interpreters as under torchrun,
     each bound to its GPU's NUMA node by torch elastic.
     """
-    from prefect_sgpu.jobfolder import RANK_STARTS
+    from prefect_sgpu.protocol.jobfolder import RANK_STARTS
 
     if forked:
         return "fork"
@@ -213,7 +213,7 @@ def rank_start_method(requested: str, forked: bool) -> str:
 
 def job_folder(job_dir: str | Path) -> "JobFolder":
     """This node's job folder, with the job key from the environment."""
-    from prefect_sgpu.jobfolder import JobFolder
+    from prefect_sgpu.protocol.jobfolder import JobFolder
 
     return JobFolder.local(job_dir, os.environ["SGPU_PAYLOAD_KEY"])
 
@@ -280,7 +280,7 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
         config.numa_options = None
     status: dict[str, Any] = {"node": args.node_index, "host": socket.gethostname(), "exit_code": 0,
                               "failures": {}}
-    from prefect_sgpu.jobfolder import NodeStatus
+    from prefect_sgpu.protocol.jobfolder import NodeStatus
 
     hosted: list[Any] = []  # node 0's rendezvous store, alive as long as this agent
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
-from prefect_sgpu.jobfolder import JobFolder, ssm_key_parameter
+from prefect_sgpu.protocol.jobfolder import JobFolder, ssm_key_parameter
 from prefect_sgpu.launch.job_cgroup import JobCgroup
 from prefect_sgpu.launch.lease_node import LeaseServing
 from prefect_sgpu.launch.node_host import DEFAULT_HOST, NodeHost, NodeIdentity, open_host

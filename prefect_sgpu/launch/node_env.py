@@ -2,7 +2,7 @@
 
 This file runs on a bare image *before* anything but the image's own Python exists: it imports
 the standard library only, and the EC2 user-data carries it (compressed) rather than expecting
-it installed. It is the node half of :mod:`prefect_sgpu.environment_ship`:
+it installed. It is the node half of :mod:`prefect_sgpu.environment.ship`:
 
 1. read the environment's manifest from the store (``<store>/.environments/<digest>/manifest-<sha256>.json``)
    and check it against the sha256 the user-data names (the user-data is the launcher's own:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
-from prefect_sgpu.jobfolder import HEARTBEAT_STOP, PAYLOAD, LaunchDocument, Rejoin, agent_output_key, ssm_secrets_parameter
+from prefect_sgpu.protocol.jobfolder import HEARTBEAT_STOP, PAYLOAD, LaunchDocument, Rejoin, agent_output_key, ssm_secrets_parameter
 from prefect_sgpu.launch.job_cgroup import JobCgroup
 from prefect_sgpu.launch.lease_node import ForkedAgent
 from prefect_sgpu.procs.processes import kill_and_reap, node_log as _log
@@ -156,7 +156,7 @@ class JobServing:
         """The job's ``secrets=`` from their SecureString, when the (sealed) launch document says it has some."""
         if not doc.secrets:
             return {}
-        from prefect_sgpu.environment_ship import INDEX_SECRET
+        from prefect_sgpu.environment.ship import INDEX_SECRET
 
         values = json.loads(self.host.read_secret(ssm_secrets_parameter(self.run_id, self.store.scope)))
         # the index credentials beside them are the environment stage's, not the ranks'

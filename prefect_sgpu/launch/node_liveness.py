@@ -20,9 +20,9 @@ import time
 from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
-from prefect_sgpu.jobfolder import HEARTBEAT, Alive, NodeStatus, Notice, ssm_key_parameter, ssm_secrets_parameter, unseal
+from prefect_sgpu.protocol.jobfolder import HEARTBEAT, Alive, NodeStatus, Notice, ssm_key_parameter, ssm_secrets_parameter, unseal
 from prefect_sgpu.procs.processes import node_log as _log
-from prefect_sgpu.versions import runtime_versions
+from prefect_sgpu.protocol.versions import runtime_versions
 
 
 class NodeLiveness:
@@ -97,7 +97,7 @@ class NodeLiveness:
         A new one (higher sequence number, valid seal) is copied down verbatim, so the
         agent's own watch verifies the very same document.
         """
-        from prefect_sgpu.jobfolder import Heartbeat
+        from prefect_sgpu.protocol.jobfolder import Heartbeat
         from prefect_sgpu.store import atomic_write
 
         assert self.key is not None

@@ -14,10 +14,10 @@ not make a new pack, and the shipped files are laid out after unpacking as after
   packages cold, tars the venv (and the Python uv downloaded for it, when it lies under the
   environments' root) into ``.environments/packages-<packages digest>/<sha256>.tar`` (one PUT, or an
   upload in parts: S3 takes at most 5 GB in one PUT), then writes ``<run>/setup/pack-<instance>.json``: the pack's description sealed
-  as :func:`prefect_sgpu.jobfolder.seal` seals a document of kind ``envpack`` bound to the instance,
+  as :func:`prefect_sgpu.protocol.jobfolder.seal` seals a document of kind ``envpack`` bound to the instance,
   with the job key's ``env-pack`` key. All of this happens before the bootstrap starts: no rank has
   run. The driver reads the offer before it launches any rank and records the pack, sealed with a
-  key only drivers hold (:func:`prefect_sgpu.environment_ship.take_offers`).
+  key only drivers hold (:func:`prefect_sgpu.environment.ship.take_offers`).
 - **Unpack.** A node that lacks the venv and whose user-data names a pack for its platform
   (``--pack``) downloads it (ranged GETs, 8 at a time), checks its sha256, checks every entry (plain
   files, folders and links that stay inside ``venv/`` or ``python/<name>/``; an absolute link only as
@@ -246,8 +246,8 @@ def from_pack(store, packs_key: str, sha: str, size: int, root: Path, venv: Path
 
 
 def seal_offer(job_key: str, run_id: str, instance: str, body: bytes) -> bytes:
-    """``body`` sealed as :func:`prefect_sgpu.jobfolder.seal` seals a document of kind ``envpack`` bound
-    to this instance, with the job key's ``env-pack`` key (:func:`prefect_sgpu.jobfolder.derive_key`)."""
+    """``body`` sealed as :func:`prefect_sgpu.protocol.jobfolder.seal` seals a document of kind ``envpack`` bound
+    to this instance, with the job key's ``env-pack`` key (:func:`prefect_sgpu.protocol.jobfolder.derive_key`)."""
     key = hmac.new(bytes.fromhex(job_key), b"env-pack", hashlib.sha256).digest()
     header = json.dumps({"v": 2, "kind": "envpack", "run_id": run_id, "node": None, "rank": None,
                          "instance_id": instance}, sort_keys=True).encode()

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect_sgpu.jobfolder import HEARTBEAT_STOP, LOGS, RESULTS, NodeStatus, agent_output_key
-from prefect_sgpu.mlflow_relay import METRICS
+from prefect_sgpu.protocol.jobfolder import HEARTBEAT_STOP, LOGS, RESULTS, NodeStatus, agent_output_key
+from prefect_sgpu.observe.mlflow_relay import METRICS
 from prefect_sgpu.runtime import PROGRESS_DIR
 
 #: seconds between uploads of the other ranks' steps (rank 0's follows every sync): what the driver's

@@ -248,7 +248,8 @@ def run_payload(sealed: bytes, key: str, run_id: str, base: dict[str, Any]) -> t
     ``base`` holds the rank's identity; start and finish times are added. Shared by
     torchrun ranks and Ray Train workers.
     """
-    from prefect_sgpu import jobfolder, payload
+    from prefect_sgpu.protocol import jobfolder
+    from prefect_sgpu.protocol import payload
 
     base = {**base, "started": time.time()}
     exit_code = 0
@@ -313,7 +314,9 @@ def _leave_tracked_run(run_id: str | None) -> None:
 
 
 def main() -> int:
-    from prefect_sgpu import jobfolder, mlflow_relay, payload
+    from prefect_sgpu.protocol import jobfolder
+    from prefect_sgpu.observe import mlflow_relay
+    from prefect_sgpu.protocol import payload
 
     key = os.environ.pop("SGPU_PAYLOAD_KEY")
     mlflow_relay.arm(key)  # relayed MLflow records are sealed (with a key derived from this one)
@@ -344,9 +347,10 @@ def main() -> int:
 
 
 def _gang_check(base: dict[str, Any]) -> Any:
-    """Run the job's gang check (:mod:`prefect_sgpu.gang_check`) where it is on: what the envelope
+    """Run the job's gang check (:mod:`prefect_sgpu.observe.gang_check`) where it is on: what the envelope
     carries from it (rank 0: the report), or the failure envelope that ends this rank."""
-    from prefect_sgpu import gang_check, payload
+    from prefect_sgpu.observe import gang_check
+    from prefect_sgpu.protocol import payload
 
     started = time.time()
     try:

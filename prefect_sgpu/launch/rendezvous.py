@@ -39,7 +39,7 @@ STORE_TIMEOUT_S = 300.0
 
 def rendezvous_id(job_key: str) -> str:
     """The job's rendezvous id: the same on every node holding the job key, unguessable without it."""
-    from prefect_sgpu.jobfolder import derive_key
+    from prefect_sgpu.protocol.jobfolder import derive_key
 
     return derive_key(job_key, PURPOSE)
 

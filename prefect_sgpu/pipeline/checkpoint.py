@@ -6,7 +6,7 @@ part — the whole model and optimizer from rank 0 for DDP, one shard per rank f
 plus its own extra state (step, data-loader position, RNG). Then all ranks meet at a
 barrier and rank 0 writes the ``COMPLETE`` marker, atomically (write to a temporary
 name, then rename). The marker carries a manifest of every file of the step (name, size,
-sha256), sealed with the location's key (:mod:`prefect_sgpu.checkpoint_manifest`): the
+sha256), sealed with the location's key (:mod:`prefect_sgpu.checkpoints.manifest`): the
 key is derived per location from a secret the driver holds, so a Prefect retry of the task
 verifies what earlier attempts wrote, and whoever can only write the location cannot.
 Resume picks the newest folder whose marker is sealed and whose files match it, so a job
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefect_sgpu import runtime
-from prefect_sgpu.checkpoint_manifest import FileEntry, check_name
+from prefect_sgpu.checkpoints.manifest import FileEntry, check_name
 from prefect_sgpu.checkpoints import MARKER, Location, step_dir_name
 from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
 from prefect_sgpu.pipeline import async_save as async_save_mod

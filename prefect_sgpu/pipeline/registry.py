@@ -102,7 +102,7 @@ def register_model(
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from prefect_sgpu.tracking import default_tracking_uri, experiment_id
+    from prefect_sgpu.observe.tracking import default_tracking_uri, experiment_id
 
     uri = tracking_uri or default_tracking_uri()
     client = MlflowClient(uri)

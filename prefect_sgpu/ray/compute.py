@@ -24,16 +24,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from prefect_sgpu import jobfolder
+from prefect_sgpu.protocol import jobfolder
 from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand,
                                        NodeExited, NodeLost, NodeUp, Released, Request)
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, SGPUConfigError
-from prefect_sgpu.jobfolder import HungRank, NodeStatus
+from prefect_sgpu.protocol.jobfolder import HungRank, NodeStatus
 from prefect_sgpu.ray.placement import alive_node_resources, ask_autoscaler, fits, scaling_options
 from prefect_sgpu.spec import JobSpec, Plan
 
 if TYPE_CHECKING:
-    from prefect_sgpu.jobfolder import JobFolder
+    from prefect_sgpu.protocol.jobfolder import JobFolder
 
 logger = logging.getLogger("prefect_sgpu.ray.compute")
 

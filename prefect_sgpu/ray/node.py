@@ -83,7 +83,7 @@ def _wait_for(paths: list[Path], timeout: float, what: str, give_up: Path | None
 
 def _cluster_token(payload_key: str) -> str:
     """This job's Ray auth token: derived from the job's key, so every node (and only they) has it."""
-    from prefect_sgpu.jobfolder import derive_key
+    from prefect_sgpu.protocol.jobfolder import derive_key
 
     return derive_key(payload_key, b"prefect-sgpu ray cluster token")
 
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(private, ignore_errors=True)
     else:
         print(f"[sgpu-ray] Ray's own logs of this node stay in {spec.temp_dir}", file=sys.stderr, flush=True)
-    from prefect_sgpu.jobfolder import NodeStatus
+    from prefect_sgpu.protocol.jobfolder import NodeStatus
 
     folder.put_status(args.node_index, NodeStatus(**status))
     return int(status["exit_code"])

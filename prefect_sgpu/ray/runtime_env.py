@@ -33,12 +33,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from prefect_sgpu.environment_files import DEFAULT_EXCLUDES
+from prefect_sgpu.environment.files import DEFAULT_EXCLUDES
 from prefect_sgpu.errors import SGPUConfigError
 
 if TYPE_CHECKING:
     from prefect_sgpu.environment import Environment, IndexURL
-    from prefect_sgpu.environment_files import Tree
+    from prefect_sgpu.environment.files import Tree
 
 #: pip options Ray's pip plugin uses when none are given (kept when we give our own)
 PIP_DEFAULT_OPTIONS = ("--disable-pip-version-check", "--no-cache-dir")
@@ -113,7 +113,7 @@ def job_config_json(runtime_env: Mapping[str, Any]) -> str:
 
 
 def _shown(value: Any) -> Any:
-    from prefect_sgpu.environment_index import masked_text
+    from prefect_sgpu.environment.index import masked_text
 
     return masked_text(value) if isinstance(value, str) else value
 

@@ -215,7 +215,7 @@ def run_rank(config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of the job's TorchTrainer."""
     import ray
 
-    from prefect_sgpu import payload
+    from prefect_sgpu.protocol import payload
     from prefect_sgpu.launch.rank_main import run_payload
 
     rank, node, local = _set_rank_env(config)

@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 #: what each actor's fork server imports once
-PRELOAD = ["torch", "torch.distributed", "cloudpickle", "prefect_sgpu.payload", "prefect_sgpu.jobfolder",
+PRELOAD = ["torch", "torch.distributed", "cloudpickle", "prefect_sgpu.protocol.payload", "prefect_sgpu.protocol.jobfolder",
            "prefect_sgpu.runtime", "prefect_sgpu.launch.rank_main"]
 FORWARD_INTERVAL_S = 0.2
 #: a rank's exit code when the job's process group could not be formed (before any rank ran the
@@ -41,7 +41,8 @@ def _rank_child(config: dict[str, Any], identity: dict[str, Any], log_path: str,
     os.chdir(identity["cwd"])
     import torch.distributed as dist
 
-    from prefect_sgpu import payload, runtime
+    from prefect_sgpu import runtime
+    from prefect_sgpu.protocol import payload
     from prefect_sgpu.launch.rank_main import apply_thread_count, run_payload
 
     apply_thread_count()

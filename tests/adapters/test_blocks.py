@@ -124,7 +124,7 @@ def test_the_pool_offers_exactly_the_ec2_blocks_fields() -> None:
 def test_importing_the_blocks_loads_no_heavy_library() -> None:
     code = ("import sys; import prefect_sgpu.blocks; "
             "heavy = [m for m in ('torch', 'ray', 'mlflow', 'deepspeed') if m in sys.modules]; "
-            "own_aws = [m for m in ('prefect_sgpu.compute.ec2.compute', 'prefect_sgpu.store_s3', 'prefect_sgpu.aws') "
+            "own_aws = [m for m in ('prefect_sgpu.compute.ec2.compute', 'prefect_sgpu.store.s3', 'prefect_sgpu.aws') "
             "if m in sys.modules]; print(heavy, own_aws); sys.exit(1 if heavy or own_aws else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -390,7 +390,7 @@ def test_nodes_that_stop_for_a_stalled_heartbeat_are_named_as_the_cause_not_thei
     afterwards (a collective whose peer vanished) named as collateral, not as the cause."""
     from support.training import all_reduce_for_a_minute
 
-    from prefect_sgpu import heartbeat
+    from prefect_sgpu.driver import heartbeat
     from prefect_sgpu.errors import HeartbeatExpired
 
     monkeypatch.setattr(heartbeat, "HEARTBEAT_INTERVAL_S", 3600.0)  # the first beat, then none

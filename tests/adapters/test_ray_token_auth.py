@@ -57,7 +57,7 @@ def test_the_caller_refuses_before_anything_is_spent(monkeypatch: pytest.MonkeyP
 
 def test_a_node_whose_ray_lacks_token_auth_starts_no_ray_process(monkeypatch: pytest.MonkeyPatch,
                                                                  tmp_path: Path) -> None:
-    from prefect_sgpu.jobfolder import JobFolder, new_key
+    from prefect_sgpu.protocol.jobfolder import JobFolder, new_key
     from prefect_sgpu.ray import node
 
     started: list[str] = []

@@ -155,7 +155,7 @@ def test_the_sweeper_removes_a_dead_runs_leftovers_and_leaves_a_live_runs_whole(
     """Through the provider alone (:meth:`Provider.find_leftovers`, :meth:`Provider.remove_leftovers`):
     the sweeper of the compute knows no cloud."""
     from prefect_sgpu.compute.remote.sweep import sweeper
-    from prefect_sgpu.jobfolder import CONTROL
+    from prefect_sgpu.protocol.jobfolder import CONTROL
 
     case = sweepable_case
     tag = uuid.uuid4().hex[:8]

@@ -28,10 +28,10 @@ from prefect_sgpu import LaunchTimeout, distributed, runtime
 from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
 from prefect_sgpu.errors import DocumentRefused, InfrastructureLost, SGPUConfigError
-from prefect_sgpu.jobfolder import (LAUNCH_KEY, Alive, JobFolder, LaunchDocument, launch_bundle, new_key,
+from prefect_sgpu.protocol.jobfolder import (LAUNCH_KEY, Alive, JobFolder, LaunchDocument, launch_bundle, new_key,
                                    ssm_key_parameter)
 from prefect_sgpu.store import store_scope
-from prefect_sgpu.store_s3 import S3Store
+from prefect_sgpu.store.s3 import S3Store
 from support.threads import run_in_thread
 from support.rank_functions import TrainingDiverged, fails_on_rank_1
 from support.tokens import digest_of, token_digest
@@ -538,7 +538,7 @@ def _poll_calls(compute: EC2InstanceCompute, nodes: int, run_id: str, aws_env: M
     from prefect_sgpu.compute.base import AllocatedNode
     from prefect_sgpu.compute.ec2.compute import EC2Allocation
     from prefect_sgpu.compute.ec2.instances import Instance
-    from prefect_sgpu.jobfolder import Notice
+    from prefect_sgpu.protocol.jobfolder import Notice
     from prefect_sgpu.spec import JobSpec
 
     request = compute.plan(JobSpec(gpus=1, gpu_type="A10", remote=True), run_id)
@@ -928,7 +928,7 @@ def test_every_store_object_is_kms_encrypted_and_every_s3_call_names_the_bucket_
 def test_secrets_reach_ec2_ranks_through_ssm_and_no_document_or_object_holds_them(ec2: EC2Env) -> None:
     from prefect.blocks.system import Secret
 
-    from prefect_sgpu.jobfolder import ssm_secrets_parameter
+    from prefect_sgpu.protocol.jobfolder import ssm_secrets_parameter
 
     value = f"tok-{uuid.uuid4().hex}"
     Secret(value=value).save("sgpu-ec2-token", overwrite=True)

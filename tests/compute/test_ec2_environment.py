@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from prefect_sgpu import distributed, environment_ship
+from prefect_sgpu import distributed
+from prefect_sgpu.environment import ship as environment_ship
 from prefect_sgpu.compute.ec2.request import render_user_data
 from prefect_sgpu.environment import capture
 from prefect_sgpu.errors import ProvisioningError, SGPUConfigError
@@ -152,7 +153,7 @@ def _with_own_files(env: Any, tmp_path: Path, *modules: str) -> Any:
     import shutil
 
     from prefect_sgpu.environment import Distribution
-    from prefect_sgpu.environment_files import scan
+    from prefect_sgpu.environment.files import scan
 
     own = tmp_path / "prefect-sgpu-source"
     (own / "prefect_sgpu" / "launch").mkdir(parents=True, exist_ok=True)
@@ -169,8 +170,8 @@ def _store_and_small_environment(aws_env: Any, project: Path) -> tuple[str, Any,
     from importlib import metadata
 
     from prefect_sgpu.environment import Distribution, Environment, PythonVersion
-    from prefect_sgpu.environment_files import scan
-    from prefect_sgpu.store_s3 import S3Store
+    from prefect_sgpu.environment.files import scan
+    from prefect_sgpu.store.s3 import S3Store
 
     bucket = f"sgpu-env-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
@@ -251,14 +252,14 @@ def test_the_first_build_is_packed_into_the_store_and_a_fresh_node_unpacks_it_in
     import subprocess
     from importlib import metadata
 
-    from prefect_sgpu.jobfolder import new_key, seal
+    from prefect_sgpu.protocol.jobfolder import new_key, seal
     from support.ec2_simulator import bare_image
     from support.wheel_index import uv_index
 
     import shutil
 
     from prefect_sgpu.environment import Distribution
-    from prefect_sgpu.environment_files import scan
+    from prefect_sgpu.environment.files import scan
     from prefect_sgpu.launch import node_pack
 
     bucket, store, env = _store_and_small_environment(aws_env, project)

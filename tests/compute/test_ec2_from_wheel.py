@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, sys.argv[1])  # the tests' support modules (moto, the simulator); not prefect_sgpu
 import prefect_sgpu
-from prefect_sgpu import distributed, environment_ship
+from prefect_sgpu import distributed
+from prefect_sgpu.environment import ship as environment_ship
 from prefect_sgpu.environment import capture
 from support.aws_fixtures import create_network, offline_aws
 from support.conformance_ec2 import ec2_environment

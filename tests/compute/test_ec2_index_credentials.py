@@ -21,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from prefect_sgpu import distributed, environment_ship
+from prefect_sgpu import distributed
+from prefect_sgpu.environment import ship as environment_ship
 from prefect_sgpu.compute.ec2.request import render_user_data
 from prefect_sgpu.environment import capture
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.jobfolder import ssm_secrets_parameter
+from prefect_sgpu.protocol.jobfolder import ssm_secrets_parameter
 from prefect_sgpu.launch import node_env
 from support.auth_index import AuthIndex, build_wheel
 from support.conformance_ec2 import EC2Env

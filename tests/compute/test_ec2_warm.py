@@ -28,7 +28,7 @@ from support.processes import HOPPER, still_growing
 from prefect_sgpu import distributed, runtime
 from prefect_sgpu.compute.remote.lease import lease_id
 from prefect_sgpu.errors import SGPUConfigError
-from prefect_sgpu.jobfolder import (ASSIGN_KEY, Assign, JobFolder, new_key, ssm_key_parameter,
+from prefect_sgpu.protocol.jobfolder import (ASSIGN_KEY, Assign, JobFolder, new_key, ssm_key_parameter,
                                     ssm_secrets_parameter)
 
 pytestmark = pytest.mark.e2e
@@ -207,7 +207,7 @@ def _reach(earlier_run: str, other_run: str, bucket: str, prefix: str) -> dict[s
     file the job before it on the lease wrote in its folder, another run's key of the same store."""
     import boto3
 
-    from prefect_sgpu.jobfolder import ssm_key_parameter
+    from prefect_sgpu.protocol.jobfolder import ssm_key_parameter
     from prefect_sgpu.store import store_scope
 
     if runtime.rank() != 0:

@@ -10,7 +10,7 @@ from support.aws_fixtures import free_port
 from support.conformance_fake import FakeCase
 
 from prefect_sgpu import EnvironmentMismatch, ProvisioningError, distributed
-from prefect_sgpu.versions import differences, runtime_versions
+from prefect_sgpu.protocol.versions import differences, runtime_versions
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ import pytest
 from prefect_sgpu.compute import leases
 from prefect_sgpu.compute.local import LocalAllocation, LocalProcessCompute
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
-from prefect_sgpu.jobfolder import JobFolder
+from prefect_sgpu.protocol.jobfolder import JobFolder
 from prefect_sgpu.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ import json, logging, sys, threading, time
 from pathlib import Path
 from prefect_sgpu.compute.base import JobLaunch, NodeCommand
 from prefect_sgpu.compute.local import LocalProcessCompute
-from prefect_sgpu.jobfolder import JobFolder
+from prefect_sgpu.protocol.jobfolder import JobFolder
 from prefect_sgpu.spec import JobSpec
 
 def say(event, **info):

@@ -18,7 +18,7 @@ import pytest
 
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
-from prefect_sgpu.jobfolder import ssm_key_parameter, ssm_secrets_parameter
+from prefect_sgpu.protocol.jobfolder import ssm_key_parameter, ssm_secrets_parameter
 from prefect_sgpu.store import store_scope
 from support.aws_fixtures import MotoAWS
 from support.iam_gate import ACCOUNT, IAMGate, outcome_of

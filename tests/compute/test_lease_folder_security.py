@@ -15,7 +15,7 @@ import pytest
 from prefect_sgpu.compute import leases, ports
 from prefect_sgpu.compute.local import LocalProcessCompute
 from prefect_sgpu.errors import ProvisioningError
-from prefect_sgpu.jobfolder import JobFolder
+from prefect_sgpu.protocol.jobfolder import JobFolder
 from prefect_sgpu.spec import JobSpec
 
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from support.conformance_ec2 import EC2Env
-from prefect_sgpu.jobfolder import JobFolder, alive_key, new_key, ssm_key_parameter
+from prefect_sgpu.protocol.jobfolder import JobFolder, alive_key, new_key, ssm_key_parameter
 from prefect_sgpu.spec import JobSpec
 
 pytestmark = pytest.mark.e2e

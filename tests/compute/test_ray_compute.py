@@ -111,7 +111,7 @@ def test_cancel_stops_the_ray_train_run(compute: RayCompute) -> None:
     import time
 
     from prefect_sgpu.errors import JobCancelled
-    from prefect_sgpu.logs import RankLogSink
+    from prefect_sgpu.observe.logs import RankLogSink
 
     class Lines(RankLogSink):
         def __init__(self) -> None:

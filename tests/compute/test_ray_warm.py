@@ -118,7 +118,7 @@ def _writes_a_marker(path: str) -> int:
 def test_ranks_that_cannot_form_the_process_group_are_started_again_then_the_job_fails_with_why(
         compute: RayTrainCompute, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     from prefect_sgpu.errors import RankFailedError
-    from prefect_sgpu.jobfolder import log_key
+    from prefect_sgpu.protocol.jobfolder import log_key
     from prefect_sgpu.ray.warm_group import SETUP_ATTEMPTS
 
     marker = tmp_path / "ran"

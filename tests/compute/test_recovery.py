@@ -22,7 +22,7 @@ from support.conformance_ec2 import EC2Env
 from support.training import STEPS, all_reduce_for_a_minute, train_with_checkpoints as _train
 from prefect_sgpu import distributed
 from prefect_sgpu.errors import JobHung
-from prefect_sgpu.jobfolder import LOGS
+from prefect_sgpu.protocol.jobfolder import LOGS
 
 pytestmark = pytest.mark.e2e
 
@@ -145,7 +145,7 @@ def test_a_lost_gangs_stop_written_back_does_not_stop_the_relaunched_gang(fake_c
     """The fake cloud (real bootstraps over a local store): gang 0's machine is lost, the driver stops
     gang 0 with a sealed stop and relaunches. A store writer keeps that stop and writes it back for as long
     as gang 1 runs: gang 1's node refuses it (another gang's) and the job returns gang 1's value."""
-    from prefect_sgpu.jobfolder import STOP, log_key
+    from prefect_sgpu.protocol.jobfolder import STOP, log_key
 
     provider, store = fake_case.provider, fake_case.compute.store
     fn = distributed(**fake_case.options(gpus=1, timeout=300, max_recoveries=1))(_gang_of_this_rank)
@@ -187,7 +187,7 @@ def test_a_lost_node_alone_is_replaced_and_the_kept_node_refuses_the_lost_gangs_
     """The fake cloud (real bootstraps over a local store), 2 nodes: node 1's machine is lost. Node 0's
     machine is kept and serves gang 1, node 1 gets one new machine. A store writer puts gang 0's launch
     documents back while node 0 waits for gang 1's: node 0 refuses them (another gang's)."""
-    from prefect_sgpu.jobfolder import LAUNCH_KEY, REJOIN_KEY, log_key
+    from prefect_sgpu.protocol.jobfolder import LAUNCH_KEY, REJOIN_KEY, log_key
 
     provider, store = fake_case.provider, fake_case.compute.store
     fn = distributed(**fake_case.options(gpus=2, timeout=300, max_recoveries=1))(_gang_and_machine)
@@ -230,7 +230,7 @@ def test_a_warm_leases_lost_node_alone_is_replaced_and_the_lease_serves_the_next
     """A job on a warm lease of 2 fake machines loses node 1's: one machine joins the lease in its place,
     node 0's serves the next gang, and the lease, whole again, serves the next job with no new machine."""
     from prefect_sgpu.compute.remote.lease import lease_id
-    from prefect_sgpu.jobfolder import log_key
+    from prefect_sgpu.protocol.jobfolder import log_key
 
     provider, store = fake_warm_case.provider, fake_warm_case.compute.store
     options = fake_warm_case.options(gpus=2, timeout=300, max_recoveries=1)
@@ -323,7 +323,7 @@ def test_nodes_that_stop_for_a_stalled_driver_heartbeat_fail_the_job_saying_so_n
     """The driver runs but its heartbeat stops advancing: each node stops its ranks and its instance at its
     TTL. That is no loss of capacity to recover from: the job fails with HeartbeatExpired naming it, not
     with the collective error a peer raised afterwards, and nothing is left behind."""
-    from prefect_sgpu import heartbeat
+    from prefect_sgpu.driver import heartbeat
     from prefect_sgpu.errors import HeartbeatExpired
 
     monkeypatch.setattr(heartbeat, "HEARTBEAT_INTERVAL_S", 3600.0)  # the first beat, then none

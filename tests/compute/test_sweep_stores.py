@@ -15,14 +15,14 @@ import pytest
 
 from support.aws_fixtures import MotoAWS
 from support.ec2_simulator import REPO_ROOT
-from prefect_sgpu import jobfolder
+from prefect_sgpu.protocol import jobfolder
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner
 from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.compute.remote.sweep import Sweeper
 from prefect_sgpu.errors import SGPUError
-from prefect_sgpu.jobfolder import HEARTBEAT, JobFolder, new_key, ssm_key_parameter, ssm_secrets_parameter
-from prefect_sgpu.store_s3 import S3Store, http_date
+from prefect_sgpu.protocol.jobfolder import HEARTBEAT, JobFolder, new_key, ssm_key_parameter, ssm_secrets_parameter
+from prefect_sgpu.store.s3 import S3Store, http_date
 
 #: how far the sweeper's own clock runs ahead of S3's in the clock test
 AHEAD_S = 7200.0

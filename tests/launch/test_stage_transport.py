@@ -14,9 +14,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from prefect_sgpu import environment_ship
+from prefect_sgpu.environment import ship as environment_ship
 from prefect_sgpu.environment import Distribution, Environment, PythonVersion
-from prefect_sgpu.environment_files import scan
+from prefect_sgpu.environment.files import scan
 from prefect_sgpu.launch import node_env
 from prefect_sgpu.store import LocalStore
 
@@ -80,5 +80,5 @@ def test_only_modules_named_for_aws_speak_its_protocol_or_import_it() -> None:
                     for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom))
                     for a in n.names}
         cloud = {m for m in imported if m.split(".")[0] in ("boto3", "botocore")
-                 or m in ("prefect_sgpu.aws", "prefect_sgpu.store_s3") or ".ec2" in m}
+                 or m in ("prefect_sgpu.aws", "prefect_sgpu.store.s3") or ".ec2" in m}
         assert not cloud, (path.name, cloud)

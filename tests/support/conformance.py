@@ -52,7 +52,7 @@ class SweepableCase(ComputeCase, Protocol):
 
 def control_files(store_uri_of_job: Path) -> list[str]:
     """Control files left in a local job folder (logs, agent output and checkpoints may stay)."""
-    from prefect_sgpu import jobfolder
+    from prefect_sgpu.protocol import jobfolder
 
     left = []
     for name in jobfolder.CONTROL:

@@ -22,11 +22,11 @@ from support.aws_fault_proxy import AWSFaultProxy
 from support.aws_fixtures import MotoAWS, Network, free_port, live_instances
 from support.ec2_simulator import EC2Simulator
 
-from prefect_sgpu import jobfolder
+from prefect_sgpu.protocol import jobfolder
 from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
 from prefect_sgpu.environment import ENVIRONMENT_ENV
-from prefect_sgpu.store_s3 import S3Store
+from prefect_sgpu.store.s3 import S3Store
 
 #: the driver-heartbeat TTL of tests that wait for nodes to outlive a dead driver (they ask for it)
 HEARTBEAT_TTL_S = 10.0
@@ -62,7 +62,7 @@ class EC2Env:
     def objects(self, run_id: str) -> dict[str, bytes]:
         """Every object the job left in the store, by full key; a log a node is still appending to
         (pieces under ``<key>.parts/``) also under its own key, read as one object as readers do."""
-        from prefect_sgpu.store_s3 import PARTS
+        from prefect_sgpu.store.s3 import PARTS
 
         store = self.store()
         out = {}
@@ -240,7 +240,7 @@ class EC2Case:
         older than that and its grace on S3's clock (S3 dates objects itself)."""
         import time
 
-        from prefect_sgpu.jobfolder import HEARTBEAT, JobFolder, new_key
+        from prefect_sgpu.protocol.jobfolder import HEARTBEAT, JobFolder, new_key
         from prefect_sgpu.spec import JobSpec
 
         compute = self.env.compute(heartbeat_ttl_s=1.0 if dead else JOB_HEARTBEAT_TTL_S)

@@ -20,7 +20,7 @@ from support.fake_node_host import secret_path
 from support.fake_provider import FakeCompute, FakeProvider
 from support.processes import job_processes
 
-from prefect_sgpu import jobfolder
+from prefect_sgpu.protocol import jobfolder
 
 HEARTBEAT_TTL_S = 10.0
 

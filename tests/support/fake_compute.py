@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect_sgpu import jobfolder, payload
+from prefect_sgpu.protocol import jobfolder
+from prefect_sgpu.protocol import payload
 from prefect_sgpu.compute.base import (
     AllocatedNode,
     Allocation,
@@ -27,7 +28,7 @@ from prefect_sgpu.compute.base import (
     Request,
 )
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout
-from prefect_sgpu.jobfolder import NodeStatus
+from prefect_sgpu.protocol.jobfolder import NodeStatus
 from prefect_sgpu.spec import JobSpec, Plan
 
 

@@ -71,7 +71,7 @@ def _image_versions() -> None:
     machine reports is what such an image's interpreter would."""
     import json
 
-    from prefect_sgpu import versions
+    from prefect_sgpu.protocol import versions
 
     other = json.loads(os.environ.get("SGPU_FAKE_IMAGE_VERSIONS") or "{}")
     if other:

@@ -29,7 +29,7 @@ from support.ec2_simulator import pid_namespaces
 from support.fake_node_host import secret_path
 from support.processes import remove_machine_cgroups, wait_gone
 
-from prefect_sgpu import jobfolder
+from prefect_sgpu.protocol import jobfolder
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
 from prefect_sgpu.compute.remote.provider import CloudLeftover, LeftoverScan
 from prefect_sgpu.compute.remote.sweep import Sweeper
@@ -62,7 +62,7 @@ class FakeProvider:
     boot: bool = True
     #: an image whose node half cannot start: the machine prints this and powers off
     broken_image: str = ""
-    #: what the machines' image has in place of the driver's versions (``prefect_sgpu.versions``)
+    #: what the machines' image has in place of the driver's versions (``prefect_sgpu.protocol.versions``)
     image_versions: dict[str, str] = field(default_factory=dict)
     machines: dict[str, FakeMachine] = field(default_factory=dict)
     #: what each provision was asked for: (launch id, nodes)

@@ -35,17 +35,17 @@ from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.remote.lease import WarmLease, lease_id
-from prefect_sgpu import environment_ship
-from prefect_sgpu.environment_ship import environment_key
+from prefect_sgpu.environment import ship as environment_ship
+from prefect_sgpu.environment.ship import environment_key
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import LaunchTimeout, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
-from prefect_sgpu.jobfolder import ssm_key_parameter
+from prefect_sgpu.protocol.jobfolder import ssm_key_parameter
 from prefect_sgpu.spec import JobSpec, plan_remote
-from prefect_sgpu.store_s3 import S3Store
+from prefect_sgpu.store.s3 import S3Store
 
 if TYPE_CHECKING:
     from prefect_sgpu.store import Store
@@ -169,7 +169,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
         if size > limit:
             sizes = ", ".join(f"{name}: {len(json.dumps(value).encode())}"
                               for name, value in sorted(secrets.items()))
-            from prefect_sgpu.environment_ship import INDEX_SECRET
+            from prefect_sgpu.environment.ship import INDEX_SECRET
 
             if INDEX_SECRET in secrets:
                 sizes += f"; {INDEX_SECRET} is the environment's index URLs with their credentials"
@@ -185,7 +185,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
         the node an instance launched alone replaces."""
         packs: list[str] = []
         if self.packs_environments:
-            from prefect_sgpu import environment_ship
+            from prefect_sgpu.environment import ship as environment_ship
 
             try:
                 packs = environment_ship.recorded_packs(self.store, environment)
@@ -407,7 +407,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
         """What dead drivers of this store left (:mod:`prefect_sgpu.compute.remote.sweep`): removed before launching,
         without waiting for anything, never failing the job."""
         from prefect_sgpu.compute.remote.sweep import start_of_job_pass
-        from prefect_sgpu.tracking import default_tracking_uri, mlflow_available
+        from prefect_sgpu.observe.tracking import default_tracking_uri, mlflow_available
 
         tracking_uri = default_tracking_uri() if request.spec.mlflow and mlflow_available() else None
         start_of_job_pass(self, request.run_id, tracking_uri)

@@ -21,7 +21,7 @@ from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import roles
 from prefect_sgpu.compute.ec2.describe import LIVE_STATES
 from prefect_sgpu.compute.remote.provider import CloudLeftover, LeftoverScan
-from prefect_sgpu.jobfolder import ssm_key_parameter, ssm_root, ssm_secrets_parameter
+from prefect_sgpu.protocol.jobfolder import ssm_key_parameter, ssm_root, ssm_secrets_parameter
 
 if TYPE_CHECKING:
     from prefect_sgpu.store import Store

@@ -288,7 +288,7 @@ def render_user_data(
     With an ``environment`` of mode ``"driver"`` the bootstrap runs in that environment, built
     (or reused) on the node by the environment stage (:mod:`prefect_sgpu.launch.node_env`,
     carried compressed in the user-data) from the manifest whose sha256 is written here
-    (:mod:`prefect_sgpu.environment_ship`): the image needs only ``python`` (the stage fetches the uv
+    (:mod:`prefect_sgpu.environment.ship`): the image needs only ``python`` (the stage fetches the uv
     it pins when the image has none). Without one,
     or with ``"image"``, ``python`` must import prefect-sgpu itself (the image has everything).
 
@@ -345,7 +345,7 @@ def render_user_data(
         "set -euo pipefail",
         *([setup.strip()] if setup.strip() else []),
     ]
-    from prefect_sgpu import environment_ship
+    from prefect_sgpu.environment import ship as environment_ship
 
     if environment_ship.builds_on_node(environment):
         assert environment is not None

@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from prefect_sgpu.compute.warm_pool import Pooled
-from prefect_sgpu.jobfolder import Assign, alive_key, notice_key
+from prefect_sgpu.protocol.jobfolder import Assign, alive_key, notice_key
 
 if TYPE_CHECKING:
     from prefect_sgpu.compute.remote.provider import Machine, Provider
-    from prefect_sgpu.jobfolder import JobFolder
+    from prefect_sgpu.protocol.jobfolder import JobFolder
 
 logger = logging.getLogger("prefect_sgpu.compute.remote.lease")
 

@@ -2,7 +2,7 @@
 
 A remote-node compute never needs an inbound port on the driver: everything between it and
 the nodes goes through the job's store folder as sealed documents
-(:mod:`prefect_sgpu.jobfolder`). The machines boot the node half
+(:mod:`prefect_sgpu.protocol.jobfolder`). The machines boot the node half
 (:mod:`prefect_sgpu.launch.bootstrap` over a :mod:`~prefect_sgpu.launch.node_host`); each
 node announces itself (a sealed ``alive`` document), the driver writes every node's sealed
 launch document (one object) once all are up, and the nodes run the ordinary node agent
@@ -29,10 +29,10 @@ from prefect_sgpu.compute.remote.allocation import RemoteAllocation, RemoteReque
 from prefect_sgpu.compute.remote.lease import WarmLease
 from prefect_sgpu.compute.remote.provider import Machine, Provider
 from prefect_sgpu.errors import EnvironmentMismatch, JobCancelled, LaunchTimeout, ProvisioningError
-from prefect_sgpu.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
+from prefect_sgpu.protocol.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
                                     ssm_secrets_parameter, status_key)
 from prefect_sgpu.compute.warm_pool import POOL, check_keep_warm
-from prefect_sgpu.versions import differences, runtime_versions
+from prefect_sgpu.protocol.versions import differences, runtime_versions
 
 if TYPE_CHECKING:
     from prefect_sgpu.store import Store
@@ -45,7 +45,7 @@ WARM_TAKEUP_S = 120.0
 
 class Progress:
     """requested -> running -> agent up -> rendezvous, as log lines of the library: on the terminal,
-    in the Prefect run's logs and on the job's live status line (:mod:`prefect_sgpu.live`)."""
+    in the Prefect run's logs and on the job's live status line (:mod:`prefect_sgpu.observe.live`)."""
 
     def __init__(self, label: str, run_id: str) -> None:
         self.label, self.run_id = label, run_id
@@ -191,7 +191,7 @@ class RemoteNodeCompute(Compute):
     def _ship_environment(self, allocation: RemoteAllocation) -> None:
         """The files and manifest of the job's environment, in the store before any machine boots
         (content-addressed: what an earlier job shipped is not uploaded again)."""
-        from prefect_sgpu import environment_ship
+        from prefect_sgpu.environment import ship as environment_ship
 
         environment = allocation.request.spec.environment
         if not (self.ships_environment and environment_ship.builds_on_node(environment)):
@@ -205,7 +205,7 @@ class RemoteNodeCompute(Compute):
     def _take_pack_offers(self, allocation: RemoteAllocation, folder_id: str, key: str, machines: list) -> None:
         """Record the environment packs the new machines' stages offered (node 0, building cold), now:
         every agent is up and no rank has run (ranks hold the key that seals an offer)."""
-        from prefect_sgpu import environment_ship
+        from prefect_sgpu.environment import ship as environment_ship
 
         environment = allocation.request.spec.environment
         if not (self.ships_environment and self.packs_environments and environment_ship.builds_on_node(environment)):
@@ -371,7 +371,7 @@ class RemoteNodeCompute(Compute):
         lease and every node of the lease is assigned the next gang. Every node announces itself again.
         A job whose kept nodes did not all report or whose machines are gone is not replaced node by
         node (None)."""
-        from prefect_sgpu.jobfolder import Rejoin
+        from prefect_sgpu.protocol.jobfolder import Rejoin
 
         assert isinstance(allocation, RemoteAllocation) and isinstance(request, RemoteRequest)
         kept = [n for n in allocation.nodes if n.index not in lost]
@@ -432,7 +432,7 @@ class RemoteNodeCompute(Compute):
     def _put_index_secret(self, owner: Any, launch_id: str, request: RemoteRequest) -> None:
         """The environment's index URLs with their credentials, in the SecureString the machines of
         ``launch_id`` read at boot (before the job's ``secrets=`` exist: ``start`` writes both later)."""
-        from prefect_sgpu import environment_ship
+        from prefect_sgpu.environment import ship as environment_ship
 
         if not self.ships_environment:
             return

@@ -38,8 +38,8 @@ from urllib.parse import urlsplit
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator)
 
-from prefect_sgpu.environment_files import DEFAULT_MAX_BYTES, Tree, installed_files, scan
-from prefect_sgpu.environment_index import IndexSettings, IndexURL, masked, masked_text
+from prefect_sgpu.environment.files import DEFAULT_MAX_BYTES, Tree, installed_files, scan
+from prefect_sgpu.environment.index import IndexSettings, IndexURL, masked, masked_text
 from prefect_sgpu.errors import SGPUConfigError
 
 __all__ = ["ENVIRONMENT_ENV", "Distribution", "Environment", "EnvironmentOptions", "IndexURL", "PythonVersion",
@@ -192,8 +192,8 @@ class EnvironmentOptions(IndexSettings):
             find_links=self.find_links)
 
     def _auto_modules(self, given: set[str], script: str | os.PathLike[str] | None) -> list[Tree]:
-        """The user's own modules (:mod:`prefect_sgpu.environment_modules`), scanned as py_modules are."""
-        from prefect_sgpu import environment_modules
+        """The user's own modules (:mod:`prefect_sgpu.environment.modules`), scanned as py_modules are."""
+        from prefect_sgpu.environment import modules as environment_modules
 
         roots = [Path(self.working_dir).resolve()] if self.working_dir else []
         found = environment_modules.imported(skip=given, roots=roots, shipped=editable_folders())

@@ -3,7 +3,7 @@
 The driver pickles the function and its arguments once; every rank loads the same
 bytes from the store. Each rank writes one *envelope* back: its return value, or
 its exception with the remote traceback. This module only pickles and explains what
-cannot be pickled; :mod:`prefect_sgpu.jobfolder` seals both directions with the job's
+cannot be pickled; :mod:`prefect_sgpu.protocol.jobfolder` seals both directions with the job's
 key, bound to the job and the rank, before anything is unpickled.
 """
 
@@ -249,7 +249,7 @@ class Envelope:
     exit_code: int = 0
     started: float = 0.0
     finished: float = 0.0
-    #: rank 0's report of the gang check (:mod:`prefect_sgpu.gang_check`), where it ran
+    #: rank 0's report of the gang check (:mod:`prefect_sgpu.observe.gang_check`), where it ran
     gang_check: dict[str, Any] | None = None
 
     def value(self) -> Any:

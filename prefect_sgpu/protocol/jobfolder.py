@@ -19,7 +19,7 @@ Anything unsigned, foreign or rebound is refused with :class:`DocumentRefused`; 
 reader that cannot tell (the driver polling for a node's status) logs the refusal
 and treats the document as absent. Rank logs are the only unsigned files: they are
 shown, never acted on. Relayed MLflow records are sealed one a line, with a key derived from
-the job key (:mod:`prefect_sgpu.mlflow_relay`).
+the job key (:mod:`prefect_sgpu.observe.mlflow_relay`).
 
 The key itself never enters the store: locally it is in the node agent's
 environment, on EC2 in an SSM SecureString whose name derives from the run id.
@@ -39,13 +39,13 @@ Layout of one job (``<store root>/<run_id>/...``)::
     results/rank-<r>.bin        sealed result envelope                    rank r -> driver
     metrics/rank-<r>.jsonl      relayed MLflow records (remote ranks),    rank r -> driver
                                 one sealed record a line
-                                (:mod:`prefect_sgpu.mlflow_relay`)
+                                (:mod:`prefect_sgpu.observe.mlflow_relay`)
     logs/rank-<r>.log           rank r's stdout+stderr (kept after the job)
     logs/gang-<n>/rank-<r>.log  the logs of a gang relaunched after infrastructure loss
     agent/node-<i>.out          node i's agent output
     checkpoints/step-<n>/...    checkpoints (runtime.checkpoint_uri()), COMPLETE marker last: a manifest
                                 sealed with the location's key, not the job's
-                                (:mod:`prefect_sgpu.checkpoint_manifest`)
+                                (:mod:`prefect_sgpu.checkpoints.manifest`)
 
 A warm EC2 lease (instances kept between jobs) has a folder of its own, ``<lease id>/``, with
 its own key: the lease's ``heartbeat`` and ``stop``, its nodes' ``alive`` and ``notice`` while
@@ -79,7 +79,7 @@ from prefect_sgpu.errors import DocumentRefused
 if TYPE_CHECKING:
     from prefect_sgpu.store import Store
 
-logger = logging.getLogger("prefect_sgpu.jobfolder")
+logger = logging.getLogger("prefect_sgpu.protocol.jobfolder")
 
 MAGIC = b"SGPU2\n"
 BUNDLE_MAGIC = b"SGPU2-LAUNCH\n"
@@ -98,7 +98,7 @@ RESULTS = "results"
 NODES = "nodes"
 AGENT = "agent"
 CHECKPOINTS = "checkpoints"
-#: relayed MLflow records of remote ranks (:mod:`prefect_sgpu.mlflow_relay`)
+#: relayed MLflow records of remote ranks (:mod:`prefect_sgpu.observe.mlflow_relay`)
 METRICS = "metrics"
 #: what the driver deletes when a job ends (logs and checkpoints stay)
 CONTROL = (PAYLOAD, RESULTS, STOP, NODES, HEARTBEAT, METRICS)
@@ -239,7 +239,7 @@ class Alive(_Doc):
     seq: int
     time: float
     host: str = ""
-    #: what this node runs calls with (:func:`prefect_sgpu.versions.runtime_versions`)
+    #: what this node runs calls with (:func:`prefect_sgpu.protocol.versions.runtime_versions`)
     versions: dict[str, str] = Field(default_factory=dict)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect_sgpu.store import default_home
 
-logger = logging.getLogger("prefect_sgpu.tracking")
+logger = logging.getLogger("prefect_sgpu.observe.tracking")
 
 
 def default_tracking_uri() -> str:

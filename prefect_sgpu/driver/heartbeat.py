@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from prefect_sgpu.errors import StoreUnreachable
 
 if TYPE_CHECKING:
-    from prefect_sgpu.jobfolder import JobFolder
+    from prefect_sgpu.protocol.jobfolder import JobFolder
 
-logger = logging.getLogger("prefect_sgpu.driver")
+logger = logging.getLogger("prefect_sgpu.driver.job")
 
 #: seconds between two heartbeats; node TTLs are minutes (at least seconds in tests)
 HEARTBEAT_INTERVAL_S = 2.0

@@ -3,7 +3,7 @@
 The store is the one mailbox between the driver and the nodes: nothing needs an
 inbound port on the driver, so a driver behind NAT can run nodes anywhere that can
 reach the store. What goes where in a job's folder, and how each document is sealed,
-is :mod:`prefect_sgpu.jobfolder`'s alone; a store only moves bytes.
+is :mod:`prefect_sgpu.protocol.jobfolder`'s alone; a store only moves bytes.
 
 Which class serves a scheme is data (:data:`SCHEMES`), so code that opens storage by URL
 (checkpoints, shard sets, a node's bootstrap) imports no cloud's module.
@@ -26,7 +26,7 @@ from prefect_sgpu.errors import SGPUConfigError
 #: The :class:`Store` class of each URL scheme, as ``"module:attribute"`` (data, like an entry point: code
 #: that opens storage by URL imports no cloud's module). A second cloud adds its line here, or its
 #: module calls :func:`register_scheme`; a URL without a scheme is a local folder.
-SCHEMES: dict[str, str] = {"s3": "prefect_sgpu.store_s3:S3Store"}
+SCHEMES: dict[str, str] = {"s3": "prefect_sgpu.store.s3:S3Store"}
 
 
 def default_home() -> Path:

@@ -5,11 +5,11 @@ before the store, MLflow or any process is touched; once anything exists, a
 ``finally`` stops every rank, releases the compute and ends the MLflow run. The
 driver speaks to every compute through the same contract
 (:mod:`prefect_sgpu.compute.base`) and to nodes only through sealed documents in the
-job folder (:mod:`prefect_sgpu.jobfolder`).
+job folder (:mod:`prefect_sgpu.protocol.jobfolder`).
 
 The job's loop is here; what happens between a lost gang and the next is
-:mod:`prefect_sgpu.driver_recovery`, and what a gang's end makes of the job (values or
-the error) :mod:`prefect_sgpu.driver_results`.
+:mod:`prefect_sgpu.driver.recovery`, and what a gang's end makes of the job (values or
+the error) :mod:`prefect_sgpu.driver.results`.
 """
 
 from __future__ import annotations
@@ -24,23 +24,25 @@ import time
 import uuid
 from typing import Any
 
-from prefect_sgpu import driver_recovery, driver_results, interrupts
-from prefect_sgpu import payload as payload_mod
-from prefect_sgpu import progress_watch
+from prefect_sgpu.driver import recovery as driver_recovery
+from prefect_sgpu.driver import results as driver_results
+from prefect_sgpu.driver import interrupts
+from prefect_sgpu.protocol import payload as payload_mod
+from prefect_sgpu.observe import progress_watch
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
                                        NodeUp, Released, Request, rank_prefect_environment, total_cost)
-from prefect_sgpu.driver_recovery import GangEnd, Recovery
-from prefect_sgpu.driver_results import JobResult, RankReport
+from prefect_sgpu.driver.recovery import GangEnd, Recovery
+from prefect_sgpu.driver.results import JobResult, RankReport
 from prefect_sgpu.errors import (EnvironmentMismatch, JobCancelled, JobHung, LaunchTimeout, RankFailedError,
                                  SGPUConfigError, SGPUError)
-from prefect_sgpu.heartbeat import DriverHeartbeat, Outage
-from prefect_sgpu.jobfolder import GANG_ENV, RANK_STARTS, JobFolder, new_key
-from prefect_sgpu.logs import LogTailer, RankLogSink
+from prefect_sgpu.driver.heartbeat import DriverHeartbeat, Outage
+from prefect_sgpu.protocol.jobfolder import GANG_ENV, RANK_STARTS, JobFolder, new_key
+from prefect_sgpu.observe.logs import LogTailer, RankLogSink
 from prefect_sgpu.spec import JobSpec, Plan
 from prefect_sgpu.store import Store
-from prefect_sgpu.tracking import TrackedRun, active_parent, mlflow_available, start_run
+from prefect_sgpu.observe.tracking import TrackedRun, active_parent, mlflow_available, start_run
 
-logger = logging.getLogger("prefect_sgpu.driver")
+logger = logging.getLogger("prefect_sgpu.driver.job")
 
 __all__ = ["Job", "JobResult", "Launcher", "RankReport", "Recovery", "TorchrunLauncher", "new_run_id", "rank_start"]
 
@@ -175,7 +177,7 @@ class Job:
 
     def _relays_mlflow(self) -> bool:
         """Remote nodes cannot write the driver's tracking file: they relay through the job store."""
-        from prefect_sgpu.mlflow_relay import relays
+        from prefect_sgpu.observe.mlflow_relay import relays
 
         return (self.tracked is not None and self.compute.remote and self.compute.runs_node_agents
                 and relays(self.tracked.tracking_uri))
@@ -185,7 +187,7 @@ class Job:
             return {}
         env = dict(self.tracked.env)
         if self._relays_mlflow():
-            from prefect_sgpu.mlflow_relay import SCHEME
+            from prefect_sgpu.observe.mlflow_relay import SCHEME
 
             env["MLFLOW_TRACKING_URI"] = f"{SCHEME}:"
         return env
@@ -201,8 +203,8 @@ class Job:
     def _checkpoint_key(self) -> dict[str, str]:
         """The checkpoint location's key, for the ranks: it travels as ``secrets=`` do (never in the store)
         and, derived from the driver's checkpoint secret per location, is the same for every retry of a
-        task (:mod:`prefect_sgpu.checkpoint_manifest`)."""
-        from prefect_sgpu.checkpoint_manifest import KEY_ENV, location_key
+        task (:mod:`prefect_sgpu.checkpoints.manifest`)."""
+        from prefect_sgpu.checkpoints.manifest import KEY_ENV, location_key
         from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV
 
         env = {**self.checkpoint_env(), **self.spec.env}
@@ -212,7 +214,7 @@ class Job:
     def _index_secret(self) -> dict[str, str]:
         """The environment's index URLs with their credentials, for a compute whose nodes build it: they
         travel as ``secrets=`` do (the manifest shows them masked), and are never a rank's variable."""
-        from prefect_sgpu import environment_ship
+        from prefect_sgpu.environment import ship as environment_ship
 
         if not self.compute.ships_environment:
             return {}
@@ -264,7 +266,7 @@ class Job:
             )
             tailer = LogTailer(self.store, self.run_id, plan.procs_per_node, self.sink.line).start()
             if self._relays_mlflow():
-                from prefect_sgpu.mlflow_relay import MetricRelay
+                from prefect_sgpu.observe.mlflow_relay import MetricRelay
 
                 assert self.tracked is not None
                 self.relay = MetricRelay(self.store, self.run_id, self.tracked.tracking_uri, self.tracked.run_id,
@@ -293,7 +295,7 @@ class Job:
         return result
 
     def _tell_gang_check(self, report: dict[str, Any] | None) -> None:
-        from prefect_sgpu import gang_check
+        from prefect_sgpu.observe import gang_check
 
         if report:
             info, warnings = gang_check.describe(report)

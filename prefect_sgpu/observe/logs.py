@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from prefect_sgpu.jobfolder import LOGS
+from prefect_sgpu.protocol.jobfolder import LOGS
 from prefect_sgpu.store import Store
 
 logger = logging.getLogger("prefect_sgpu")

@@ -6,7 +6,7 @@ observations and its step rate over that window (steps per second). A rank whose
 below ``median / factor`` (the median of every rank's latest rate) while it advances ``steps``
 steps is named once; it is named again only after it caught up (its rate back within the
 factor) and fell behind again. It reads no clock and touches no file: the driver feeds it
-(:mod:`prefect_sgpu.progress_watch`), tests feed it by hand.
+(:mod:`prefect_sgpu.observe.progress_watch`), tests feed it by hand.
 
 Times are the rank's own (the time it reported the step): only differences of one rank's
 times are used, so clocks of different nodes need not agree.

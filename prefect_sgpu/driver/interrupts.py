@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 T = TypeVar("T")
 
-logger = logging.getLogger("prefect_sgpu.interrupts")
+logger = logging.getLogger("prefect_sgpu.driver.interrupts")
 
 _live: set[threading.Event] = set()
 _lock = threading.Lock()

@@ -37,7 +37,7 @@ from prefect_sgpu.errors import SGPUConfigError
 
 if TYPE_CHECKING:
     from prefect_sgpu.environment import Environment
-    from prefect_sgpu.environment_files import Tree
+    from prefect_sgpu.environment.files import Tree
     from prefect_sgpu.store import Store
 
 #: the store "run" the shared environment objects live under (a leading dot: never a job, never swept)
@@ -142,7 +142,7 @@ def _own_files() -> "Tree":
     """prefect-sgpu's installed files (it was installed by name: it still travels as files)."""
     from importlib import metadata
 
-    from prefect_sgpu.environment_files import installed_files
+    from prefect_sgpu.environment.files import installed_files
 
     dist = metadata.distribution(THIS_PROJECT)
     rels = [str(f) for f in (dist.files or ()) if ".." not in Path(str(f)).parts]
@@ -261,7 +261,7 @@ def stage_text(module: str = "node_env") -> str:
     carries it: the same code without its docstrings and comments (a quarter of its size)."""
     import ast
 
-    tree = ast.parse((Path(__file__).parent / "launch" / f"{module}.py").read_text())
+    tree = ast.parse((Path(__file__).parent.parent / "launch" / f"{module}.py").read_text())
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
@@ -329,7 +329,7 @@ def pack_records_key(store: "Store", environment: "Environment", create: bool = 
     """The key that seals the records of ``environment``'s packs in ``store``: derived from the driver's
     secret (the checkpoint secret: a store writer does not hold it) and the packs' folder.
     None when this process has no secret (and ``create`` is false): no record can be checked."""
-    from prefect_sgpu import checkpoint_manifest
+    from prefect_sgpu.checkpoints import manifest as checkpoint_manifest
 
     secret = checkpoint_manifest.driver_secret() if create else checkpoint_manifest.read_secret()
     if secret is None:
@@ -362,7 +362,7 @@ def recorded_packs(store: "Store", environment: "Environment | None") -> list[st
     import logging
 
     from prefect_sgpu.errors import DocumentRefused
-    from prefect_sgpu.jobfolder import unseal
+    from prefect_sgpu.protocol.jobfolder import unseal
 
     if not builds_on_node(environment):
         return []
@@ -393,7 +393,7 @@ def take_offers(store: "Store", environment: "Environment | None", folder_id: st
     import logging
 
     from prefect_sgpu.errors import DocumentRefused
-    from prefect_sgpu.jobfolder import derive_key, seal, unseal
+    from prefect_sgpu.protocol.jobfolder import derive_key, seal, unseal
 
     if not builds_on_node(environment) or not machines:
         return []

@@ -3,7 +3,7 @@
 Whoever can write a checkpoint location (the job store's bucket, a shared folder) must not
 choose what a restore loads, nor write anywhere else on the machine that restores. So a
 checkpoint folder counts only when its ``COMPLETE`` marker carries a manifest (every file's
-relative name, size and sha256) sealed with :func:`prefect_sgpu.jobfolder.seal` (kind
+relative name, size and sha256) sealed with :func:`prefect_sgpu.protocol.jobfolder.seal` (kind
 ``checkpoint``, bound to the folder's name, so a step cannot be moved to another step's place)
 under a key the store never holds. A restore checks the seal, then takes exactly the files
 the manifest names, each checked against its size and hash, before anything is loaded.
@@ -52,7 +52,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from prefect_sgpu.errors import CheckpointRefused, DocumentRefused, SGPUConfigError
-from prefect_sgpu.jobfolder import new_key, seal, unseal
+from prefect_sgpu.protocol.jobfolder import new_key, seal, unseal
 
 logger = logging.getLogger("prefect_sgpu.checkpoints")
 

@@ -11,7 +11,7 @@ and deletes steps there. The ranks reach the store with the node's own credentia
 the store's region and endpoint travel in ``SGPU_STORE_REGION`` / ``SGPU_STORE_ENDPOINT_URL``.
 
 A folder counts once its ``COMPLETE`` marker is written (last), and only when that marker
-carries a manifest sealed with the location's key (:mod:`prefect_sgpu.checkpoint_manifest`).
+carries a manifest sealed with the location's key (:mod:`prefect_sgpu.checkpoints.manifest`).
 Nothing from the location becomes a local path unchecked: :meth:`Location.fetch` downloads
 exactly the files the sealed manifest names (plain relative names, checked again after
 resolving), each into a fresh folder of a private stage, checks every file's size and sha256,
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from prefect_sgpu.checkpoint_manifest import (MARKER, FileEntry, Manifest, check_name, hash_file,
+from prefect_sgpu.checkpoints.manifest import (MARKER, FileEntry, Manifest, check_name, hash_file,
                                               hash_folder, inside, key_for, mismatch, open_marker, seal_marker,
                                               verify_folder, warn_once)
 from prefect_sgpu.errors import CheckpointRefused

@@ -10,7 +10,7 @@ the real run with ``MlflowClient.log_batch`` while the job runs and once more at
 A tracking server (``http(s)://``, ``databricks``) is passed to ranks unchanged.
 
 The files cross the job store, so whoever can write the store could write them too. Each
-line is therefore a record sealed (:func:`prefect_sgpu.jobfolder.seal`, kind ``metrics``) with
+line is therefore a record sealed (:func:`prefect_sgpu.protocol.jobfolder.seal`, kind ``metrics``) with
 the job's relay key (derived from the job key, in the rank's environment only), bound to the
 run and the rank, and numbered per writing process: the driver replays a record only when its
 seal is this job's and this rank's and its number is new, so a record that is forged, moved
@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-logger = logging.getLogger("prefect_sgpu.mlflow_relay")
+logger = logging.getLogger("prefect_sgpu.observe.mlflow_relay")
 
 SCHEME = "sgpu-relay"
 METRICS = "metrics"  # the job-folder key (jobfolder.METRICS)
@@ -73,7 +73,7 @@ def metrics_key(rank: int) -> str:
 def relay_key(job_key: str) -> str:
     """The key relay records are sealed with: derived from the job key, so it opens nothing else
     (a rank's subprocess that holds it can relay metrics, not seal a result or a stop)."""
-    from prefect_sgpu.jobfolder import derive_key
+    from prefect_sgpu.protocol.jobfolder import derive_key
 
     return derive_key(job_key, b"prefect-sgpu mlflow relay records")
 
@@ -110,7 +110,7 @@ class RecordRefused(Exception):
 
 def seal_record(key: str, run_id: str, rank: int, record: Record) -> bytes:
     """One line of a rank's relay file (base64 of the sealed record, then a newline)."""
-    from prefect_sgpu.jobfolder import seal
+    from prefect_sgpu.protocol.jobfolder import seal
 
     body = json.dumps(record.model_dump(), separators=(",", ":")).encode()  # NaN and inf kept as such
     blob = seal(key, "metrics", run_id, body, rank=rank)
@@ -121,7 +121,7 @@ def open_record(line: bytes, key: str, run_id: str, rank: int) -> Record:
     """The record of one line, or RecordRefused: not sealed with this job's relay key for this
     run and this rank, not a record, or setting a tag only the driver sets."""
     from prefect_sgpu.errors import DocumentRefused
-    from prefect_sgpu.jobfolder import unseal
+    from prefect_sgpu.protocol.jobfolder import unseal
 
     try:
         blob = base64.b64decode(line.strip(), validate=True)

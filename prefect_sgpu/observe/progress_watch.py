@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 from prefect_sgpu.runtime import PROGRESS_DIR
 from prefect_sgpu.store import Store
-from prefect_sgpu.stragglers import Straggler, StragglerDetector
+from prefect_sgpu.observe.stragglers import Straggler, StragglerDetector
 
-logger = logging.getLogger("prefect_sgpu.progress_watch")
+logger = logging.getLogger("prefect_sgpu.observe.progress_watch")
 
 #: seconds between reads of the ranks' progress: a local folder, and a remote store (S3)
 LOCAL_INTERVAL_S = 1.0

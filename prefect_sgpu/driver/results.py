@@ -13,11 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect_sgpu import payload as payload_mod
-from prefect_sgpu.driver_recovery import GangEnd, Recovery, stopped_for_heartbeat
+from prefect_sgpu.protocol import payload as payload_mod
+from prefect_sgpu.driver.recovery import GangEnd, Recovery, stopped_for_heartbeat
 from prefect_sgpu.errors import HeartbeatExpired, JobHung, RankFailedError
-from prefect_sgpu.heartbeat import HEARTBEAT_INTERVAL_S
-from prefect_sgpu.jobfolder import NodeStatus
+from prefect_sgpu.driver.heartbeat import HEARTBEAT_INTERVAL_S
+from prefect_sgpu.protocol.jobfolder import NodeStatus
 from prefect_sgpu.spec import Plan
 
 
@@ -48,11 +48,11 @@ class JobResult:
     released: list[str] = field(default_factory=list)
     #: relaunches after infrastructure loss (spot reclaim, lost node), oldest first
     recoveries: list[Recovery] = field(default_factory=list)
-    #: ranks named as stragglers (:mod:`prefect_sgpu.stragglers`), in the order they were named
+    #: ranks named as stragglers (:mod:`prefect_sgpu.observe.stragglers`), in the order they were named
     stragglers: list[Any] = field(default_factory=list)
     #: each rank's latest step rate (steps per second) as the straggler watch measured it, where it did
     step_rates: dict[int, float] = field(default_factory=dict)
-    #: the gang check's report (:mod:`prefect_sgpu.gang_check`): seconds, each node link's bandwidth,
+    #: the gang check's report (:mod:`prefect_sgpu.observe.gang_check`): seconds, each node link's bandwidth,
     #: slow links and nodes, GPU warnings; None where it did not run
     gang_check: dict[str, Any] | None = None
 
@@ -155,7 +155,7 @@ def heartbeat_expired(job: Any, statuses: dict[int, NodeStatus],
 def agent_output_tail(job: Any, index: int, lines: int = 12, limit: int = 3000) -> str:
     """The last lines a node agent printed (its import error, its own traceback), for a node
     that ended without a status: the reason is there, and nowhere else."""
-    from prefect_sgpu.jobfolder import agent_output_key
+    from prefect_sgpu.protocol.jobfolder import agent_output_key
 
     try:
         data = job.folder.store.get(job.run_id, agent_output_key(index)) if job.folder else None

@@ -4,7 +4,7 @@ A gang ends; :class:`GangEnd` holds what each node reported. When the end was th
 infrastructure's doing (a node lost, reclaimed after a notice, or found at fault by the gang
 check on some of a remote gang's nodes), :func:`recover` stops what runs, reads how far the
 checkpoints got, replaces only the lost nodes where the compute can (else the whole gang)
-and records a :class:`Recovery`; the driver's loop (:meth:`prefect_sgpu.driver.Job.run`)
+and records a :class:`Recovery`; the driver's loop (:meth:`prefect_sgpu.driver.job.Job.run`)
 then starts the next gang. Past ``max_recoveries`` the loss is the job's error
 (:class:`~prefect_sgpu.errors.InfrastructureLost`).
 """
@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 from prefect_sgpu.compute.base import Allocation, Request
 from prefect_sgpu.errors import (EnvironmentMismatch, GangCheckFailed, InfrastructureLost, LaunchTimeout,
                                  ProvisioningError)
-from prefect_sgpu.jobfolder import HEARTBEAT_STOP, NodeStatus
+from prefect_sgpu.protocol.jobfolder import HEARTBEAT_STOP, NodeStatus
 
 if TYPE_CHECKING:
-    from prefect_sgpu.logs import LogTailer
+    from prefect_sgpu.observe.logs import LogTailer
 
-logger = logging.getLogger("prefect_sgpu.driver")
+logger = logging.getLogger("prefect_sgpu.driver.job")
 
 
 @dataclass
