@@ -97,6 +97,54 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+#: modules that moved into the packages that group them: their old names still import (the same
+#: module object), with a DeprecationWarning naming the new place
+MOVED = {
+    "environment_files": "environment.files",
+    "environment_index": "environment.index",
+    "environment_ship": "environment.ship",
+    "store_s3": "store.s3",
+    "checkpoint_manifest": "checkpoints.manifest",
+    "jobfolder": "protocol.jobfolder",
+    "payload": "protocol.payload",
+    "versions": "protocol.versions",
+    "heartbeat": "driver.heartbeat",
+    "interrupts": "driver.interrupts",
+    "logs": "observe.logs",
+    "live": "observe.live",
+    "progress_watch": "observe.progress_watch",
+    "stragglers": "observe.stragglers",
+    "tracking": "observe.tracking",
+    "mlflow_relay": "observe.mlflow_relay",
+    "gang_check": "observe.gang_check",
+}
+
+
+class _MovedModules:
+    """Imports ``prefect_sgpu.<old>`` as the module it moved to (a finder and loader on ``sys.meta_path``)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if not fullname.startswith("prefect_sgpu.") or fullname[len("prefect_sgpu."):] not in MOVED:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        import importlib
+        import warnings
+
+        new = "prefect_sgpu." + MOVED[spec.name[len("prefect_sgpu."):]]
+        warnings.warn(f"{spec.name} moved to {new}; import it from there", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:
+        """The module it moved to is already executed."""
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModules())
+
 # Prefect loading its collections (entry point), a CLI or a flow: expose the blocks now.
 # Ranks import only the payload code and never pay for importing Prefect.
 if "prefect" in sys.modules:

@@ -166,3 +166,26 @@ def test_the_architecture_doc_names_every_module() -> None:
     missing = [rel for rel in (str(p.relative_to(PACKAGE)) for p in MODULES.values())
                if rel not in named and not (rel.endswith("/__init__.py") and rel[: -len("__init__.py")] in named)]
     assert missing == [], f"docs/architecture.md does not name: {missing}"
+
+
+def test_a_moved_module_still_imports_from_its_old_place_with_a_warning() -> None:
+    import importlib
+    import sys
+    import warnings
+
+    import prefect_sgpu
+
+    for old, new in prefect_sgpu.MOVED.items():
+        sys.modules.pop(f"prefect_sgpu.{old}", None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(f"prefect_sgpu.{old}")
+        assert module is importlib.import_module(f"prefect_sgpu.{new}"), old
+        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught), old
+        sys.modules.pop(f"prefect_sgpu.{old}", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from prefect_sgpu.driver import Job
+    from prefect_sgpu.driver.job import Job as moved
+
+    assert Job is moved and any("prefect_sgpu.driver.job" in str(w.message) for w in caught)
