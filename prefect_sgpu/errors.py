@@ -38,9 +38,8 @@ class PayloadError(SGPUError, ValueError):
 class PayloadImportError(PayloadError, ModuleNotFoundError):
     """A rank could not import a module the payload refers to, while loading it.
 
-    Raised on the rank with the module's name; when the driver reads it back, it names where the
-    driver imported that module from and how to ship it (:meth:`explained`, run as the exception is
-    unpickled on the driver, where that folder is known).
+    Raised on the rank with the module's name; the driver, reading it back, names where it imports
+    that module from and how to ship it (:func:`prefect_sgpu.environment.modules.explained`).
     """
 
     def __init__(self, module: str, rank_detail: str = "", driver_source: str | None = None,
@@ -64,20 +63,8 @@ class PayloadImportError(PayloadError, ModuleNotFoundError):
                      "{'working_dir': ...} (docs/environment.md)")
         ImportError.__init__(self, text, name=module)
 
-    @classmethod
-    def explained(cls, module: str, rank_detail: str = "") -> "PayloadImportError":
-        """The error as this process explains it: with where this process imports ``module`` from."""
-        from prefect_sgpu.environment.modules import is_local_source, where_on_driver
-
-        try:
-            source = where_on_driver(module)
-            local = source is not None and is_local_source(source)
-        except Exception:  # noqa: BLE001 - an explanation never hides the error itself
-            source, local = None, True
-        return cls(module, rank_detail, source, local)
-
     def __reduce__(self) -> tuple[Any, ...]:
-        return (PayloadImportError.explained, (self.module, self.rank_detail))
+        return (type(self), (self.module, self.rank_detail, self.driver_source, self.local))
 
 
 class DocumentRefused(PayloadError):

@@ -373,8 +373,12 @@ def test_a_rank_that_cannot_import_a_module_names_it_and_where_the_driver_has_it
             "except Exception as exc:\n    sys.stdout.buffer.write(pickle.dumps(exc))\n")
     out = subprocess.run([sys.executable, "-c", code], input=body, capture_output=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
+    from prefect_sgpu.environment.modules import explained
+
     exc = pickle.loads(out.stdout)
     assert isinstance(exc, PayloadImportError) and isinstance(exc, ModuleNotFoundError)
+    assert exc.module == "sgpu_auto_d_lib" and exc.driver_source is None, "the rank cannot know the driver's folder"
+    exc = explained(exc)
     assert exc.module == "sgpu_auto_d_lib" and exc.driver_source == str(project / "sgpu_auto_d_lib"), exc
     text = str(exc)
     assert "sgpu_auto_d_lib" in text and str(project / "sgpu_auto_d_lib") in text and "py_modules" in text, text

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from prefect_sgpu.driver.heartbeat import HEARTBEAT_TTL_ENV, local_heartbeat_ttl as heartbeat_ttl  # noqa: F401
+from prefect_sgpu.protocol.liveness import HEARTBEAT_TTL_ENV, local_heartbeat_ttl as heartbeat_ttl  # noqa: F401
 from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeCommand, NodeExited,
                                        NodeLost, NodeUp, Released, Request, node_base_environment)
 from prefect_sgpu.compute import leases

@@ -10,7 +10,6 @@ acquire, waiting, stop, release and relaunch alike. Computes never write it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -24,16 +23,6 @@ logger = logging.getLogger("prefect_sgpu.driver.job")
 
 #: seconds between two heartbeats; node TTLs are minutes (at least seconds in tests)
 HEARTBEAT_INTERVAL_S = 2.0
-#: the heartbeat TTL of nodes on this machine, in seconds (the local compute's; a sweeper of a local store's)
-HEARTBEAT_TTL_ENV = "PREFECT_SGPU_HEARTBEAT_TTL"
-
-
-def local_heartbeat_ttl() -> float:
-    """Seconds without a driver heartbeat after which nodes on this machine stop themselves, and after
-    which a sweeper of a store with no cloud of its own judges a run dead (plus its grace)."""
-    return float(os.environ.get(HEARTBEAT_TTL_ENV, 60.0))
-
-
 class DriverHeartbeat:
     """Beats ``folder``'s heartbeat every ``interval`` seconds until :meth:`stop` (idempotent).
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from prefect_sgpu.protocol import payload as payload_mod
 from prefect_sgpu.driver.recovery import GangEnd, Recovery, stopped_for_heartbeat
-from prefect_sgpu.errors import HeartbeatExpired, JobHung, RankFailedError
+from prefect_sgpu.errors import HeartbeatExpired, JobHung, PayloadImportError, RankFailedError
 from prefect_sgpu.driver.heartbeat import HEARTBEAT_INTERVAL_S
 from prefect_sgpu.protocol.jobfolder import NodeStatus
 from prefect_sgpu.spec import Plan
@@ -104,6 +104,10 @@ def failure(job: Any, codes: dict[int, int], statuses: dict[int, NodeStatus],
         original = first.exception()
         if original is None or not isinstance(original, Exception):
             return info
+        if isinstance(original, PayloadImportError) and original.driver_source is None:
+            from prefect_sgpu.environment.modules import explained
+
+            original = explained(original)  # where the driver has the module, and how to ship it
         original.sgpu_failure = info  # type: ignore[attr-defined]
         original.add_note(
             f"[prefect-sgpu] raised in rank {first.rank} (node {first.node}) on {first.host}, "

@@ -29,7 +29,9 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["LocalModule", "imported", "imported_by_script", "is_local_source", "where_on_driver"]
+from prefect_sgpu.errors import PayloadImportError
+
+__all__ = ["LocalModule", "explained", "imported", "imported_by_script", "is_local_source", "where_on_driver"]
 
 #: a folder on sys.path whose name says it holds installed distributions
 _INSTALLED_FOLDERS = ("site-packages", "dist-packages")
@@ -190,3 +192,14 @@ def is_local_source(source: str) -> bool:
     standard library): such a module travels as files, any other is installed on the nodes."""
     path = Path(source).resolve()
     return _is_user_folder(path.parent, _not_user_folders())
+
+
+def explained(error: PayloadImportError) -> PayloadImportError:
+    """A rank's :class:`PayloadImportError` as this process (the driver) explains it: where it imports
+    the module from, and whether that is the user's own code (ship it) or installed (install it)."""
+    try:
+        source = where_on_driver(error.module)
+        local = source is not None and is_local_source(source)
+    except Exception:  # noqa: BLE001 - an explanation never hides the error itself
+        source, local = None, True
+    return PayloadImportError(error.module, error.rank_detail, source, local)

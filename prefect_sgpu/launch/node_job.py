@@ -156,7 +156,7 @@ class JobServing:
         """The job's ``secrets=`` from their SecureString, when the (sealed) launch document says it has some."""
         if not doc.secrets:
             return {}
-        from prefect_sgpu.environment.ship import INDEX_SECRET
+        from prefect_sgpu.launch.node_env import INDEX_SECRET
 
         values = json.loads(self.host.read_secret(ssm_secrets_parameter(self.run_id, self.store.scope)))
         # the index credentials beside them are the environment stage's, not the ranks'

@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
 from prefect_sgpu.compute.remote.provider import LEFTOVER_ORDER, CloudLeftover
-from prefect_sgpu.driver.heartbeat import local_heartbeat_ttl
+from prefect_sgpu.protocol.liveness import local_heartbeat_ttl
 from prefect_sgpu.protocol.jobfolder import CONTROL, HEARTBEAT, PAYLOAD, STOP
 
 if TYPE_CHECKING:
@@ -284,7 +284,7 @@ def sweeper(compute: Any = None, store: Any = None, tracking_uri: str | None = N
     """The sweeper of a compute (:meth:`Compute.sweeper <prefect_sgpu.compute.base.Compute.sweeper>`:
     one with a cloud builds its own, with its provider and TTL) or of a store alone: ``store``, else
     the compute's default store, else this machine's local job store, with the heartbeat TTL of
-    nodes on this machine (:func:`prefect_sgpu.driver.heartbeat.local_heartbeat_ttl`)."""
+    nodes on this machine (:func:`prefect_sgpu.protocol.liveness.local_heartbeat_ttl`)."""
     made = compute.sweeper(tracking_uri, **options) if compute is not None else None
     if made is not None:
         return made
