@@ -10,7 +10,7 @@ from support.conformance import LocalCase, LocalSpawnCase, LocalWarmCase
 
 if TYPE_CHECKING:
     from support.conformance_ec2 import EC2Case, EC2Env, EC2WarmCase
-    from support.conformance_fake import FakeCase, FakeWarmCase
+    from support.conformance_fake import FakeCase, FakeEnvCase, FakeWarmCase
     from support.conformance_ray import RayCase
 
 @pytest.fixture
@@ -81,6 +81,26 @@ def fake_warm_case(tmp_path: Any) -> "Iterator[FakeWarmCase]":
     from support.conformance_fake import FakeWarmCase
 
     case = FakeWarmCase(tmp_path, free_port())
+    try:
+        yield case
+    finally:
+        case.close()
+
+
+@pytest.fixture(scope="session")
+def fake_env_root(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One venv folder for every fake_env machine of the session, as one machine's disk keeps it across
+    boots: the first job builds the driver's environment, later ones reuse it."""
+    return tmp_path_factory.mktemp("fake-node-envs")
+
+
+@pytest.fixture
+def fake_env_case(tmp_path: Any, fake_env_root: Any) -> "Iterator[FakeEnvCase]":
+    """The fake cloud shipping the driver's environment: bare machines build it through the real stage."""
+    from support.aws_fixtures import free_port
+    from support.conformance_fake import FakeEnvCase
+
+    case = FakeEnvCase(tmp_path, free_port(), fake_env_root)
     try:
         yield case
     finally:

@@ -16,7 +16,7 @@ import pytest
 
 from prefect_sgpu import JobCancelled, LaunchTimeout, distributed, runtime
 from prefect_sgpu.compute.base import Released
-from support.conformance import CASES, STALLABLE, SWEEPABLE
+from support.conformance import CASES, ENVIRONMENT_SHIPPING, STALLABLE, SWEEPABLE
 from support.threads import run_in_thread
 
 pytestmark = pytest.mark.e2e
@@ -28,6 +28,16 @@ class DivergedOnPurpose(Exception):
 
 @pytest.fixture(params=CASES)
 def case(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_case")
+
+
+@pytest.fixture(params=CASES + ENVIRONMENT_SHIPPING)
+def any_case(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_case")
+
+
+@pytest.fixture(params=ENVIRONMENT_SHIPPING)
+def shipping_case(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(f"{request.param}_case")
 
 
@@ -60,7 +70,8 @@ def _wait_for(path_prefix: str, count: int, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def test_values_come_back_in_rank_order_and_release_is_idempotent(case: Any) -> None:
+def test_values_come_back_in_rank_order_and_release_is_idempotent(any_case: Any) -> None:
+    case = any_case
     fn = distributed(**case.options(mlflow=True))(_rank_and_world)
     job = fn.job("conformance")
     shown = job.dry_run()
@@ -73,6 +84,29 @@ def test_values_come_back_in_rank_order_and_release_is_idempotent(case: Any) -> 
     again = job.compute.release(job.allocation)
     assert isinstance(again, Released)
     assert _mlflow_status(result.mlflow_run_id) == "FINISHED"
+    assert case.leftovers(job.run_id) == []
+
+
+def _where_it_runs() -> dict[str, str]:
+    import sys
+
+    import prefect_sgpu
+
+    return {"prefix": sys.prefix, "executable": sys.executable, "prefect_sgpu": prefect_sgpu.__file__}
+
+
+def test_ranks_run_in_the_environment_their_machines_built(shipping_case: Any) -> None:
+    """The driver shipped its environment; each machine's stage built (or reused) the venv under the
+    case's env root and the ranks ran there, prefect-sgpu included, not in the driver's venv."""
+    case = shipping_case
+    job = distributed(**case.options())(_where_it_runs).job()
+    result = job.run()
+    venv = case.venv(job)
+    assert len(result.values) == result.plan.world_size
+    for value in result.values:
+        assert Path(value["prefix"]) == venv, value
+        assert Path(value["executable"]).is_relative_to(venv), value
+        assert Path(value["prefect_sgpu"]).is_relative_to(venv), value
     assert case.leftovers(job.run_id) == []
 
 

@@ -26,6 +26,9 @@ CASES = ["local", "local_spawn", "local_warm", "ray", "ray_warm", "ec2", "ec2_wa
 STALLABLE: list[str] = ["local", "local_warm", "ray", "ray_warm", "ec2", "ec2_warm", "fake", "fake_warm"]
 #: those with a cloud whose leftovers the sweeper removes through the provider (``leave_behind``)
 SWEEPABLE: list[str] = ["fake", "ec2"]
+#: those whose machines build the driver's shipped environment in a venv of their own (``env_root``,
+#: ``venv``): a build costs a minute or more, so they join only the values test and the environment's own
+ENVIRONMENT_SHIPPING: list[str] = ["fake_env"]
 
 
 class ComputeCase(Protocol):
@@ -48,6 +51,14 @@ class SweepableCase(ComputeCase, Protocol):
         """What a driver killed mid-run leaves of ``run_id``: a machine up, its key in the cloud's
         secrets, a job folder with payload and heartbeat; ``dead``: that heartbeat past the run's TTL
         and grace when this returns, else fresh."""
+
+
+class EnvironmentShippingCase(ComputeCase, Protocol):
+    #: the folder the machines' environment stage keeps its venvs in
+    env_root: Path
+
+    def venv(self, job: Any) -> Path:
+        """The venv the machines' stage built (or reused) for ``job``'s environment."""
 
 
 def control_files(store_uri_of_job: Path) -> list[str]:

@@ -2,13 +2,17 @@
 
 Its machines are local processes (:mod:`support.fake_provider`) running the real node
 bootstrap over :mod:`support.fake_node_host`; the store is a local folder. A second cloud
-is this: one provider, one node host, one case.
+is this: one provider, one node host, one case. :class:`FakeEnvCase` runs what EC2 runs on a bare
+image: the driver ships its environment, each machine's stage builds or reuses the venv and starts
+the node host in it.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import shlex
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -17,7 +21,7 @@ from typing import Any, Iterator
 
 from support.conformance import control_files
 from support.fake_node_host import secret_path
-from support.fake_provider import FakeCompute, FakeProvider
+from support.fake_provider import FakeCompute, FakeEnvCompute, FakeProvider
 from support.processes import job_processes
 
 from prefect_sgpu.protocol import jobfolder
@@ -120,3 +124,35 @@ class FakeWarmCase(FakeCase):
         left = {lease: self.leftovers(lease) for lease in sorted(leases)}
         self.provider.close()
         assert not any(left.values()), f"what the case's leases left: {left}"
+
+
+class FakeEnvCase(FakeCase):
+    """The fake cloud shipping the driver's environment: its machines are bare images that boot through the
+    real environment stage over the fake transport, with one venv folder (``env_root``) for every machine
+    of the session, as the EC2 ``bare`` fixture has (a venv build costs a minute: later jobs reuse it)."""
+
+    name = "fake_env"
+
+    def __init__(self, workdir: Path, rendezvous_port: int, env_root: Path) -> None:
+        self.env_root = env_root
+        self.provider = FakeProvider(workdir / "cloud", workdir / "store", HEARTBEAT_TTL_S, env_root=env_root)
+        self.compute = FakeEnvCompute(self.provider, rendezvous_port=rendezvous_port)
+
+    def venv(self, job: Any) -> Path:
+        """Where the machines' stage keeps the venv of ``job``'s environment."""
+        return self.env_root / f"{job.spec.environment.digest}-{sys.platform}-{platform.machine()}"
+
+    def check_sent(self, job: Any, shown: dict[str, Any]) -> None:
+        """As the fake cloud's, and: the environment is in the store by its manifest, and every machine's
+        stage built or reused the job's venv, then started the node host in it."""
+        from prefect_sgpu.environment import ship as environment_ship
+
+        super().check_sent(job, shown)
+        environment = job.spec.environment
+        manifest = f"{environment.digest}/manifest-{environment_ship.manifest_sha256(environment)}.json"
+        assert self.compute.store.get(environment_ship.STORE_FOLDER, manifest), manifest
+        assert (self.venv(job) / ".complete").exists(), sorted(p.name for p in self.env_root.iterdir())
+        consoles = [(m.home / "console.log").read_text(errors="replace")
+                    for m in self.provider.machines.values() if m.launch_id == self.launched_for(job)]
+        assert consoles and all(f"environment {environment.digest[:16]} at {self.venv(job)}" in c
+                                for c in consoles), consoles

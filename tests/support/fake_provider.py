@@ -4,8 +4,12 @@
 states, terminate, secrets, cost, and the leftovers a sweeper finds and removes); :class:`FakeCompute` is the whole of a cloud's compute on
 top of :class:`~prefect_sgpu.compute.remote.nodes.RemoteNodeCompute`: it plans a request and
 boots machines. Each machine runs :mod:`support.fake_node_host` (the real node bootstrap over
-a local job store). With :class:`support.fake_node_host.FakeNodeHost` and the conformance case
-in :mod:`support.conformance_fake`, this is what adding a cloud takes.
+a local job store). With ``env_root`` the fake cloud ships the driver's environment as EC2 does
+(:class:`FakeEnvCompute`): its machines are bare images that boot through the real environment
+stage (:mod:`prefect_sgpu.launch.node_env` over :mod:`support.fake_stage`), which builds or reuses
+a venv under ``env_root`` and starts the node host in it. With
+:class:`support.fake_node_host.FakeNodeHost` and the conformance case in
+:mod:`support.conformance_fake`, this is what adding a cloud takes.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from support.ec2_simulator import pid_namespaces
+from support.ec2_simulator import bare_image, pid_namespaces
 from support.fake_node_host import secret_path
 from support.processes import remove_machine_cgroups, wait_gone
 
+from prefect_sgpu.environment import Environment
+from prefect_sgpu.environment import ship as environment_ship
+from prefect_sgpu.launch import node_env
 from prefect_sgpu.protocol import jobfolder
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
 from prefect_sgpu.compute.remote.provider import CloudLeftover, LeftoverScan
@@ -64,6 +71,9 @@ class FakeProvider:
     broken_image: str = ""
     #: what the machines' image has in place of the driver's versions (``prefect_sgpu.protocol.versions``)
     image_versions: dict[str, str] = field(default_factory=dict)
+    #: where the machines' environment stage keeps the venvs it builds (one disk for every machine, as a
+    #: machine keeps its venvs across boots); None: the machines run in the driver's own venv
+    env_root: Path | None = None
     machines: dict[str, FakeMachine] = field(default_factory=dict)
     #: what each provision was asked for: (launch id, nodes)
     sent: list[tuple[str, int]] = field(default_factory=list)
@@ -80,17 +90,20 @@ class FakeProvider:
         self.namespaces = pid_namespaces()  # a machine ends as a whole, as a terminated VM does
 
     def provision(self, launch_id: str, nodes: int, lease: bool, cancel: threading.Event,
-                  gang: int = 0) -> list[FakeMachine]:
-        """``gang``: which gang of its job a cold machine serves (its boot arguments say, as EC2's user-data does)."""
+                  gang: int = 0, environment: Environment | None = None) -> list[FakeMachine]:
+        """``gang``: which gang of its job a cold machine serves (its boot arguments say, as EC2's
+        user-data does); ``environment``: the job's, built by each machine's stage when it builds on
+        the node and this cloud has ``env_root``."""
         self.sent.append((launch_id, nodes))
         booted = []
         for index in range(nodes):
             if cancel.is_set():
                 raise JobCancelled(f"{launch_id} was cancelled while its machines started")
-            booted.append(self._boot(launch_id, index, lease, gang))
+            booted.append(self._boot(launch_id, index, lease, gang, environment))
         return booted
 
-    def _boot(self, launch_id: str, index: int, lease: bool, gang: int = 0) -> FakeMachine:
+    def _boot(self, launch_id: str, index: int, lease: bool, gang: int = 0,
+              environment: Environment | None = None) -> FakeMachine:
         machine_id, address = f"fake-{uuid.uuid4().hex[:12]}", next(self.addresses)
         home = self.workdir / machine_id
         home.mkdir(parents=True)
@@ -99,10 +112,15 @@ class FakeProvider:
                 f"--secrets={self.secrets}", f"--node-dir={home / 'jobs'}", f"--machine-dir={home}",
                 f"--heartbeat-ttl={self.heartbeat_ttl_s:g}", *(["--lease"] if lease else []),
                 *([f"--gang={gang}"] if gang else [])]
+        staged = (self.boot and not self.broken_image and self.env_root is not None
+                  and environment_ship.builds_on_node(environment))
         if not self.boot:
             argv = [sys.executable, "-c", "import time; time.sleep(3600)"]  # up, but never announces itself
         elif self.broken_image:
             argv = [sys.executable, "-c", f"import sys; print({self.broken_image!r}); sys.exit(1)"]
+        elif staged:
+            assert environment is not None
+            argv = [*self._stage_argv(home, launch_id, machine_id, index, environment), "--", *argv[1:]]
         env = {
             "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
             "PYTHONPATH": f"{REPO_ROOT}:{TESTS}",
@@ -115,6 +133,8 @@ class FakeProvider:
             env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
         if self.image_versions:
             env["SGPU_FAKE_IMAGE_VERSIONS"] = json.dumps(self.image_versions)
+        if staged:
+            env.update(self._bare_env())
         if self.namespaces:
             argv = [shutil.which("unshare") or "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
                     "--mount-proc", "--", *argv]
@@ -125,6 +145,37 @@ class FakeProvider:
         with self._lock:
             self.machines[machine_id] = machine
         return machine
+
+    def _stage_argv(self, home: Path, launch_id: str, machine_id: str, index: int,
+                    environment: Environment) -> list[str]:
+        """What EC2's user-data runs first, on this machine: the stage's carried text, written out and run
+        by the image's Python over the fake cloud's transport; the node host's arguments follow ``--``."""
+        stage = home / "stage"
+        stage.mkdir()
+        (stage / environment_ship.STAGE_MAIN).write_text(environment_ship.stage_text())
+        return [str(bare_image() / "bin" / "python"), str(stage / environment_ship.STAGE_MAIN),
+                f"--store={self.store_root}", f"--run-id={launch_id}", f"--environment={environment.digest}",
+                f"--manifest={environment_ship.manifest_sha256(environment)}",
+                "--transport=support.fake_stage", f"--secrets={self.secrets}", f"--machine-id={machine_id}",
+                f"--index={index}"]
+
+    def _bare_env(self) -> dict[str, str]:
+        """A bare image's machine, as the EC2 simulator's: the image's Python (pip only) first on ``PATH``, no
+        uv (the stage fetches the pinned wheel from a package index on 127.0.0.1, then installs offline from
+        uv's cache), and this repository's tests alone on ``PYTHONPATH`` (the fake transport and node host:
+        prefect-sgpu comes from the venv the stage builds)."""
+        from support.wheel_index import uv_index
+
+        assert self.env_root is not None
+        self.env_root.mkdir(parents=True, exist_ok=True)
+        return {
+            "PATH": f"{bare_image() / 'bin'}:/usr/local/bin:/usr/bin:/bin",
+            "PYTHONPATH": str(TESTS),
+            "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR") or str(Path.home() / ".cache" / "uv"),
+            "UV_OFFLINE": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1",
+            node_env.ENV_ROOT_ENV: str(self.env_root),
+            node_env.UV_INDEX_ENV: uv_index().url,
+        }
 
     # -- the Provider protocol ----------------------------------------------------------
 
@@ -246,7 +297,8 @@ class FakeCompute(RemoteNodeCompute):
         if time.monotonic() >= deadline:
             raise LaunchTimeout(request.run_id, request.spec.timeout, phase="provisioning")
         gang = 0 if request.lease_id else allocation.folder.gang  # a lease's assignment names the gang
-        return self.provisioner.provision(launch_id, request.plan.nodes, bool(request.lease_id), cancel, gang)
+        return self.provisioner.provision(launch_id, request.plan.nodes, bool(request.lease_id), cancel, gang,
+                                          request.spec.environment)
 
     #: a lost node's machine is replaced alone, the others kept (as on EC2)
     replaces_nodes = True
@@ -254,10 +306,11 @@ class FakeCompute(RemoteNodeCompute):
     def _provision_node(self, allocation: RemoteAllocation, node: int, deadline: float,
                         cancel: threading.Event) -> Any:
         lease = allocation.lease
+        environment = allocation.request.spec.environment
         self.provisioner.sent.append((lease.lease_id if lease else allocation.run_id, 1))
         if lease is not None:  # the lease's assignment names the gang
-            return self.provisioner._boot(lease.lease_id, node, True)
-        return self.provisioner._boot(allocation.run_id, node, False, allocation.folder.gang)
+            return self.provisioner._boot(lease.lease_id, node, True, environment=environment)
+        return self.provisioner._boot(allocation.run_id, node, False, allocation.folder.gang, environment)
 
     def _console_output(self, machine_id: str) -> str:
         machine = self.provisioner.machines.get(machine_id)
@@ -266,3 +319,17 @@ class FakeCompute(RemoteNodeCompute):
 
     def _lease_key(self, request: Any) -> tuple[Any, ...]:
         return ("fake", str(self.store.root_uri), request.plan.nodes, request.plan.procs_per_node)
+
+
+class FakeEnvCompute(FakeCompute):
+    """The fake cloud shipping the driver's environment, as EC2 does: the driver uploads its manifest and
+    files to the store, each machine's stage builds (or reuses) the venv under the provider's ``env_root``."""
+
+    ships_environment = True
+
+    def __init__(self, provider: FakeProvider, *, rendezvous_port: int, keep_warm: float = 0.0,
+                 agent_timeout_s: float = 600.0) -> None:
+        if provider.env_root is None:
+            raise ValueError("a cloud that ships the environment needs its machines' env_root")
+        super().__init__(provider, rendezvous_port=rendezvous_port, keep_warm=keep_warm,
+                         agent_timeout_s=agent_timeout_s)
