@@ -10,6 +10,7 @@ instance's real user-data as local processes. ``EC2Case`` adapts it to the
 from __future__ import annotations
 
 import base64
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -155,8 +156,9 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
     default one folder per machine (:func:`shared_env_root`), as if every instance of the suite had
     a disk that kept them, so an environment is built once (a test's own ``env_root`` builds it
     again: ``tests/compute/test_ec2_environment.py``). ``bare=False`` gives an image that has
-    everything (the driver's venv, this checkout), with ``PREFECT_SGPU_ENVIRONMENT=image`` set for
-    the test's duration.
+    everything (the driver's venv, this checkout), with ``PREFECT_SGPU_ENVIRONMENT`` saying image mode
+    for the test's duration. Either way the driver's own modules stay out (``auto_modules``) unless
+    a test's ``environment=`` says otherwise.
     """
     bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
@@ -185,8 +187,10 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
         env_root = shared_env_root()
     simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir, bare=bare, env_root=env_root).start()
     saved = os.environ.pop(ENVIRONMENT_ENV, None)
-    if not bare:
-        os.environ[ENVIRONMENT_ENV] = "image"
+    # the driver's own modules do not travel by default here: a test worker's sys.modules grows with
+    # every test module it imports, and each new set would be a new environment for the shared
+    # env_root to build; tests/compute/test_ec2_environment.py proves the default with it on
+    os.environ[ENVIRONMENT_ENV] = json.dumps({"mode": "driver" if bare else "image", "auto_modules": False})
     env = EC2Env(aws_env, settings, simulator, bucket, proxy)
     if proxy is not None:  # "terminated" means powered off, as on EC2: no node writes after it
         proxy.on_terminate = lambda ids: simulator.wait_powered_off(ids, timeout=30)

@@ -138,6 +138,11 @@ class FakeEnvCase(FakeCase):
         self.provider = FakeProvider(workdir / "cloud", workdir / "store", HEARTBEAT_TTL_S, env_root=env_root)
         self.compute = FakeEnvCompute(self.provider, rendezvous_port=rendezvous_port)
 
+    def options(self, **overrides: Any) -> dict[str, Any]:
+        """The driver's own modules stay out: a test worker's set of them grows with every test module it
+        imports, and each set would be a new venv to build (tests/test_environment.py proves them)."""
+        return super().options(**{"environment": {"auto_modules": False}, **overrides})
+
     def venv(self, job: Any) -> Path:
         """Where the machines' stage keeps the venv of ``job``'s environment."""
         return self.env_root / f"{job.spec.environment.digest}-{sys.platform}-{platform.machine()}"
