@@ -43,12 +43,16 @@ class PayloadImportError(PayloadError, ModuleNotFoundError):
     """
 
     def __init__(self, module: str, rank_detail: str = "", driver_source: str | None = None,
-                 local: bool = True) -> None:
-        self.module, self.rank_detail, self.driver_source, self.local = module, rank_detail, driver_source, local
+                 local: bool = True, explained: bool = False) -> None:
+        self.module, self.rank_detail, self.driver_source = module, rank_detail, driver_source
+        self.local, self.explained = local, explained
         text = f"a rank could not import the module {module!r} while loading the payload"
         if rank_detail:
             text += f" ({rank_detail})"
-        if driver_source and local:
+        if not explained:  # on the rank: where the driver has it is the driver's to say
+            text += ("; the driver names where it imports it from and how to ship it (py_modules, working_dir) "
+                     "or install it (docs/environment.md)")
+        elif driver_source and local:
             text += (f"; the driver imports it from {driver_source}, which is not installed: it travels with the "
                      "job when environment's auto_modules is on (the default) and the driver imported it before "
                      f"the call, or name it: environment={{'py_modules': [{driver_source!r}]}}, or ship its "
@@ -64,7 +68,7 @@ class PayloadImportError(PayloadError, ModuleNotFoundError):
         ImportError.__init__(self, text, name=module)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.module, self.rank_detail, self.driver_source, self.local))
+        return (type(self), (self.module, self.rank_detail, self.driver_source, self.local, self.explained))
 
 
 class DocumentRefused(PayloadError):

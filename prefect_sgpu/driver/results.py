@@ -104,7 +104,7 @@ def failure(job: Any, codes: dict[int, int], statuses: dict[int, NodeStatus],
         original = first.exception()
         if original is None or not isinstance(original, Exception):
             return info
-        if isinstance(original, PayloadImportError) and original.driver_source is None:
+        if isinstance(original, PayloadImportError) and not original.explained:
             from prefect_sgpu.environment.modules import explained
 
             original = explained(original)  # where the driver has the module, and how to ship it

@@ -202,4 +202,4 @@ def explained(error: PayloadImportError) -> PayloadImportError:
         local = source is not None and is_local_source(source)
     except Exception:  # noqa: BLE001 - an explanation never hides the error itself
         source, local = None, True
-    return PayloadImportError(error.module, error.rank_detail, source, local)
+    return PayloadImportError(error.module, error.rank_detail, source, local, explained=True)

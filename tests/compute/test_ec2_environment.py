@@ -24,7 +24,7 @@ import pytest
 from prefect_sgpu import distributed
 from prefect_sgpu.environment import ship as environment_ship
 from prefect_sgpu.compute.ec2.request import render_user_data
-from prefect_sgpu.environment import ENVIRONMENT_ENV, capture
+from prefect_sgpu.environment import capture
 from prefect_sgpu.errors import ProvisioningError, SGPUConfigError
 from prefect_sgpu.launch import ec2_stage, node_env, stage_uv
 from support.conformance_ec2 import EC2Env
@@ -529,14 +529,14 @@ def sibling_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.mark.e2e
 def test_a_sibling_package_of_the_users_project_reaches_bare_nodes_without_naming_it(
-        bare: EC2Env, sibling_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        bare: EC2Env, sibling_project: Path) -> None:
     import importlib
 
     from prefect_sgpu.errors import PayloadImportError
 
     train = importlib.import_module("sgpu_sib_user_train").train
-    monkeypatch.delenv(ENVIRONMENT_ENV)  # as for a user: no environment= anywhere
     compute = bare.compute(agent_timeout_s=600.0)
+    compute.sgpu_environment = None  # as for a user: no environment= anywhere
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=600)(train)
     job = fn.job(21)
     shipped = {t.name for t in job.spec.environment.py_modules}

@@ -58,7 +58,7 @@ def test_working_dir_py_modules_and_requirements_map_onto_ray_keys(project: Path
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("X = 1\n")
     env = capture(working_dir=project, excludes=["data/"], py_modules=[str(pkg)], requirements=["sgpu-tiny==1.0"],
-                  index_url="https://mirror.example/simple", find_links=[str(wheels)])
+                  index_url="https://mirror.example/simple", find_links=[str(wheels)], auto_modules=False)
     mapped = from_environment(env)
     assert mapped["working_dir"] == str(project)
     assert mapped["py_modules"] == [str(pkg)]
@@ -72,7 +72,12 @@ def test_working_dir_py_modules_and_requirements_map_onto_ray_keys(project: Path
 def test_the_driver_default_sends_no_pinned_distributions() -> None:
     env = capture()
     assert env.mode == "driver" and len(env.distributions) > 50
-    assert from_environment(env) == {}, "an existing cluster keeps its own image: nothing to install or upload"
+    mapped = from_environment(env)
+    assert not {"pip", "uv", "conda", "working_dir"} & set(mapped), "an existing cluster keeps its own image"
+    # only the driver's own modules go up (this test module among them), as files: nothing is installed
+    assert str(Path(__file__).resolve()) in mapped["py_modules"], mapped
+    assert mapped["py_modules"] == [t.source for t in env.py_modules]
+    assert from_environment(capture(auto_modules=False)) == {}, "without them: nothing to install or upload"
 
 
 def test_image_mode_uploads_files_and_installs_nothing(project: Path) -> None:
@@ -81,7 +86,7 @@ def test_image_mode_uploads_files_and_installs_nothing(project: Path) -> None:
 
 
 def test_a_user_runtime_env_combines_with_environment(project: Path, tmp_path: Path) -> None:
-    env = capture(working_dir=project, requirements=["sgpu-tiny==1.0"])
+    env = capture(working_dir=project, requirements=["sgpu-tiny==1.0"], auto_modules=False)
     out = merged({"env_vars": {"A": "1"}, "py_modules": ["gcs://_ray_pkg_abc.zip"]}, env)
     assert out["env_vars"] == {"A": "1"} and out["working_dir"] == str(project)
     assert out["py_modules"] == ["gcs://_ray_pkg_abc.zip"] and out["pip"]["packages"] == ["sgpu-tiny==1.0"]

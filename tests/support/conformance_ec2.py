@@ -26,7 +26,7 @@ from support.ec2_simulator import EC2Simulator
 from prefect_sgpu.protocol import jobfolder
 from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
 from prefect_sgpu.compute.ec2.request import RUN_ID_TAG
-from prefect_sgpu.environment import ENVIRONMENT_ENV
+from prefect_sgpu.environment import ENVIRONMENT_ENV, EnvironmentOptions
 from prefect_sgpu.store.s3 import S3Store
 
 #: the driver-heartbeat TTL of tests that wait for nodes to outlive a dead driver (they ask for it)
@@ -45,7 +45,14 @@ class EC2Env:
     proxy: AWSFaultProxy | None = None
 
     def compute(self, **overrides: Any) -> EC2InstanceCompute:
-        return EC2InstanceCompute.from_settings({**self.settings, **overrides}, session=self.aws.session())
+        """A compute of this cloud. Its block-level environment leaves the driver's own modules out: a test
+        worker's set of them grows with every test module it imports, and each new set would be a new
+        environment for the shared env_root to build. A call's ``environment=`` wins, and
+        ``compute.sgpu_environment = None`` gives a user's default (tests/compute/test_ec2_environment.py)."""
+        compute = EC2InstanceCompute.from_settings({**self.settings, **overrides}, session=self.aws.session())
+        mode = "image" if os.environ.get(ENVIRONMENT_ENV) == "image" else "driver"
+        compute.sgpu_environment = EnvironmentOptions(mode=mode, auto_modules=False)
+        return compute
 
     def store(self) -> S3Store:
         return S3Store(f"s3://{self.bucket}/jobs", session=self.aws.session(), endpoint_url=self.aws.endpoint_url)
@@ -156,9 +163,8 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
     default one folder per machine (:func:`shared_env_root`), as if every instance of the suite had
     a disk that kept them, so an environment is built once (a test's own ``env_root`` builds it
     again: ``tests/compute/test_ec2_environment.py``). ``bare=False`` gives an image that has
-    everything (the driver's venv, this checkout), with ``PREFECT_SGPU_ENVIRONMENT`` saying image mode
-    for the test's duration. Either way the driver's own modules stay out (``auto_modules``) unless
-    a test's ``environment=`` says otherwise.
+    everything (the driver's venv, this checkout), with ``PREFECT_SGPU_ENVIRONMENT=image`` set for
+    the test's duration. Either way its computes leave the driver's own modules out (:meth:`EC2Env.compute`).
     """
     bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
     aws_env.client("s3").create_bucket(Bucket=bucket)
@@ -187,10 +193,8 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
         env_root = shared_env_root()
     simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir, bare=bare, env_root=env_root).start()
     saved = os.environ.pop(ENVIRONMENT_ENV, None)
-    # the driver's own modules do not travel by default here: a test worker's sys.modules grows with
-    # every test module it imports, and each new set would be a new environment for the shared
-    # env_root to build; tests/compute/test_ec2_environment.py proves the default with it on
-    os.environ[ENVIRONMENT_ENV] = json.dumps({"mode": "driver" if bare else "image", "auto_modules": False})
+    if not bare:
+        os.environ[ENVIRONMENT_ENV] = "image"
     env = EC2Env(aws_env, settings, simulator, bucket, proxy)
     if proxy is not None:  # "terminated" means powered off, as on EC2: no node writes after it
         proxy.on_terminate = lambda ids: simulator.wait_powered_off(ids, timeout=30)
