@@ -174,3 +174,14 @@ from support.aws_fixtures import (  # noqa: E402,F401
     moto_server,
     no_leaked_instances,
 )
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> "VirtualClock":  # noqa: F821
+    """The retry helper's clock in this process made virtual: its minutes of backoff pass at once."""
+    from prefect_sgpu import retry
+    from support.fast_clock import VirtualClock
+
+    clock = VirtualClock()
+    monkeypatch.setattr(retry, "CLOCK", clock)
+    return clock
