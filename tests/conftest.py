@@ -185,3 +185,17 @@ def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> "VirtualClock":  # noqa: F
     clock = VirtualClock()
     monkeypatch.setattr(retry, "CLOCK", clock)
     return clock
+
+
+@pytest.fixture(autouse=True)
+def _driver_modules_stay_home(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs of the suite leave the driver's own modules out (``PREFECT_SGPU_ENVIRONMENT``, the lowest
+    layer), unless the test is marked ``own_modules``: a test worker's own modules are the test
+    runner's (``conftest``, ``support``, every test file imported so far, each a top-level module),
+    which no job needs, and which grow as the worker runs, so that every job would get an
+    environment of its own (a venv built on simulated nodes, new Ray workers for a new
+    ``runtime_env``). The default is proven by the tests that are marked."""
+    from prefect_sgpu.environment import ENVIRONMENT_ENV
+
+    if request.node.get_closest_marker("own_modules") is None and ENVIRONMENT_ENV not in os.environ:
+        monkeypatch.setenv(ENVIRONMENT_ENV, '{"auto_modules": false}')

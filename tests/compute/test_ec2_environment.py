@@ -528,6 +528,7 @@ def sibling_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.e2e
+@pytest.mark.own_modules
 def test_a_sibling_package_of_the_users_project_reaches_bare_nodes_without_naming_it(
         bare: EC2Env, sibling_project: Path) -> None:
     import importlib

@@ -141,6 +141,7 @@ def run_on_ray(kind: str, project: Path, wheels: Path, image: Path, *extra: str)
 
 
 @pytest.mark.e2e
+@pytest.mark.own_modules
 def test_a_working_dir_module_and_an_extra_requirement_reach_ray_train_and_warm_workers_and_own_modules_travel(
         project: Path, wheels: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     sibling = tmp_path_factory.mktemp("sibling-project")
