@@ -148,3 +148,15 @@ def test_a_job_roles_policy_not_yet_propagated_is_waited_for_then_a_missing_perm
         assert ec2_stage.ROLE_PROPAGATION_S <= virtual_clock.waited_s < ec2_stage.ROLE_PROPAGATION_S + 25
     finally:
         aws_faults.iam_gate = None
+
+
+def test_the_bootstraps_ssm_client_made_before_credentials_existed_is_built_again(
+        aws_env: Any, aws_faults: AWSFaultProxy, bucket: str, imds: FakeIMDS, virtual_clock: Any) -> None:
+    from prefect_sgpu.launch.ec2_host import EC2NodeHost
+
+    aws_env.client("ssm").put_parameter(Name=f"/sgpu/{bucket}/key", Value="k3y", Type="SecureString")
+    imds.metadata.update(FakeIMDS.role_entries("sgpu-node", ("ASIABOOT", "secret", "token"), 6 * 3600))
+    imds.credentials_late = lambda: imds.late_answers < 2  # the first two asks find no credentials yet
+    host = EC2NodeHost(aws_env.region, aws_env.endpoint_url)
+    assert host.read_secret(f"/sgpu/{bucket}/key") == "k3y"
+    assert imds.late_answers == 2 and virtual_clock.slept
