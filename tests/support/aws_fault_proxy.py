@@ -116,8 +116,9 @@ class DelayRule:
 class HttpFault:
     """Answer requests whose method is ``method`` (None: any) and whose path matches ``path`` (a regular
     expression, searched; for S3 ``/<bucket>/<key>``) and, when given, whose action (``X-Amz-Target``'s
-    operation or a query ``Action``) is ``action``, with ``code`` and ``status``, or by resetting the
-    connection (``reset``), ``times`` times (None: always)."""
+    operation or a query ``Action``) is ``action`` and whose ``User-Agent`` matches ``client`` (a regular
+    expression: ``Python-urllib`` is the node's stage, ``Boto3`` the driver and the bootstrap), with
+    ``code`` and ``status``, or by resetting the connection (``reset``), ``times`` times (None: always)."""
 
     path: str
     code: str = ""
@@ -127,12 +128,15 @@ class HttpFault:
     reset: bool = False
     times: int | None = None
     message: str = ""
+    client: str | None = None
     hits: int = 0
 
-    def matches(self, method: str, path: str, action: str) -> bool:
+    def matches(self, method: str, path: str, action: str, agent: str = "") -> bool:
         if self.times is not None and self.hits >= self.times:
             return False
         if self.action is not None and action != self.action:
+            return False
+        if self.client is not None and re.search(self.client, agent) is None:
             return False
         return (self.method is None or method == self.method) and re.search(self.path, path) is not None
 
@@ -289,12 +293,12 @@ class AWSFaultProxy:
 
     def fail_http(self, path: str, code: str = "", *, status: int | None = None, method: str | None = None,
                   action: str | None = None, reset: bool = False, times: int | None = None,
-                  message: str = "") -> HttpFault:
+                  message: str = "", client: str | None = None) -> HttpFault:
         """Fail REST or JSON requests by method and path (see :class:`HttpFault`): S3's "503 SlowDown"
         (AWS S3 docs, "Best practices design patterns: optimizing Amazon S3 performance": S3 answers 503
         SlowDown while it scales a prefix), "500 InternalError", SSM's "ThrottlingException" (SSM API
         reference, "Common Errors"), or ``reset=True``: the connection is reset before any answer."""
-        fault = HttpFault(path, code, status, method, action, reset, times, message or f"injected {code}")
+        fault = HttpFault(path, code, status, method, action, reset, times, message or f"injected {code}", client)
         with self._lock:
             self.http_faults.append(fault)
         return fault
@@ -397,7 +401,8 @@ class AWSFaultProxy:
         record = Recorded(service, action, params)
         with self._lock:
             self.requests.append(record)
-            fault = next((f for f in self.http_faults if f.matches(method, path, action)), None)
+            agent = next((v for k, v in headers.items() if k.lower() == "user-agent"), "")
+            fault = next((f for f in self.http_faults if f.matches(method, path, action, agent)), None)
             if fault is not None:
                 fault.hits += 1
         if fault is not None:

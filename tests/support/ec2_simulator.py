@@ -59,7 +59,9 @@ DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 class FakeIMDS:
     """A tiny IMDSv2: tokens are required, as on a real instance with IMDSv2 enforced.
 
-    ``credentials_late_s``: for that many seconds after it starts, ``iam/security-credentials/`` and
+    ``credentials_late_s``: for that many seconds after the node first asks it anything (a simulated
+    machine's boot is its user-data starting: a loaded test machine may take seconds to get there),
+    ``iam/security-credentials/`` and
     everything under it answer 404, as on EC2 while an instance profile propagates (seconds to about
     two minutes after launch: hashicorp/terraform-provider-aws issue "IAM instance profile not
     propagated" threads, hashicorp/packer "Instance profile ... not yet available"). Seconds are
@@ -74,7 +76,7 @@ class FakeIMDS:
         self.credentials_late_s = credentials_late_s
         self.clock_scale = clock_scale
         self.clock = clock or (lambda: time.monotonic() * clock_scale)
-        self.started = self.clock()
+        self.started: float | None = None
         #: how many credential requests were answered 404 because the profile had not propagated
         self.late_answers = 0
         imds = self
@@ -92,6 +94,7 @@ class FakeIMDS:
                 self.wfile.write(data)
 
             def do_PUT(self) -> None:  # noqa: N802 - http.server's naming
+                imds.booted()
                 ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
                 if self.path == "/latest/api/token" and ttl:
                     self._send(200, imds.token)
@@ -99,6 +102,7 @@ class FakeIMDS:
                     self._send(400, "bad token request")
 
             def do_GET(self) -> None:  # noqa: N802
+                imds.booted()
                 if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
                     self._send(401, "")
                     return
@@ -118,7 +122,13 @@ class FakeIMDS:
         self.thread.start()
 
     def credentials_late(self) -> bool:
-        return self.clock() - self.started < self.credentials_late_s
+        return self.clock() - self.booted() < self.credentials_late_s
+
+    def booted(self) -> float:
+        """When the node first asked (on ``clock``)."""
+        if self.started is None:
+            self.started = self.clock()
+        return self.started
 
     @staticmethod
     def role_entries(role: str, keys: tuple[str, str, str], expires_in_s: float) -> dict[str, str]:
