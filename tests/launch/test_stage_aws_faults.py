@@ -129,8 +129,8 @@ def test_a_job_roles_policy_not_yet_propagated_is_waited_for_then_a_missing_perm
     gate.propagation_s, gate.clock = 60.0, virtual_clock.monotonic
     aws_faults.iam_gate = gate
     try:
-        trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
-                                                        "Action": "sts:AssumeRole"}]}
+        trust = {"Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
         arn = iam.create_role(RoleName=role, AssumeRolePolicyDocument=json.dumps(trust))["Role"]["Arn"]
         iam.put_role_policy(RoleName=role, PolicyName="node", PolicyDocument=json.dumps({
             "Version": "2012-10-17", "Statement": [
