@@ -33,6 +33,7 @@ import http.client
 import json
 import os
 import re
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -133,6 +134,7 @@ class Credentials:
     :data:`REFRESH_BEFORE_S` is left (EC2 serves new ones well before the old ones expire)."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # the stage fetches files from several threads
         self.keys: tuple[str, str, str | None] | None = None
         #: when the keys expire, on ``retry.CLOCK`` (None: never, the environment's keys)
         self.expires: float | None = None
@@ -140,11 +142,17 @@ class Credentials:
         self.role_since: float | None = None
 
     def get(self) -> tuple[str, str, str | None]:
-        if self.keys is None or (self.expires is not None
-                                 and retry.CLOCK.monotonic() > self.expires - REFRESH_BEFORE_S):
+        with self._lock:
+            if self.keys is None or (self.expires is not None
+                                     and retry.CLOCK.monotonic() > self.expires - REFRESH_BEFORE_S):
+                self.refresh()
+            assert self.keys is not None
+            return self.keys
+
+    def renew(self) -> None:
+        """AWS refused the keys as expired: read them again."""
+        with self._lock:
             self.refresh()
-        assert self.keys is not None
-        return self.keys
 
     def role_age_s(self) -> float | None:
         """Seconds since the instance profile's keys were first read (None: the environment's keys)."""
@@ -248,7 +256,7 @@ def calling(build: Callable[[], urllib.request.Request], creds: Credentials, act
             return _call(build(), timeout)
         except TransportError as exc:
             if exc.code in EXPIRED:
-                creds.refresh()
+                creds.renew()
             if exc.region and moved is not None and moved(exc.region):
                 return _call(build(), timeout)
             raise
@@ -329,11 +337,10 @@ class S3StageTransport:
 
     def _moved(self, region: str) -> bool:
         """S3 says the bucket is in ``region`` (``x-amz-bucket-region`` of a 301 PermanentRedirect or a 400):
-        sign for it, and ask its regional endpoint from now on."""
-        if region == self.bucket_region:
-            return False
-        _log(f"bucket {self.bucket} is in {region}, not {self.bucket_region}: asking it there")
-        self._address(region)
+        sign for it, and ask its regional endpoint from now on (another thread may have moved already)."""
+        if region != self.bucket_region:
+            _log(f"bucket {self.bucket} is in {region}, not {self.bucket_region}: asking it there")
+            self._address(region)
         return True
 
     @property
