@@ -106,6 +106,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     wanted = doctor.Wanted.of(args.gpu_type, args.gpus, args.nodes)
     session = None
+    builds_on_nodes = None
     if args.compute_block:
         from prefect.blocks.core import Block
 
@@ -118,11 +119,13 @@ def _doctor(args: argparse.Namespace) -> int:
                                      ("endpoint_url", args.endpoint_url)) if v}
         settings = compute.settings.model_copy(update=changes) if changes else compute.settings
         session = compute.provisioner._session
+        options = getattr(compute, "sgpu_environment", None)
+        builds_on_nodes = None if options is None else options.mode != "image"
     else:
         fields = {"region": args.region or _default_region(), "store_uri": args.store or "",
                   "market": args.market or "on-demand", "endpoint_url": args.endpoint_url, "ami_id": args.ami_id}
         settings = EC2Settings(**{k: v for k, v in fields.items() if v is not None})
-    checks = doctor.examine(settings, wanted, session=session)
+    checks = doctor.examine(settings, wanted, session=session, builds_on_nodes=builds_on_nodes)
     if args.json:
         print(json.dumps(doctor.as_json(checks), indent=2))
     else:

@@ -257,11 +257,14 @@ STAGE_MAIN = "prefect_sgpu_node_env.py"
 
 @lru_cache(maxsize=None)
 def stage_text(module: str = "node_env") -> str:
-    """A module of the node stage (:mod:`prefect_sgpu.launch.node_env` and its siblings) as the user-data
-    carries it: the same code without its docstrings and comments (a quarter of its size)."""
+    """A module of the node stage (:mod:`prefect_sgpu.launch.node_env` and its siblings; ``retry``: the
+    package's :mod:`prefect_sgpu.retry`) as the user-data carries it: the same code without its docstrings
+    and comments (a quarter of its size)."""
     import ast
 
-    tree = ast.parse((Path(__file__).parent.parent / "launch" / f"{module}.py").read_text())
+    package = Path(__file__).parent.parent
+    tree = ast.parse((package / f"{module}.py" if module in STAGE_SHARED else package / "launch" / f"{module}.py")
+                     .read_text())
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
@@ -271,11 +274,17 @@ def stage_text(module: str = "node_env") -> str:
     return ast.unparse(tree) + "\n"
 
 
+#: modules of the package itself (not of ``launch/``) the stage's transport imports, carried beside it
+STAGE_SHARED = ("retry",)
+
+
 def stage_files(transport: str) -> dict[str, str]:
-    """File name -> text of what the user-data writes into the stage's folder: the stage and the transport
-    module ``transport`` (a module of ``prefect_sgpu/launch/``) it imports from there. What else the stage
+    """File name -> text of what the user-data writes into the stage's folder: the stage, the transport
+    module ``transport`` (a module of ``prefect_sgpu/launch/``) it imports from there, and the retry helper
+    the transport waits for a late or busy cloud with (:data:`STAGE_SHARED`). What else the stage
     needs comes from the environment's shipped files (:func:`prefect_sgpu.launch.node_env.shipped_module`)."""
-    return {STAGE_MAIN: stage_text("node_env"), f"{transport}.py": stage_text(transport)}
+    return {STAGE_MAIN: stage_text("node_env"), f"{transport}.py": stage_text(transport),
+            **{f"{name}.py": stage_text(name) for name in STAGE_SHARED}}
 
 
 @lru_cache(maxsize=None)

@@ -3,7 +3,11 @@
 - **Identity** from IMDSv2 (:mod:`prefect_sgpu.launch.ec2_stage`'s reader, the environment stage's
   too): the instance id, the AMI launch index (the node's index in its gang) and the private IPv4
   address. ``AWS_EC2_METADATA_SERVICE_ENDPOINT`` points it elsewhere, as botocore honours it.
-- **Secrets** are SSM SecureStrings, read and deleted with the instance profile's rights.
+- **Secrets** are SSM SecureStrings, read and deleted with the instance profile's rights. While IMDS
+  serves no credentials yet (an instance profile propagates for up to ~2 minutes after launch) or the
+  role's new policy is not in effect yet (a job role), the request is retried with
+  :func:`prefect_sgpu.retry.retrying` for :data:`~prefect_sgpu.launch.ec2_stage.CLOUD_BUDGET_S`; a client
+  built before there were credentials is built again (botocore resolves them once, when a client is made).
 - **Reclaim notices**: IMDS's ``spot/instance-action`` (a spot interruption) and
   ``events/recommendations/rebalance`` (a rebalance recommendation), 404 until there is one.
 - **Termination**: ``ec2:TerminateInstances`` on itself; the last resort is ``shutdown -h
@@ -16,8 +20,9 @@ import subprocess
 import time
 from typing import Any
 
-from prefect_sgpu import aws
+from prefect_sgpu import aws, retry
 from prefect_sgpu.launch.ec2_stage import IMDS_ENV, imds_base, imds_get, imds_token  # noqa: F401 - IMDS_ENV: its name
+from prefect_sgpu.launch.ec2_stage import CLOUD_BUDGET_S, DENIED, EXPIRED, ROLE_PROPAGATION_S
 from prefect_sgpu.launch.node_host import NodeIdentity
 from prefect_sgpu.procs.processes import node_log as _log
 
@@ -83,21 +88,44 @@ class EC2NodeHost:
         self.endpoint_url = endpoint_url
         self._clients: dict[str, Any] = {}
         self._notices = NoticeWatch()
+        self._born = retry.CLOCK.monotonic()
 
     def _client(self, service: str) -> Any:
         if service not in self._clients:
             self._clients[service] = aws.client(service, region=self.region, endpoint_url=self.endpoint_url)
         return self._clients[service]
 
+    def _calling(self, service: str, operation: str, **params: Any) -> Any:
+        """``operation`` of ``service``, waiting out credentials IMDS does not serve yet (the client is built
+        again: botocore resolved none when it was made), expired ones, and a refusal while this node is
+        younger than :data:`~prefect_sgpu.launch.ec2_stage.ROLE_PROPAGATION_S` (a job role's policy)."""
+
+        def once() -> Any:
+            try:
+                return getattr(self._client(service), operation)(**params)
+            except Exception as exc:
+                if _no_credentials(exc) or aws.error_code(exc) in EXPIRED:
+                    self._clients.pop(service, None)
+                raise
+
+        def transient(exc: BaseException) -> bool:
+            if _no_credentials(exc) or aws.error_code(exc) in EXPIRED:
+                return True
+            young = retry.CLOCK.monotonic() - self._born < ROLE_PROPAGATION_S
+            return young and aws.error_code(exc) in DENIED
+
+        return retry.retrying(once, transient=transient, budget_s=CLOUD_BUDGET_S, base_s=1.0, cap_s=20.0,
+                              what=f"{service}:{operation}", log=_log)
+
     def identity(self) -> NodeIdentity:
         return fetch_identity()
 
     def read_secret(self, name: str) -> str:
-        response = self._client("ssm").get_parameter(Name=name, WithDecryption=True)
+        response = self._calling("ssm", "get_parameter", Name=name, WithDecryption=True)
         return str(response["Parameter"]["Value"])
 
     def delete_secret(self, name: str) -> None:
-        self._client("ssm").delete_parameter(Name=name)
+        self._calling("ssm", "delete_parameter", Name=name)
 
     def reclaim_notice(self) -> str | None:
         return self._notices.check()
@@ -117,3 +145,8 @@ class EC2NodeHost:
 
     def error_text(self, exc: BaseException) -> str:
         return aws.error_code(exc) or type(exc).__name__
+
+
+def _no_credentials(exc: BaseException) -> bool:
+    """botocore found no credentials (IMDS served none yet) or could not read them."""
+    return type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")

@@ -130,3 +130,20 @@ def test_bad_arguments_exit_2_naming_them_before_any_call(
     assert code == 2
     assert named in capsys.readouterr().err
     assert aws_faults.requests == [], "nothing asked of AWS"
+
+
+def test_a_bucket_in_another_region_fails_when_nodes_build_the_environment_from_it(
+        aws_env: Any, aws_faults: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect_sgpu.compute.ec2 import doctor
+    from prefect_sgpu.compute.ec2.settings import EC2Settings
+    from prefect_sgpu.environment import ENVIRONMENT_ENV
+
+    bucket = f"sgpu-doctor-{uuid.uuid4().hex[:8]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    settings = EC2Settings(region=REGION, store_uri=f"s3://{bucket}/jobs", endpoint_url=aws_env.endpoint_url)
+    monkeypatch.delenv(ENVIRONMENT_ENV, raising=False)
+    built = doctor.Doctor(settings, session=aws_env.session()).store()  # environment mode 'driver', the default
+    assert built.status == "fail" and "eu-west-1" in built.detail and REGION in built.detail, built
+    assert f"--region {REGION}" in built.fix and "region=eu-west-1" in built.fix, built
+    baked = doctor.Doctor(settings, session=aws_env.session(), builds_on_nodes=False).store()
+    assert baked.status == "warn", baked

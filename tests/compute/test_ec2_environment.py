@@ -92,13 +92,15 @@ def test_the_user_data_names_the_manifest_and_carries_the_stage(project: Path) -
                               offer_pack=True)
     assert f"--manifest={environment_ship.manifest_sha256(env)}" in script and f"--pack={pack}" in script
     assert "-m prefect_sgpu.launch.bootstrap" in script and "pip install" not in script
-    # the stage travels without its docstrings and comments: room is left for setup_commands
-    assert len(script.encode()) <= 12 * 1024 < environment_ship.USER_DATA_LIMIT
+    # the stage, its transport and the retry helper travel without docstrings and comments: room is left for
+    # setup_commands
+    assert len(script.encode()) <= 15 * 1024 < environment_ship.USER_DATA_LIMIT
     files = json.loads(zlib.decompress(base64.b85decode(max(script.split(), key=len).strip("'"))))
     assert files == environment_ship.stage_files("ec2_stage") and "--transport=ec2_stage" in script
     carried = files[environment_ship.STAGE_MAIN]
     assert carried == environment_ship.stage_text() and not any('"""' in text for text in files.values())
-    assert "def uv(" in carried and "def main(" in carried and set(files) == {environment_ship.STAGE_MAIN, "ec2_stage.py"}
+    assert "def uv(" in carried and "def main(" in carried
+    assert set(files) == {environment_ship.STAGE_MAIN, "ec2_stage.py", "retry.py"}  # the transport's retry helper
     assert "AWS4-HMAC-SHA256" in files["ec2_stage.py"] and "AWS4" not in carried and "169.254" not in carried
     image = render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, environment=env.model_copy(
         update={"mode": "image"}))

@@ -11,6 +11,13 @@ A delay rule (:meth:`AWSFaultProxy.delay`) holds matching requests (say, uploads
 under one key pattern) for a while before forwarding them, as a slow link would;
 other requests pass meanwhile.
 
+Requests of REST and JSON services (S3 GET/PUT, SSM's JSON API) that the node's hand-written stage makes
+can be failed by method and path (:meth:`AWSFaultProxy.fail_http`): S3's ``503 SlowDown`` and ``500
+InternalError``, SSM's ``ThrottlingException``, or a reset connection (TCP RST, no answer). A bucket can be
+put in another region (:attr:`AWSFaultProxy.bucket_regions`): a request signed for any other region is
+answered ``301 PermanentRedirect`` with ``x-amz-bucket-region``, as S3 does. An access key can be made
+expired (:attr:`AWSFaultProxy.expired_keys`): its requests are answered ``ExpiredToken``.
+
 Moto 5.2 lacks three EC2 behaviours that provisioning relies on, so the proxy
 supplies them in front of moto, following the EC2 API reference:
 
@@ -50,6 +57,7 @@ ERROR_STATUS = {
     "InsufficientReservedInstanceCapacity": 500,
     "InternalError": 500,
     "Unavailable": 503,
+    "SlowDown": 503,
     "ServiceUnavailable": 503,
     "ReservationCapacityExceeded": 400,
     "RequestLimitExceeded": 503,
@@ -102,6 +110,39 @@ class DelayRule:
         if self.times is not None and self.hits >= self.times:
             return False
         return (self.method is None or method == self.method) and re.search(self.path, path) is not None
+
+
+@dataclass
+class HttpFault:
+    """Answer requests whose method is ``method`` (None: any) and whose path matches ``path`` (a regular
+    expression, searched; for S3 ``/<bucket>/<key>``) and, when given, whose action (``X-Amz-Target``'s
+    operation or a query ``Action``) is ``action`` and whose ``User-Agent`` matches ``client`` (a regular
+    expression: ``Python-urllib`` is the node's stage, ``Boto3`` the driver and the bootstrap), with
+    ``code`` and ``status``, or by resetting the connection (``reset``), ``times`` times (None: always)."""
+
+    path: str
+    code: str = ""
+    status: int | None = None
+    method: str | None = None
+    action: str | None = None
+    reset: bool = False
+    times: int | None = None
+    message: str = ""
+    client: str | None = None
+    hits: int = 0
+
+    def matches(self, method: str, path: str, action: str, agent: str = "") -> bool:
+        if self.times is not None and self.hits >= self.times:
+            return False
+        if self.action is not None and action != self.action:
+            return False
+        if self.client is not None and re.search(self.client, agent) is None:
+            return False
+        return (self.method is None or method == self.method) and re.search(self.path, path) is not None
+
+
+#: the answer that tells the handler to reset the connection instead of answering
+RESET = -1
 
 
 @dataclass
@@ -193,6 +234,17 @@ class AWSFaultProxy:
         self.iam_gate: Any = None
         #: the account's applied EC2 quotas (Service Quotas code -> value); moto knows none of EC2's
         self.ec2_quotas: dict[str, float] = {}
+        #: REST/JSON requests failed by method and path (:meth:`fail_http`)
+        self.http_faults: list[HttpFault] = []
+        #: bucket -> the region it is in, for buckets not in moto's region. S3 answers a request signed for
+        #: another region "301 PermanentRedirect" with the bucket's region in ``x-amz-bucket-region``
+        #: (AWS S3 docs, "Making requests" / "Request redirection and the REST API"; botocore's
+        #: S3RegionRedirector follows the same header)
+        self.bucket_regions: dict[str, str] = {}
+        #: access keys whose temporary credentials have expired: S3 answers "400 ExpiredToken", JSON
+        #: services "ExpiredTokenException" (AWS docs "Retrieve security credentials from instance
+        #: metadata": an instance's credentials expire, and new ones are served at least 5 minutes before)
+        self.expired_keys: set[str] = set()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -239,6 +291,18 @@ class AWSFaultProxy:
             self.delays.append(rule)
         return rule
 
+    def fail_http(self, path: str, code: str = "", *, status: int | None = None, method: str | None = None,
+                  action: str | None = None, reset: bool = False, times: int | None = None,
+                  message: str = "", client: str | None = None) -> HttpFault:
+        """Fail REST or JSON requests by method and path (see :class:`HttpFault`): S3's "503 SlowDown"
+        (AWS S3 docs, "Best practices design patterns: optimizing Amazon S3 performance": S3 answers 503
+        SlowDown while it scales a prefix), "500 InternalError", SSM's "ThrottlingException" (SSM API
+        reference, "Common Errors"), or ``reset=True``: the connection is reset before any answer."""
+        fault = HttpFault(path, code, status, method, action, reset, times, message or f"injected {code}", client)
+        with self._lock:
+            self.http_faults.append(fault)
+        return fault
+
     def reset(self) -> None:
         """Drop rules and records (placement groups and tokens stay: they mirror moto's state)."""
         with self._lock:
@@ -246,6 +310,9 @@ class AWSFaultProxy:
             self.delays.clear()
             self.requests.clear()
             self.ec2_quotas.clear()
+            self.http_faults.clear()
+            self.bucket_regions.clear()
+            self.expired_keys.clear()
 
     def add_capacity_reservation(
         self, instance_type: str, availability_zone: str, count: int, state: str = "active"
@@ -303,6 +370,13 @@ class AWSFaultProxy:
                     self.close_connection = True
                     return
                 status, headers, payload = proxy._dispatch(self.command, self.path, dict(self.headers), body)
+                if status == RESET:  # a TCP RST: the client reads "connection reset by peer"
+                    import socket
+                    import struct
+
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return
                 self.send_response(status)
                 for name, value in headers:
                     if name.lower() not in HOP_BY_HOP:
@@ -327,6 +401,19 @@ class AWSFaultProxy:
         record = Recorded(service, action, params)
         with self._lock:
             self.requests.append(record)
+            agent = next((v for k, v in headers.items() if k.lower() == "user-agent"), "")
+            fault = next((f for f in self.http_faults if f.matches(method, path, action, agent)), None)
+            if fault is not None:
+                fault.hits += 1
+        if fault is not None:
+            if fault.reset:
+                record.error = "connection reset"
+                return RESET, [], b""
+            return self._error(record, fault.code, fault.message, fault.status, service)
+        moved = self._s3_elsewhere(record, path, headers, service)
+        if moved is not None:
+            return moved
+        with self._lock:
             rule = next((r for r in self.rules if r.matches(action, params)), None)
             if rule is not None:
                 rule.hits += 1
@@ -385,6 +472,27 @@ class AWSFaultProxy:
             found = re.search(rb"<Code>([^<]+)</Code>|\"__type\"\s*:\s*\"([^\"]+)\"", result[2])
             record.error = (found.group(1) or found.group(2)).decode() if found else str(result[0])
         return result
+
+    def _s3_elsewhere(self, record: Recorded, path: str, headers: dict[str, str], service: str):
+        """S3's answer to a request signed for a region its bucket is not in, or with expired keys; else None."""
+        auth = {k.lower(): v for k, v in headers.items()}.get("authorization", "")
+        found = re.search(r"Credential=([^/]+)/\d+/([^/]+)/", auth)
+        if found is None:
+            return None
+        with self._lock:
+            expired = found.group(1) in self.expired_keys
+            bucket = urlsplit(path).path.lstrip("/").split("/", 1)[0]
+            region = self.bucket_regions.get(bucket) if service == "rest" else None
+        if expired:
+            code = "ExpiredTokenException" if service.startswith("json:") else "ExpiredToken"
+            return self._error(record, code, "The security token included in the request is expired", 400, service)
+        if region is None or region == found.group(2):
+            return None
+        record.status, record.error = 301, "PermanentRedirect"
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>PermanentRedirect</Code><Message>The bucket '
+                f"you are attempting to access must be addressed using the specified endpoint.</Message>"
+                f"<Bucket>{escape(bucket)}</Bucket><Endpoint>s3.{region}.amazonaws.com</Endpoint></Error>")
+        return 301, [("Content-Type", "application/xml"), ("x-amz-bucket-region", region)], body.encode()
 
     def _error(self, record: Recorded, code: str, message: str, status: int | None, service: str):
         """The error in the wire format of the service that was called."""

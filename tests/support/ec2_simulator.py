@@ -57,11 +57,28 @@ DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 
 
 class FakeIMDS:
-    """A tiny IMDSv2: tokens are required, as on a real instance with IMDSv2 enforced."""
+    """A tiny IMDSv2: tokens are required, as on a real instance with IMDSv2 enforced.
 
-    def __init__(self, metadata: dict[str, str]) -> None:
+    ``credentials_late_s``: for that many seconds after the node first asks it anything (a simulated
+    machine's boot is its user-data starting: a loaded test machine may take seconds to get there),
+    ``iam/security-credentials/`` and
+    everything under it answer 404, as on EC2 while an instance profile propagates (seconds to about
+    two minutes after launch: hashicorp/terraform-provider-aws issue "IAM instance profile not
+    propagated" threads, hashicorp/packer "Instance profile ... not yet available"). Seconds are
+    counted on ``clock_scale`` (real seconds times the scale): the node's retry helper runs on the
+    same scale (:mod:`support.node_clock`), so 90 s of lateness pass in 90/scale real seconds; or on
+    ``clock`` (a test's virtual clock's ``monotonic``) when given."""
+
+    def __init__(self, metadata: dict[str, str], credentials_late_s: float = 0.0, clock_scale: float = 1.0,
+                 clock: Callable[[], float] | None = None) -> None:
         self.metadata = metadata
         self.token = base64.urlsafe_b64encode(os.urandom(18)).decode()
+        self.credentials_late_s = credentials_late_s
+        self.clock_scale = clock_scale
+        self.clock = clock or (lambda: time.monotonic() * clock_scale)
+        self.started: float | None = None
+        #: how many credential requests were answered 404 because the profile had not propagated
+        self.late_answers = 0
         imds = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -77,6 +94,7 @@ class FakeIMDS:
                 self.wfile.write(data)
 
             def do_PUT(self) -> None:  # noqa: N802 - http.server's naming
+                imds.booted()
                 ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
                 if self.path == "/latest/api/token" and ttl:
                     self._send(200, imds.token)
@@ -84,12 +102,16 @@ class FakeIMDS:
                     self._send(400, "bad token request")
 
             def do_GET(self) -> None:  # noqa: N802
+                imds.booted()
                 if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
                     self._send(401, "")
                     return
                 prefix = "/latest/meta-data/"
                 key = self.path[len(prefix):] if self.path.startswith(prefix) else None
-                if key in imds.metadata:
+                if key is not None and key.startswith("iam/security-credentials/") and imds.credentials_late():
+                    imds.late_answers += 1
+                    self._send(404, "")
+                elif key in imds.metadata:
                     self._send(200, imds.metadata[key])
                 else:
                     self._send(404, "")
@@ -99,9 +121,34 @@ class FakeIMDS:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
+    def credentials_late(self) -> bool:
+        return self.clock() - self.booted() < self.credentials_late_s
+
+    def booted(self) -> float:
+        """When the node first asked (on ``clock``)."""
+        if self.started is None:
+            self.started = self.clock()
+        return self.started
+
+    @staticmethod
+    def role_entries(role: str, keys: tuple[str, str, str], expires_in_s: float) -> dict[str, str]:
+        """IMDS entries of an instance profile's role whose keys expire in ``expires_in_s`` (wall-clock)
+        seconds, in EC2's document format; replace them in ``metadata`` to rotate the credentials."""
+        import datetime as _dt
+
+        now = _dt.datetime.now(_dt.timezone.utc)
+        document = {"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": keys[0], "SecretAccessKey": keys[1],
+                    "Token": keys[2], "LastUpdated": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "Expiration": (now + _dt.timedelta(seconds=expires_in_s)).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        return {"iam/security-credentials/": role, f"iam/security-credentials/{role}": json.dumps(document)}
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+#: a folder whose ``sitecustomize`` runs a node's retry helper on a scaled clock (``SGPU_TEST_CLOCK_SCALE``)
+NODE_CLOCK = Path(__file__).resolve().parent / "node_clock"
 
 
 @dataclass
@@ -189,6 +236,10 @@ class EC2Simulator:
         self.image_env: Callable[[dict[str, Any]], dict[str, str | None]] = lambda _inst: {}
         #: seconds from an instance's first sight until its user-data runs (a real GPU instance's boot)
         self.boot_delay_s = 0.0
+        #: seconds (on ``clock_scale``) after boot during which IMDS serves no instance-profile credentials
+        self.credentials_late_s = 0.0
+        #: how much faster than real time the nodes' retry helper and their IMDS count (1: real time)
+        self.clock_scale = 1.0
         self._seen: dict[str, float] = {}
 
     # -- lifecycle ----------------------------------------------------------------
@@ -255,7 +306,7 @@ class EC2Simulator:
             "instance-type": inst.get("InstanceType", ""),
             "placement/availability-zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
             **role_credentials,
-        })
+        }, credentials_late_s=self.credentials_late_s, clock_scale=self.clock_scale)
         return user_data, moto_ip, address, imds, role_credentials
 
     def _boot(self, inst: dict[str, Any]) -> SimulatedNode:
@@ -283,6 +334,9 @@ class EC2Simulator:
         }
         if self.bare:
             env.pop("PYTHONPATH")
+        if self.clock_scale != 1.0:  # the node's retry helper waits on the scale its IMDS counts on
+            env["SGPU_TEST_CLOCK_SCALE"] = str(self.clock_scale)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(NODE_CLOCK), env.get("PYTHONPATH")) if p)
         for name, value in {**self.env_overrides, **self.image_env(inst)}.items():
             if value is None:
                 env.pop(name, None)

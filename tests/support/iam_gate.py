@@ -17,6 +17,13 @@ own AccessDenied error; every other request reaches moto unchanged.
 
 Only identities the gate was told about are judged (``watch_role``/``watch_user``): the
 test's admin keys and everyone else pass, as before.
+
+IAM is eventually consistent: a role's new policy takes effect some seconds after it is written (AWS IAM
+docs, "Troubleshoot IAM" / "Changes that I make are not always immediately visible"). With
+``propagation_s`` set, a watched role whose policy was written (CreateRole, PutRolePolicy,
+AttachRolePolicy, PutRolePermissionsBoundary through the proxy) less than that many seconds ago, read
+on ``clock`` (a test's virtual or scaled clock), is refused everything, as a role whose new policy is not
+yet visible is.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import fnmatch
 import json
 import re
 import threading
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +145,12 @@ class IAMGate:
         self.denied: list[Decision] = []
         #: (identity, action) of every call of a watched identity that was allowed
         self.allowed: set[tuple[str, str]] = set()
+        #: seconds after a role's policy is written before it takes effect (0: at once)
+        self.propagation_s = 0.0
+        #: the clock ``propagation_s`` is counted on (a monotonic time in seconds)
+        self.clock: Any = time.monotonic
+        #: role name -> when its policy was last written, on ``clock``
+        self.written: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def watch_role(self, name: str) -> None:
@@ -374,6 +388,10 @@ class IAMGate:
     def check(self, method: str, path: str, headers: dict[str, str], body: bytes, service: str, action: str,
               params: dict[str, str]) -> Decision | None:
         """The first refused (action, resource) of a watched identity's request, else None."""
+        if service == "iam" and action in ("CreateRole", "PutRolePolicy", "AttachRolePolicy",
+                                           "PutRolePermissionsBoundary") and params.get("RoleName"):
+            with self._lock:
+                self.written[params["RoleName"]] = self.clock()
         auth = {k.lower(): v for k, v in headers.items()}.get("authorization", "")
         found = re.search(r"Credential=([A-Z0-9]+)/", auth)
         if not found:
@@ -382,6 +400,11 @@ class IAMGate:
         if who is None:
             return None
         name, docs, boundary = who
+        if self.propagation_s and name.startswith("role/"):
+            with self._lock:
+                written = self.written.get(name[len("role/"):])
+            if written is not None and self.clock() - written < self.propagation_s:
+                docs = []  # its policy is not visible yet
         for needed, resource, context in self.requests(method, path, headers, body, service, action, params):
             verdict = evaluate(docs, needed, resource, context)
             if verdict == "allow" and boundary:

@@ -6,7 +6,9 @@ deleted at once) and says ``ok``, ``warn``, ``fail`` or ``skip`` with the reason
 - **credentials**: who the driver is (``sts:GetCallerIdentity``);
 - **region**: its availability zones answer, and the configured subnets are in it;
 - **store**: the bucket exists, is in the region, and the driver can write, list and delete
-  under the store's prefix;
+  under the store's prefix; a bucket in another region fails when the nodes build the job's
+  environment from the store (``environment`` mode ``driver``, the default: every node downloads the
+  packages and files across regions on every cold boot), and warns otherwise;
 - **image**: the AMI (``ami_id``, or the one ``ami_ssm_parameter`` names) resolves and is available;
 - **instances**: the instance type of ``--gpu-type``/``--gpus``/``--nodes`` is offered in the region
   (and in the configured subnets' zones);
@@ -65,10 +67,13 @@ def _error(exc: BaseException) -> str:
 class Doctor:
     """Runs the checks for one set of EC2 settings with one boto3 session (the driver's)."""
 
-    def __init__(self, settings: Any, session: Any | None = None) -> None:
+    def __init__(self, settings: Any, session: Any | None = None, builds_on_nodes: bool | None = None) -> None:
         from prefect_sgpu.compute.ec2.instances import EC2Provisioner
 
         self.settings = settings
+        #: whether the nodes build the job's environment from the store (None: unless
+        #: ``PREFECT_SGPU_ENVIRONMENT=image`` says the image has it)
+        self.builds_on_nodes = builds_on_nodes
         self.provisioner = EC2Provisioner(settings, session=session)
         self.identity: dict[str, Any] | None = None
         self._subnets: list[dict[str, Any]] | None = None
@@ -150,9 +155,23 @@ class Doctor:
                          "the driver needs s3:PutObject, s3:GetObject, s3:DeleteObject under the prefix and "
                          "s3:ListBucket on the bucket (the shipped driver policy grants them)")
         if location is not None and location != s.region:
+            if self._nodes_build():
+                return Check("store", "fail", f"{s.store_uri} is in {location}, the instances in {s.region}, and "
+                             "the nodes build the job's environment from it (environment mode 'driver')",
+                             f"a store in a bucket of {s.region} (aws s3 mb s3://<bucket> --region {s.region}), "
+                             f"or region={location} for the instances, or environment mode 'image' with an "
+                             "image that has the job's packages")
             return Check("store", "warn", f"{s.store_uri} is in {location}, the instances in {s.region}",
                          "a bucket in the instances' region: traffic between regions is slower and billed")
         return Check("store", "ok", f"{s.store_uri}: written, listed and deleted a probe object")
+
+    def _nodes_build(self) -> bool:
+        if self.builds_on_nodes is not None:
+            return self.builds_on_nodes
+        from prefect_sgpu.environment import ENVIRONMENT_ENV
+        import os
+
+        return os.environ.get(ENVIRONMENT_ENV, "driver") != "image"
 
     def image(self) -> Check:
         from prefect_sgpu.errors import ProvisioningError
@@ -310,8 +329,10 @@ class Doctor:
         return arn
 
 
-def examine(settings: Any, wanted: Wanted, session: Any | None = None) -> list[Check]:
-    return Doctor(settings, session=session).run(wanted)
+def examine(settings: Any, wanted: Wanted, session: Any | None = None,
+            builds_on_nodes: bool | None = None) -> list[Check]:
+    """Every check (see the module's docstring); ``builds_on_nodes``: see :class:`Doctor`."""
+    return Doctor(settings, session=session, builds_on_nodes=builds_on_nodes).run(wanted)
 
 
 def report(checks: list[Check]) -> str:
