@@ -215,3 +215,60 @@ def test_an_id_ec2_forgot_reads_terminated_and_the_others_keep_their_states(
     finally:
         aws_faults.launch_faults.reset()
         ec2.terminate_instances(InstanceIds=[gone, kept])
+
+
+def test_under_the_shipped_driver_policy_the_late_profile_wait_needs_no_more_permissions(
+    settings: dict[str, Any], aws_env: Any, aws_faults: Any, virtual_clock: Any
+) -> None:
+    """The job's role and profile made and launched by a driver user under ``driver-policy.json``, each call
+    judged by the IAM gate, while IAM is late for 40 (virtual) seconds: the retried RunInstances are the same
+    request, and the gate refuses nothing."""
+    import json
+    import uuid
+
+    import boto3
+
+    from prefect_sgpu.compute.ec2 import request as rq
+    from prefect_sgpu.compute.ec2 import roles
+    from prefect_sgpu.store import store_scope
+    from support.iam_gate import ACCOUNT, IAMGate
+
+    iam = aws_env.client("iam")
+    store_uri, tag = "s3://sgpu-gate-late/jobs", uuid.uuid4().hex[:8]
+    boundary = iam.create_policy(PolicyName=f"sgpu-node-boundary-{tag}", PolicyDocument=json.dumps(
+        roles.node_boundary(store_uri, aws_env.region, ACCOUNT)))["Policy"]["Arn"]
+    user = f"sgpu-driver-{tag}"
+    iam.create_user(UserName=user)
+    iam.put_user_policy(UserName=user, PolicyName="prefect-sgpu-driver", PolicyDocument=json.dumps(
+        roles.driver_policy(store_uri, aws_env.region, ACCOUNT, boundary)))
+    keys = iam.create_access_key(UserName=user)["AccessKey"]
+    driver = boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
+                           region_name=aws_env.region)
+    gate = IAMGate(aws_env.region)
+    gate.watch_user(user)
+    gate.watch_roles_matching("sgpu-*")
+    run_id = f"r-late-gated-{tag}"
+    run_tags = rq.run_tags(store_uri, 600)
+    prov = EC2Provisioner(EC2Settings(**{**settings, "instance_profile": None, "job_roles": True,
+                                         "node_permissions_boundary": boundary}), session=driver, run_tags=run_tags)
+    aws_faults.iam_gate = gate
+    aws_faults.launch_faults.clock = virtual_clock
+    aws_faults.launch_faults.late_profile(roles.role_name(run_id), 40.0)
+    try:
+        policy = roles.node_policy(run_id, aws_env.region, ACCOUNT, [f"{store_uri}/{run_id}"], store_scope(store_uri))
+        roles.create(prov.client("iam"), run_id, policy, {rq.RUN_ID_TAG: run_id, **run_tags}, store_scope(store_uri),
+                     boundary)
+        instances = prov.provision(run_id, make_plan(), USER_DATA)
+        assert len(instances) == 2
+        errors = [error for _, _, error in launches(aws_faults)]
+        assert errors[-1] is None and set(errors[:-1]) == {"InvalidParameterValue"}, errors
+        assert aws_faults.launch_faults.refused_profile(roles.role_name(run_id)) == len(errors) - 1
+        assert gate.denied == [], gate.denied
+        judged = {action for _, action in gate.allowed}
+        assert {"ec2:RunInstances", "iam:PassRole", "iam:CreateInstanceProfile"} <= judged, judged
+    finally:
+        try:
+            prov.terminate(run_id)
+            roles.delete(prov.client("iam"), run_id)
+        finally:
+            aws_faults.iam_gate = None
