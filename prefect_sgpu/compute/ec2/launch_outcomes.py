@@ -57,7 +57,7 @@ class DiedPending(ProvisioningError):
         self.run_id = run_id
         self.reasons = reasons
         listed = ", ".join(f"{i}: {state} ({code or 'no reason given'}{': ' + msg if msg else ''})"
-                           for i, (state, code, msg) in sorted(reasons.items()))
+                           for i, (state, code, msg) in sorted(reasons.items())) or "EC2 gave no states"
         super().__init__(f"run {run_id}: instances ended before running: {listed}" + (f". {hint}" if hint else ""))
 
     @property
