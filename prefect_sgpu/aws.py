@@ -21,6 +21,16 @@ DEFAULT_MAX_ATTEMPTS = 8
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 60
 USER_AGENT = "prefect-sgpu"
+#: error codes botocore's retry leaves to the caller, per service: EC2 answers "no capacity here" with
+#: HTTP 500, which botocore's standard mode retries as a server error (``reached max retries: 4`` in
+#: ansible-collections/amazon.aws#1038; aws/aws-sdk-ruby#568). Capacity does not come back in seconds,
+#: and the provisioner's own failover (another zone, another market) is what helps.
+NOT_RETRIED = {
+    "ec2": frozenset({
+        "InsufficientInstanceCapacity", "InsufficientCapacity", "InsufficientHostCapacity",
+        "InsufficientReservedInstanceCapacity", "InsufficientAddressCapacity",
+    }),
+}
 
 
 @lru_cache(maxsize=1)
@@ -67,7 +77,38 @@ def client(
         user_agent_extra=USER_AGENT,
     )
     session = session or new_session()
-    return session.client(service, region_name=region, endpoint_url=endpoint_url or None, config=config)
+    made = session.client(service, region_name=region, endpoint_url=endpoint_url or None, config=config)
+    if service in NOT_RETRIED and retry_mode != "legacy":
+        leave_to_caller(made, NOT_RETRIED[service])
+    return made
+
+
+def leave_to_caller(made: Any, codes: frozenset[str]) -> None:
+    """botocore's ``standard``/``adaptive`` retry of client ``made``, except for answers with one of
+    ``codes``: those reach the caller at once, and take nothing from the client's retry quota
+    (a retry botocore merely declined would still have spent its share of it).
+
+    botocore offers no switch for this; its retry handler is registered under the unique id
+    ``retry-config-<service>``, which this replaces with a handler that asks a standard one only
+    about the other answers."""
+    from botocore.retries import standard
+
+    events = made.meta.events
+    name = made.meta.service_model.service_id.hyphenize()
+    unique_id = f"retry-config-{name}"
+    events.unregister(f"needs-retry.{name}", unique_id=unique_id)
+    total = made.meta.config.retries.get("total_max_attempts")
+    handler = standard.register_retry_handler(made, **({"max_attempts": total} if total else {}))
+    events.unregister(f"needs-retry.{name}", unique_id=unique_id)
+
+    def needs_retry(**kwargs: Any) -> Any:
+        response = kwargs.get("response")
+        parsed = response[1] if isinstance(response, tuple) and len(response) > 1 else None
+        if isinstance(parsed, dict) and (parsed.get("Error") or {}).get("Code") in codes:
+            return None
+        return handler.needs_retry(**kwargs)
+
+    events.register(f"needs-retry.{name}", needs_retry, unique_id=unique_id)
 
 
 def error_of(exc: BaseException) -> tuple[str, str]:

@@ -48,6 +48,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 from xml.sax.saxutils import escape
 
+from support.launch_faults import LaunchFaults
+
 EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15/"
 
 #: HTTP status AWS answers each error code with (EC2 "server errors" are 5xx and retried by SDKs)
@@ -245,6 +247,8 @@ class AWSFaultProxy:
         #: services "ExpiredTokenException" (AWS docs "Retrieve security credentials from instance
         #: metadata": an instance's credentials expire, and new ones are served at least 5 minutes before)
         self.expired_keys: set[str] = set()
+        #: late instance profiles, launches that die pending, ids EC2 forgot (support.launch_faults)
+        self.launch_faults = LaunchFaults()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -313,6 +317,7 @@ class AWSFaultProxy:
             self.http_faults.clear()
             self.bucket_regions.clear()
             self.expired_keys.clear()
+            self.launch_faults.reset()
 
     def add_capacity_reservation(
         self, instance_type: str, availability_zone: str, count: int, state: str = "active"
@@ -443,6 +448,10 @@ class AWSFaultProxy:
                 return self._error(record, code, message, status, service)
         if rule is not None and not rule.after_forward:
             return self._error(record, rule.code, rule.message, rule.status, service)
+        self.launch_faults.saw(service, action, params)
+        late = self.launch_faults.refuse(service, action, params)
+        if late is not None:
+            return self._error(record, late[0], late[1], None, service)
         if service == "ec2" and action in (
             "CreatePlacementGroup",
             "DescribePlacementGroups",
@@ -462,6 +471,8 @@ class AWSFaultProxy:
             result = self._ec2_quota(record, params, service)
         else:
             result = self._forward(method, path, headers, body)
+        if service == "ec2" and result[0] < 400:
+            result = self._launch_outcome(action, params, headers, result)
         hook = self.on_terminate
         if service == "ec2" and action == "TerminateInstances" and result[0] < 400 and hook is not None:
             hook([v for k, v in sorted(params.items()) if k.startswith("InstanceId.")])
@@ -547,6 +558,27 @@ class AWSFaultProxy:
         return 200, [("Content-Type", "application/x-amz-json-1.1")], json.dumps(body).encode()
 
     # -- EC2 behaviour moto lacks ----------------------------------------------------
+
+    def _launch_outcome(self, action: str, params: Params, headers: dict[str, str],
+                        result: tuple[int, list, bytes]) -> tuple[int, list, bytes]:
+        """A launch's instances that die pending are terminated in moto before the caller hears of them
+        (support.launch_faults); DescribeInstances answers carry their state reasons."""
+        status, resp_headers, payload = result
+        if action == "RunInstances":
+            ids = re.findall(rb"<instanceId>(i-[0-9a-f]+)</instanceId>", payload)
+            dead = self.launch_faults.launched(params, [i.decode() for i in ids])
+            if dead:
+                body = "Action=TerminateInstances&Version=2016-11-15&" + "&".join(
+                    f"InstanceId.{n}={i}" for n, i in enumerate(dead, 1))
+                out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+                self._forward("POST", "/", out, body.encode())
+                if self.on_terminate is not None:
+                    self.on_terminate(dead)
+            return result
+        rewritten = self.launch_faults.rewrite(action, payload)
+        if rewritten is payload:
+            return result
+        return status, [(k, v) for k, v in resp_headers if k.lower() != "content-length"], rewritten
 
     def _ec2_ok(self, action: str, inner: str) -> tuple[int, list, bytes]:
         body = (

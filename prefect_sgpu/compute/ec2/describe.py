@@ -37,20 +37,46 @@ class Instance:
 
 def instance_states(ec2: Any, ids: list[str], reasons: bool = False) -> dict[str, str]:
     """The state name of each instance id (empty ids skipped; with ``reasons``, EC2's state
-    reason in brackets). An id EC2 no longer knows is long gone: every id reads ``terminated``
-    then. Another failure is logged and reads as no states (the caller asks again)."""
-    states: dict[str, str] = {}
-    ids = [i for i in ids if i]
+    reason in brackets). An id EC2 no longer knows is long gone and reads ``terminated``; the
+    others keep their own states (:func:`described`). Another failure is logged and reads as no
+    states (the caller asks again)."""
     try:
-        for page in ec2.get_paginator("describe_instances").paginate(InstanceIds=ids) if ids else ():
-            for inst in (i for r in page.get("Reservations", []) for i in r.get("Instances", [])):
-                reason = inst.get("StateReason", {}).get("Message", "") if reasons else ""
-                states[inst["InstanceId"]] = inst["State"]["Name"] + (f" ({reason})" if reason else "")
-    except Exception as exc:  # noqa: BLE001 - an unknown id means the instance is long gone
-        if aws.error_code(exc).startswith("InvalidInstanceID"):
-            return {i: "terminated" for i in ids}
+        found = described(ec2, [i for i in ids if i])
+    except Exception as exc:  # noqa: BLE001 - the caller asks again
         logger.warning("describe_instances failed: %s", exc)
+        return {}
+    states = {}
+    for instance_id, inst in found.items():
+        if inst is None:
+            states[instance_id] = "terminated"
+            continue
+        reason = inst.get("StateReason", {}).get("Message", "") if reasons else ""
+        states[instance_id] = inst["State"]["Name"] + (f" ({reason})" if reason else "")
     return states
+
+
+def described(ec2: Any, ids: list[str]) -> dict[str, dict[str, Any] | None]:
+    """EC2's description of each of ``ids``; None for an id EC2 no longer knows.
+
+    DescribeInstances with explicit ids fails as a whole (``InvalidInstanceID.NotFound``) when
+    one id is unknown (an instance terminated about an hour ago drops out of EC2's answers), so
+    that answer is asked again with a filter on the ids, which leaves the unknown ones out and
+    describes the rest: one unknown node never makes its live neighbours read as gone."""
+    found: dict[str, dict[str, Any] | None] = {}
+    if not ids:
+        return found
+    paginator = ec2.get_paginator("describe_instances")
+    try:
+        pages = list(paginator.paginate(InstanceIds=ids))
+    except Exception as exc:  # noqa: BLE001 - only "unknown id" is answered here
+        if aws.error_code(exc) != "InvalidInstanceID.NotFound":
+            raise
+        logger.info("describe_instances: %s; describing the others by filter", aws.error_of(exc)[1])
+        pages = list(paginator.paginate(Filters=[{"Name": "instance-id", "Values": list(ids)}]))
+    for page in pages:
+        for inst in (i for r in page.get("Reservations", []) for i in r.get("Instances", [])):
+            found[inst["InstanceId"]] = inst
+    return {i: found.get(i) for i in ids}
 
 
 def live_by_tag(ec2: Any, run_id: str) -> list[str]:

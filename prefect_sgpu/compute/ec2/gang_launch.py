@@ -4,12 +4,17 @@
   placement group: a multi-node job is useless with part of its nodes, and EC2 then
   either places the whole gang or none of it.
 - **Failover** walks the configured subnets (one per availability zone) in order, then
-  on to on-demand when ``fallback_to_on_demand`` is set, but only for capacity errors;
-  anything else (permissions, a bad AMI, quotas) is raised at once because another
-  zone would fail the same way.
+  on to on-demand when ``fallback_to_on_demand`` is set, but only for capacity errors,
+  at launch or as the state reason of instances EC2 ended while pending (what that attempt
+  launched is terminated first); a regional quota skips the other zones of its market;
+  anything else (permissions, a bad AMI, an EBS KMS key) is raised at once because another
+  zone would fail the same way (:mod:`~prefect_sgpu.compute.ec2.launch_outcomes`).
 - **Throttling** is botocore's job: every client uses its ``standard``/``adaptive``
-  retry mode. A retried ``run_instances`` carries the same ``ClientToken`` (one per run
-  and attempt), so a lost response never launches a second gang.
+  retry mode, which leaves capacity errors to the failover here (:data:`prefect_sgpu.aws.NOT_RETRIED`).
+  A retried ``run_instances`` carries the same ``ClientToken`` (one per run and attempt), so a
+  lost response never launches a second gang.
+- **A job's new instance profile** that EC2 does not see yet is waited for in the same subnet
+  (:func:`prefect_sgpu.retry.retrying`, up to ``PROFILE_PROPAGATION_S``).
 - A launch that fails, or is cancelled, removes everything of the run before the error
   propagates (:class:`~prefect_sgpu.compute.ec2.cleanup.RunCleanup`).
 """
@@ -25,15 +30,16 @@ from typing import Any
 
 from botocore.exceptions import ClientError, WaiterError
 
+from prefect_sgpu import retry
 from prefect_sgpu.aws import error_of
-from prefect_sgpu.compute.ec2.describe import Instance, launched_instances
+from prefect_sgpu.compute.ec2 import launch_outcomes as outcomes
+from prefect_sgpu.compute.ec2.describe import Instance, described, launched_instances
+from prefect_sgpu.compute.ec2.launch_outcomes import PROFILE_PROPAGATION_S, QUOTA_ERRORS, DiedPending
 from prefect_sgpu.compute.ec2.request import DEFAULT_ROOT_DEVICE, LaunchAttempt
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.gang_launch")
 
-#: how long a launch waits for EC2 to see a job's new instance profile
-PROFILE_PROPAGATION_S = 60.0
 #: errors that say "no room here right now": worth another zone or market
 CAPACITY_ERRORS = frozenset(
     {
@@ -44,7 +50,6 @@ CAPACITY_ERRORS = frozenset(
         "ReservationCapacityExceeded",
         "InsufficientFreeAddressesInSubnet",
         "SpotMaxPriceTooLow",
-        "MaxSpotInstanceCountExceeded",
         "Unsupported",  # the instance type is not offered in this availability zone
     }
 )
@@ -157,13 +162,13 @@ class GangLaunch:
                     response = self._run_instances(request, stop, deadline)
                 except ClientError as exc:
                     code, message = error_of(exc)
-                    if code == "VcpuLimitExceeded":
+                    if code in QUOTA_ERRORS:
                         quota = vcpu_quota(itype, "spot" if market == "spot" else "on-demand")
-                        message = (f"{message} {plan.nodes} x {itype} needs more vCPUs than the {quota} in "
-                                   f"{self.settings.region} leaves: raise it in Service Quotas")
+                        message = outcomes.quota_message(code, message, quota, plan.nodes, itype,
+                                                         self.settings.region)
                         tried.append(Attempt(subnet_id, zone, market, code, message))
                         over_quota.add(market)
-                        say(f"over the vCPU quota for {market} {itype}: {quota}")
+                        say(f"over the quota for {market} {itype}: {quota}")
                         continue
                     if code not in CAPACITY_ERRORS:
                         raise ProvisioningError(
@@ -178,7 +183,20 @@ class GangLaunch:
                 ids = [i["InstanceId"] for i in response["Instances"]]
                 self._launched.setdefault(run_id, set()).update(ids)
                 say(f"launched {', '.join(ids)} in {zone}; waiting for running")
-                return self._wait_running(run_id, ids, market, stop, deadline)
+                try:
+                    return self._wait_running(run_id, ids, market, stop, deadline)
+                except DiedPending as died:
+                    if not died.capacity:
+                        if outcomes.KMS_STATE_REASON in died.codes:
+                            raise DiedPending(run_id, died.reasons, self._kms_hint(image_id, request)) from None
+                        raise
+                    # what a capacity error at launch would have said: this attempt's instances go, next try
+                    tried.append(Attempt(subnet_id, zone, market, "/".join(died.codes), died.message))
+                    say(f"instances ended while pending in {subnet_id} ({zone}, {market}): "
+                        f"{', '.join(died.codes)}; terminating {', '.join(ids)}")
+                    logger.info("run %s: %s", run_id, tried[-1])
+                    self.terminate_machines(ids)
+                    continue
             error = ProvisioningError(
                 f"could not launch {plan.nodes} x {itype} for run {run_id}; tried "
                 f"{len(tried)} subnet/market combination(s):\n" + "\n".join(f"  - {a}" for a in tried)
@@ -194,22 +212,39 @@ class GangLaunch:
 
     def _run_instances(self, request: dict[str, Any], stop: Callable[[], bool],
                        deadline: float | None) -> dict[str, Any]:
-        """``run_instances``; a just-created instance profile that EC2 does not see yet (IAM is
-        eventually consistent: seconds) is waited for, up to ``PROFILE_PROPAGATION_S``."""
-        give_up = time.monotonic() + PROFILE_PROPAGATION_S
+        """``run_instances``; the job's own instance profile (``job_roles``: made moments ago) that
+        EC2 or IAM does not see yet is waited for here, in this subnet, up to ``PROFILE_PROPAGATION_S``
+        (or the job's deadline), with backoff; how long it took is logged. A profile still unseen then
+        is a :class:`ProvisioningError` that names it, not a capacity error: no other zone is tried."""
+        budget = PROFILE_PROPAGATION_S
         if deadline is not None:
-            give_up = min(give_up, deadline)
-        while True:
-            try:
-                return self.client("ec2").run_instances(**request)
-            except ClientError as exc:
-                code, message = error_of(exc)
-                fresh_profile = (code == "InvalidParameterValue" and "iaminstanceprofile" in message.lower()
-                                 and self.settings.job_roles)
-                if not fresh_profile or time.monotonic() > give_up or stop():
-                    raise
-                logger.info("instance profile not visible to EC2 yet: retrying run_instances")
-                time.sleep(2.0)
+            budget = max(0.0, min(budget, deadline - time.monotonic()))
+        profile = request.get("IamInstanceProfile", {})
+        name = profile.get("Name") or profile.get("Arn", "")
+
+        def launch() -> dict[str, Any]:
+            if stop():
+                raise JobCancelled(f"launch of {name or 'the gang'} was cancelled while IAM caught up")
+            return self.client("ec2").run_instances(**request)
+
+        def late_profile(exc: BaseException) -> bool:
+            return bool(self.settings.job_roles) and outcomes.profile_not_visible(exc)
+
+        def note(line: str) -> None:
+            logger.info("instance profile %s: %s", name, line)
+
+        try:
+            return retry.retrying(launch, transient=late_profile, budget_s=budget, base_s=2.0, cap_s=20.0,
+                                  floor_s=1.0, what=f"EC2 seeing the job's instance profile {name}", log=note)
+        except ClientError as exc:
+            if not late_profile(exc):
+                raise
+            code, message = error_of(exc)
+            raise ProvisioningError(
+                f"EC2 did not accept the job's new instance profile {name} within {budget:.0f} s "
+                f"(IAM is eventually consistent; it usually takes seconds): {code}: {message}. "
+                "Not retried in other zones: every zone waits for the same IAM."
+            ) from exc
 
     def _describe_subnets(self) -> dict[str, dict[str, Any]]:
         try:
@@ -345,11 +380,7 @@ class GangLaunch:
                 break
             except WaiterError as exc:
                 if "Max attempts exceeded" not in str(exc):  # a terminal state: not coming up
-                    states = self.instance_states(ids, reasons=True)
-                    raise ProvisioningError(
-                        f"run {run_id}: instances stopped before running (spot reclaimed or launch failure): "
-                        f"{states}"
-                    ) from exc
+                    raise self._died_pending(run_id, ids) from exc
                 if time.monotonic() + delay > limit:
                     raise LaunchTimeout(run_id, self.settings.running_timeout_s, phase="provisioning") from exc
             pause_until = time.monotonic() + delay
@@ -358,3 +389,25 @@ class GangLaunch:
                     raise JobCancelled(f"run {run_id} was cancelled while its instances started")
                 time.sleep(min(0.5, max(0.0, pause_until - time.monotonic())))
         return launched_instances(ec2, ids, market)
+
+    def _died_pending(self, run_id: str, ids: list[str]) -> DiedPending:
+        """The launch's instances that did not come up, with EC2's state reasons (an id EC2 does not
+        know is one that is gone, with no reason)."""
+        reasons: dict[str, tuple[str, str, str]] = {}
+        try:
+            for instance_id, inst in described(self.client("ec2"), ids).items():
+                if inst is None:
+                    reasons[instance_id] = ("terminated", "", "")
+                elif inst["State"]["Name"] not in ("pending", "running"):
+                    reason = inst.get("StateReason") or {}
+                    reasons[instance_id] = (inst["State"]["Name"], reason.get("Code", ""), reason.get("Message", ""))
+        except ClientError as exc:
+            logger.warning("run %s: could not read why instances %s ended: %s", run_id, ", ".join(ids), exc)
+        return DiedPending(run_id, reasons)
+
+    def _kms_hint(self, image_id: str, request: dict[str, Any]) -> str:
+        try:
+            images = self.client("ec2").describe_images(ImageIds=[image_id]).get("Images", [])
+        except ClientError:
+            images = []
+        return outcomes.kms_hint(self.settings.region, image_id, images[0] if images else None, request)
