@@ -39,9 +39,9 @@ PATH_NAMES_SINCE = (2, 19)
 NAMED_PLUGIN, DEFAULT_PLUGIN = "libnccl-net-ofi.so", "libnccl-net.so"
 
 
-def plugin_dir(exists: Callable[[str], bool] = os.path.exists, dirs: tuple[str, ...] = PLUGIN_DIRS) -> str | None:
+def plugin_dir(exists: Callable[[str], bool] = os.path.exists, dirs: tuple[str, ...] | None = None) -> str | None:
     """The first folder that holds an aws-ofi-nccl plugin, else None."""
-    for folder in dirs:
+    for folder in PLUGIN_DIRS if dirs is None else dirs:
         if exists(os.path.join(folder, NAMED_PLUGIN)) or exists(os.path.join(folder, DEFAULT_PLUGIN)):
             return folder
     return None
@@ -59,7 +59,7 @@ def plugin_setting(folder: str, nccl_version: tuple[int, ...] | None,
 
 
 def rank_env(environ: Mapping[str, str], nccl_version: tuple[int, ...] | None,
-             exists: Callable[[str], bool] = os.path.exists, dirs: tuple[str, ...] = PLUGIN_DIRS) -> dict[str, str]:
+             exists: Callable[[str], bool] = os.path.exists, dirs: tuple[str, ...] | None = None) -> dict[str, str]:
     """What a rank on an EFA node sets, leaving every variable the environment already has alone."""
     if environ.get(EFA_ENV) != "1":
         return {}
@@ -75,7 +75,7 @@ def rank_env(environ: Mapping[str, str], nccl_version: tuple[int, ...] | None,
 
 
 def agent_env(environ: Mapping[str, str], exists: Callable[[str], bool] = os.path.exists,
-              dirs: tuple[str, ...] = PLUGIN_DIRS) -> dict[str, str]:
+              dirs: tuple[str, ...] | None = None) -> dict[str, str]:
     """``LD_LIBRARY_PATH`` for a node agent on an EFA node: the plugin's folder first (older NCCL opens
     the plugin by name only), the agent's existing path after it; nothing where it is there already."""
     if environ.get(EFA_ENV) != "1":

@@ -216,6 +216,10 @@ class GangCheck:
         """A timed all-reduce of ``SGPU_GANG_CHECK_BUS_BYTES`` (256 MiB) after one untimed; its slowest rank's
         median time gives nccl-tests' bus bandwidth; NCCL's log gives the transport. Refused: Socket, or a
         bus bandwidth under the family's floor."""
+        return self._judge_network(*self._timed_all_reduce())
+
+    def _timed_all_reduce(self) -> tuple[float, int]:
+        """The slowest rank's median seconds of the all-reduce, and its bytes."""
         import torch
         import torch.distributed as dist
 
@@ -233,7 +237,11 @@ class GangCheck:
                 times.append(time.perf_counter() - began)
         slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=runtime.device())
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank decides on the same figure
-        bus = nccl_transport.bus_bandwidth(buffer.numel() * 4, float(slowest.item()), self.world)
+        return float(slowest.item()), buffer.numel() * 4
+
+    def _judge_network(self, seconds: float, nbytes: int) -> dict[str, Any]:
+        """The transport in this rank's NCCL log and the bus bandwidth, against the family's floor."""
+        bus = nccl_transport.bus_bandwidth(nbytes, seconds, self.world)
         try:
             lines = self._nccl_log().read_text(errors="replace").splitlines()
         except OSError:
@@ -241,11 +249,11 @@ class GangCheck:
         transport, evidence = nccl_transport.transport_from_log(lines)
         floor = nccl_transport.floor_from(os.environ.get(nccl_transport.FLOOR_ENV))
         itype = os.environ.get(nccl_transport.INSTANCE_TYPE_ENV, "")
-        problem = nccl_transport.verdict(itype, transport, evidence, bus, floor, buffer.numel() * 4)
+        problem = nccl_transport.verdict(itype, transport, evidence, bus, floor, nbytes)
         if problem:
             raise _StepFailed(problem)
         return {"transport": transport or "unknown", "bus GB/s": round(bus, 2), "floor GB/s": floor,
-                "bytes": buffer.numel() * 4, "instance type": itype}
+                "bytes": nbytes, "instance type": itype}
 
     def _wait_present(self) -> None:
         deadline = time.monotonic() + self.timeout
