@@ -126,3 +126,21 @@ def test_the_launch_tells_ranks_their_efa_network_without_overriding_the_job(mon
     assert env["SGPU_EFA"] == "1" and env["SGPU_EFA_RDMA"] == "1" and env["SGPU_EFA_MIN_BUS_GBPS"] == "150"
     assert "SGPU_EFA_MIN_BUS_GBPS" not in launch_env("p5.48xlarge", {"SGPU_EFA_MIN_BUS_GBPS": "0"})
     assert "SGPU_EFA" not in launch_env("g5.12xlarge", {})
+
+
+def _network_env() -> dict[str, str | None]:
+    import os
+
+    return {name: os.environ.get(name) for name in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "NCCL_NET_PLUGIN")}
+
+
+@pytest.mark.e2e
+def test_ranks_on_an_efa_node_get_nccl_environment_and_keep_the_jobs(ec2: Any) -> None:
+    """Booted nodes, real ranks: the hints an EFA type's launch carries (given here through the job's env,
+    as the simulator boots no p4d) become NCCL's environment in every rank; what the job set stays."""
+    from prefect_sgpu import distributed
+
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=300,
+                     env={"SGPU_EFA": "1", "SGPU_EFA_RDMA": "1", "NCCL_NET_PLUGIN": "mine"})(_network_env)
+    values = fn.job().run().values
+    assert values == [{"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_NET_PLUGIN": "mine"}] * 2
