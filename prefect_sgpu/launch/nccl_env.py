@@ -97,6 +97,8 @@ def nccl_version() -> tuple[int, ...] | None:
         version = torch.cuda.nccl.version()
     except Exception:  # noqa: BLE001 - no NCCL to ask: the plugin is left to NCCL's default lookup
         return None
+    if isinstance(version, int):  # older torch: NCCL's version code, major * 10000 + minor * 100 + patch
+        return (version // 10000, version // 100 % 100, version % 100)
     return tuple(int(part) for part in version) if isinstance(version, tuple) else None
 
 

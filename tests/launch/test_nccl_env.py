@@ -72,3 +72,14 @@ def test_apply_sets_the_rank_environment_from_real_files(tmp_path: Path, monkeyp
     assert set_now["NCCL_NET_PLUGIN"] == str(plugin_dir / "libnccl-net-ofi.so")
     applied = nccl_env.apply(environ)
     assert applied == set_now and environ["FI_PROVIDER"] == "efa" and environ["NCCL_DEBUG"] == "WARN"
+
+
+def test_the_nccl_version_reads_both_of_torchs_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: 21805)  # torch before 1.13: one number
+    assert nccl_env.nccl_version() == (2, 18, 5)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    assert nccl_env.nccl_version() == (2, 21, 5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert nccl_env.nccl_version() is None
