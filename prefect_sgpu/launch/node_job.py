@@ -22,6 +22,7 @@ from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.protocol.jobfolder import HEARTBEAT_STOP, PAYLOAD, LaunchDocument, Rejoin, agent_output_key, ssm_secrets_parameter
+from prefect_sgpu.launch import nccl_env
 from prefect_sgpu.launch.job_cgroup import JobCgroup
 from prefect_sgpu.launch.lease_node import ForkedAgent
 from prefect_sgpu.procs.processes import kill_and_reap, node_log as _log
@@ -102,6 +103,7 @@ class JobServing:
                **self.read_secrets(doc),
                "SGPU_JOB_DIR": str(self.job_dir), "SGPU_RUN_ID": self.run_id, KEY_ENV: self.key,
                "SGPU_INSTANCE_ID": self.identity.instance_id}
+        env.update(nccl_env.agent_env(env))  # an EFA node: the NCCL plugin's folder on the loader's path
         return argv, env
 
     def job_scratch(self) -> dict[str, str]:

@@ -331,6 +331,9 @@ def main() -> int:
 
     _CollectiveTimeouts(default_timeout().total_seconds()).install()
 
+    from prefect_sgpu.launch import nccl_env
+
+    nccl_env.apply()  # an EFA node: NCCL told to use EFA, before any communicator exists
     base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname()}
     checked = _gang_check(base)
     if isinstance(checked, payload.Envelope):  # the check failed: the function does not run

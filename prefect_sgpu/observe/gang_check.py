@@ -20,6 +20,8 @@ loaded or large job may start minutes apart; a rank that fails says so at once, 
    previous node's first rank for a buffer a few times; the median time gives the link's bandwidth.
    A link slower than the faster half of the links (their median) by ``SLOW_FACTOR`` is named
    slow, and a node on every slow link (with three nodes or more) is named a slow node. Slowness is reported, not fatal.
+7. **EFA** (GPUs on two nodes or more of an EFA type): NCCL's transport and an all-reduce's bus bandwidth,
+   refused on TCP sockets or under the family's floor (:mod:`prefect_sgpu.observe.nccl_transport`).
 
 A rank whose step fails writes its error to the store and counts it; every other rank sees the
 count within a fifth of a second, stops waiting, and all raise the same
@@ -36,9 +38,13 @@ import json
 import os
 import socket
 import statistics
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
+
+from prefect_sgpu.observe import nccl_transport
 
 #: set to "1" in every rank by the driver when the job's ``gang_check`` is on
 ENV = "SGPU_GANG_CHECK"
@@ -93,6 +99,8 @@ class GangCheck:
         self.nodes = max(1, world // max(1, local_world))
         self.timeout, self.nbytes, self.device = timeout, nbytes, device
         self.warnings: list[str] = []
+        #: the EFA check's findings (transport, bus bandwidth), where it ran
+        self.network: dict[str, Any] | None = None
 
     @classmethod
     def from_environment(cls) -> "GangCheck":
@@ -173,16 +181,79 @@ class GangCheck:
             self._step("device check", self._check_device)
         if self.nodes > 1:
             self._step("reachability", self._reachability)
-        self._step("process group", self._init_group)
+        debug = self._nccl_debug_on() if self._efa_expected() else {}
         try:
-            self._step("known results", self._known_results)
-            links = self._step("link exchange", self._exchange) if self.nodes > 1 else []
-            self._step("barrier", self._barrier)
+            self._step("process group", self._init_group)
+            try:
+                self._step("known results", self._known_results)
+                links = self._step("link exchange", self._exchange) if self.nodes > 1 else []
+                if self._efa_expected():
+                    self.network = self._step("EFA transport", self._efa_transport)
+                self._step("barrier", self._barrier)
+            finally:
+                self._destroy_group()
         finally:
-            self._destroy_group()
+            nccl_transport.restore_env(debug)
         if self.rank != 0:
             return None
         return self._report(started, links)
+
+    # --- EFA: the transport NCCL chose and the bus bandwidth it reaches (observe/nccl_transport.py) ---
+
+    def _efa_expected(self) -> bool:
+        return (self.device == "cuda" and self.nodes > 1 and os.environ.get(nccl_transport.EFA_ENV) == "1"
+                and os.environ.get(nccl_transport.REQUIRED_ENV, "1") != "0")
+
+    def _nccl_log(self) -> Path:
+        return Path(os.environ.get("SGPU_JOB_DIR") or tempfile.gettempdir()) / "nccl" / f"gang-check-rank-{self.rank}.log"
+
+    def _nccl_debug_on(self) -> dict[str, str | None]:
+        """NCCL's INFO lines into a file of the check's own, for its process group; the previous values."""
+        self._nccl_log().parent.mkdir(parents=True, exist_ok=True)
+        return nccl_transport.set_env(nccl_transport.debug_env(os.environ, self._nccl_log()))
+
+    def _efa_transport(self) -> dict[str, Any]:
+        """A timed all-reduce of ``SGPU_GANG_CHECK_BUS_BYTES`` (256 MiB) after one untimed; its slowest rank's
+        median time gives nccl-tests' bus bandwidth; NCCL's log gives the transport. Refused: Socket, or a
+        bus bandwidth under the family's floor."""
+        return self._judge_network(*self._timed_all_reduce())
+
+    def _timed_all_reduce(self) -> tuple[float, int]:
+        """The slowest rank's median seconds of the all-reduce, and its bytes."""
+        import torch
+        import torch.distributed as dist
+
+        from prefect_sgpu import runtime
+
+        nbytes = int(os.environ.get(nccl_transport.BUS_BYTES_ENV) or nccl_transport.DEFAULT_BUS_BYTES)
+        buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=runtime.device())
+        times = []
+        for i in range(EXCHANGES + 1):  # the first sets up the connections: not timed
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            dist.all_reduce(buffer)
+            torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - began)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=runtime.device())
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank decides on the same figure
+        return float(slowest.item()), buffer.numel() * 4
+
+    def _judge_network(self, seconds: float, nbytes: int) -> dict[str, Any]:
+        """The transport in this rank's NCCL log and the bus bandwidth, against the family's floor."""
+        bus = nccl_transport.bus_bandwidth(nbytes, seconds, self.world)
+        try:
+            lines = self._nccl_log().read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []  # the job set NCCL_DEBUG itself: the bandwidth alone decides
+        transport, evidence = nccl_transport.transport_from_log(lines)
+        floor = nccl_transport.floor_from(os.environ.get(nccl_transport.FLOOR_ENV))
+        itype = os.environ.get(nccl_transport.INSTANCE_TYPE_ENV, "")
+        problem = nccl_transport.verdict(itype, transport, evidence, bus, floor, nbytes)
+        if problem:
+            raise _StepFailed(problem)
+        return {"transport": transport or "unknown", "bus GB/s": round(bus, 2), "floor GB/s": floor,
+                "bytes": nbytes, "instance type": itype}
 
     def _wait_present(self) -> None:
         deadline = time.monotonic() + self.timeout
@@ -200,6 +271,11 @@ class GangCheck:
 
         from prefect_sgpu import runtime
 
+        faults, warnings = nccl_transport.cuda_findings(torch.cuda.is_available(), torch.version.cuda,
+                                                        nccl_transport.driver_cuda_version())
+        if faults:
+            raise _StepFailed("; ".join(faults))
+        self.warnings.extend(warnings)
         dev = runtime.device()
         values = torch.arange(4096, device=dev, dtype=torch.float32)
         total = float(values.sum().item())
@@ -368,6 +444,7 @@ class GangCheck:
         return {"seconds": round(time.monotonic() - started, 3), "ranks": self.world, "nodes": self.nodes,
                 "backend": "nccl" if self.device == "cuda" else "gloo", "bytes": self.nbytes, "links": rows,
                 "slow_links": slow_links, "slow_nodes": slow_nodes, "warnings": self._all_warnings(),
+                **({"network": self.network} if self.network else {}),
                 "where": {str(r): w for r, w in where.items()}}
 
     def _all_warnings(self) -> list[str]:
@@ -467,6 +544,9 @@ def describe(report: dict[str, Any]) -> tuple[str, list[str]]:
                       for link in report.get("links") or [])
     info = (f"gang check passed: {report['ranks']} rank(s) on {report['nodes']} node(s) in {report['seconds']:g} s "
             f"over {report['backend']}" + (f"; links: {links}" if links else ""))
+    network = report.get("network")
+    if network:
+        info += f"; network: {network['transport']}, all-reduce {network['bus GB/s']:g} GB/s bus bandwidth"
     warnings = [f"gang check: slow link {text}" for text in report.get("slow_links") or []]
     warnings += [f"gang check: node {node} is on every slow link" for node in report.get("slow_nodes") or []]
     warnings += [f"gang check: {text}" for text in report.get("warnings") or []]

@@ -249,6 +249,8 @@ class AWSFaultProxy:
         self.expired_keys: set[str] = set()
         #: late instance profiles, launches that die pending, ids EC2 forgot (support.launch_faults)
         self.launch_faults = LaunchFaults()
+        #: RunInstances' network-interface rules for EFA instance types (off by default; see _efa_layout_problem)
+        self.efa_rules = False
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -318,6 +320,7 @@ class AWSFaultProxy:
             self.bucket_regions.clear()
             self.expired_keys.clear()
             self.launch_faults.reset()
+            self.efa_rules = False
 
     def add_capacity_reservation(
         self, instance_type: str, availability_zone: str, count: int, state: str = "active"
@@ -648,6 +651,9 @@ class AWSFaultProxy:
             return self._ec2_ok(action, f"<placementGroupSet>{items}</placementGroupSet>")
 
     def _run_instances(self, method: str, path: str, headers: dict[str, str], body: bytes, params: Params):
+        problem = _efa_layout_problem(params) if self.efa_rules else None
+        if problem:
+            return self._ec2_fail(*problem)
         group = params.get("Placement.GroupName")
         if group:
             with self._lock:
@@ -716,6 +722,38 @@ class AWSFaultProxy:
         return self._ec2_ok(
             "DescribeCapacityReservations", f"<capacityReservationSet>{items}</capacityReservationSet>"
         )
+
+
+#: DescribeInstanceTypes' NetworkInfo.MaximumNetworkCards of the EFA types the catalog launches
+_NETWORK_CARDS = {"p4d.24xlarge": 4, "p4de.24xlarge": 4, "p5.48xlarge": 32, "p5e.48xlarge": 32, "p5en.48xlarge": 16}
+
+
+def _efa_layout_problem(params: Params) -> tuple[str, str] | None:
+    """What EC2 refuses in a RunInstances' NetworkInterfaces, where moto accepts anything:
+    - the primary interface (network card 0, device index 0) may not be ``efa-only`` ("You can't use an
+      EFA-only network interface as the primary network interface": AWS EC2 User Guide, "Maximize network
+      bandwidth on Amazon EC2 instances with multiple network cards", efa-acc-inst-types.html);
+    - one interface per (network card, device index), on a network card the type has (ibid., "Network
+      cards", using-eni.html#network-cards: the card index ranges over MaximumNetworkCards)."""
+    seen: set[tuple[int, int]] = set()
+    cards = _NETWORK_CARDS.get(params.get("InstanceType", ""))
+    n = 1
+    while f"NetworkInterface.{n}.DeviceIndex" in params:
+        card = int(params.get(f"NetworkInterface.{n}.NetworkCardIndex", "0"))
+        device = int(params[f"NetworkInterface.{n}.DeviceIndex"])
+        kind = params.get(f"NetworkInterface.{n}.InterfaceType", "interface")
+        if (card, device) == (0, 0) and kind == "efa-only":
+            return ("InvalidParameterCombination", "An EFA-only network interface cannot be the primary network "
+                    "interface (network card index 0, device index 0).")
+        if (card, device) in seen:
+            return ("InvalidParameterValue", f"More than one network interface has network card index {card} "
+                    f"and device index {device}.")
+        if cards is not None and card >= cards:
+            return ("InvalidParameterValue", f"Network card index {card} is out of range for "
+                    f"{params['InstanceType']} ({cards} network cards).")
+        seen.add((card, device))
+        n += 1
+    return None
 
 
 def _identify(headers: dict[str, str], body: bytes) -> tuple[str, str, Params]:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from prefect_sgpu import catalog
 from prefect_sgpu.compute.base import Request
 from prefect_sgpu.compute.ec2 import request as rq
-from prefect_sgpu.compute.ec2 import roles
+from prefect_sgpu.compute.ec2 import efa, roles
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.remote.lease import WarmLease, lease_id
 from prefect_sgpu.environment import ship as environment_ship
@@ -295,6 +295,9 @@ class EC2InstanceCompute(RemoteNodeCompute):
         env.update(self.store.env())  # and write it as the driver does (SSE-KMS key, bucket owner)
         if self.endpoint_url:
             env[STORE_ENDPOINT_ENV] = self.endpoint_url
+        # an EFA type: the ranks set NCCL's EFA environment and the gang check its floor (the job's env wins)
+        own = allocation.request.spec.env
+        env.update({k: v for k, v in efa.rank_hints(allocation.request.instance_type).items() if k not in own})
         return env
 
     def _lease_key(self, request: EC2Request) -> tuple[Any, ...]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 from prefect_sgpu import catalog
+from prefect_sgpu.compute.ec2 import efa
 from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.spec import Plan
@@ -186,14 +187,9 @@ def run_instances_request(
     elif s.instance_profile:
         key = "Arn" if s.instance_profile.startswith("arn:") else "Name"
         request["IamInstanceProfile"] = {key: s.instance_profile}
-    efa = efa_interfaces(itype)
-    if efa:
-        request["NetworkInterfaces"] = [
-            {"DeviceIndex": 0 if card == 0 else 1, "NetworkCardIndex": card,
-             **({"SubnetId": subnet_id} if subnet_id else {}), "Groups": [sg], "InterfaceType": "efa",
-             "DeleteOnTermination": True}
-            for card in range(efa)
-        ]
+    interfaces = efa.network_interfaces(itype, subnet_id, [sg])  # the family's layout (compute/ec2/efa.py)
+    if interfaces:
+        request["NetworkInterfaces"] = interfaces
     else:
         if subnet_id:
             request["SubnetId"] = subnet_id
