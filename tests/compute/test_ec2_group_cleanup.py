@@ -37,7 +37,8 @@ def _settings(aws_env: Any, aws_network: Any) -> dict[str, Any]:
 def _groups(aws_env: Any, run_id: str) -> dict[str, list[str]]:
     ec2 = aws_env.client("ec2")
     run_filter = [{"Name": f"tag:{rq.RUN_ID_TAG}", "Values": [run_id]}]
-    return {"security group": [g["GroupId"] for g in ec2.describe_security_groups(Filters=run_filter)["SecurityGroups"]],
+    return {"security group": [g["GroupId"] for g in
+                               ec2.describe_security_groups(Filters=run_filter)["SecurityGroups"]],
             "placement group": [g["GroupName"] for g in
                                 ec2.describe_placement_groups(Filters=run_filter)["PlacementGroups"]]}
 
