@@ -124,6 +124,9 @@ def checkpoint_dir() -> Path:
 
 #: written in the node's job folder by the node when the cloud announced it will reclaim it
 PREEMPT_FILE = "preempt"
+#: written in the node's job folder by the node when the cloud recommended moving work off it (a
+#: rebalance recommendation: a warning, not a reclaim)
+REBALANCE_FILE = "rebalance"
 #: one file per rank (``progress/rank-N``): what the hang watchdog reads
 PROGRESS_DIR = "progress"
 _PROGRESS_EVERY_S = 1.0
@@ -154,12 +157,25 @@ def _job_dir() -> Path | None:
 
 
 def preemption_notice() -> str | None:
-    """The reclaim notice this node received (spot interruption, rebalance), or None."""
+    """The reclaim notice this node received (a spot interruption), or None; a
+    rebalance recommendation is not one (:func:`rebalance_recommendation`)."""
     job_dir = _job_dir()
     if job_dir is None:
         return None
     try:
         return (job_dir / PREEMPT_FILE).read_text().strip() or "reclaim notice"
+    except FileNotFoundError:
+        return None
+
+
+def rebalance_recommendation() -> str | None:
+    """The rebalance recommendation this node received, or None. A warning only: the cloud may
+    reclaim the node later, or never; the job is not relaunched for it."""
+    job_dir = _job_dir()
+    if job_dir is None:
+        return None
+    try:
+        return (job_dir / REBALANCE_FILE).read_text().strip() or "rebalance recommendation"
     except FileNotFoundError:
         return None
 

@@ -210,13 +210,18 @@ class NodeLost:
 
 @dataclass(frozen=True)
 class NodeNotice:
-    """The cloud announced it will take this node away (spot interruption, rebalance recommendation).
+    """The cloud announced it will take this node away (a spot interruption).
 
     Its ranks were told (``runtime.preemption_requested()``); whatever the gang does next,
-    its end counts as infrastructure loss, which the driver recovers from."""
+    its end counts as infrastructure loss, which the driver recovers from.
+
+    With ``reclaim=False`` the cloud only recommended moving work off the node (an EC2 rebalance
+    recommendation): a warning, shown and logged; the node is not lost, nothing is replaced or
+    relaunched for it, and a reclaim notice may follow (a second event) or never come."""
 
     node: int
     notice: str
+    reclaim: bool = True
 
 
 Event = NodeUp | NodeExited | NodeLost | NodeNotice

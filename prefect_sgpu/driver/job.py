@@ -357,6 +357,9 @@ class Job:
                 elif isinstance(event, NodeLost):
                     end.codes[event.node] = 137
                     end.lost[event.node] = event.reason
+                elif isinstance(event, NodeNotice) and not event.reclaim:
+                    self.sink.warning(f"{self.call.name}: node {event.node} got a rebalance recommendation "
+                                      f"({event.notice}); not a reclaim: the job goes on on the same nodes")
                 elif isinstance(event, NodeNotice):
                     if event.node not in end.notices:
                         self.sink.warning(f"{self.call.name}: node {event.node} will be reclaimed ({event.notice}); "

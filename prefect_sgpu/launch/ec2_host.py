@@ -8,8 +8,13 @@
   role's new policy is not in effect yet (a job role), the request is retried with
   :func:`prefect_sgpu.retry.retrying` for :data:`~prefect_sgpu.launch.ec2_stage.CLOUD_BUDGET_S`; a client
   built before there were credentials is built again (botocore resolves them once, when a client is made).
-- **Reclaim notices**: IMDS's ``spot/instance-action`` (a spot interruption) and
-  ``events/recommendations/rebalance`` (a rebalance recommendation), 404 until there is one.
+- **Reclaim notices**: IMDS's ``spot/instance-action`` (a spot interruption: the instance is
+  stopped or terminated at the time it names), 404 until there is one.
+- **Rebalance recommendations**: IMDS's ``events/recommendations/rebalance``, 404 until there is one.
+  A recommendation is a warning, not a notice: it may come minutes to hours before an
+  ``instance-action``, or with none ever following (AWS docs, "EC2 instance rebalance
+  recommendations", https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/rebalance-recommendations.html),
+  so it is served apart and never read as a reclaim.
 - **Termination**: ``ec2:TerminateInstances`` on itself; the last resort is ``shutdown -h
   now`` (the instance is launched with shutdown behaviour "terminate").
 """
@@ -27,40 +32,53 @@ from prefect_sgpu.launch.node_host import NodeIdentity
 from prefect_sgpu.procs.processes import node_log as _log
 
 #: what IMDS says when the cloud will take the instance away, and how to say it to people
-NOTICE_PATHS = (("spot/instance-action", "spot interruption"),
-                ("events/recommendations/rebalance", "rebalance recommendation"))
+NOTICE_PATHS = (("spot/instance-action", "spot interruption"),)
+#: what IMDS says when the cloud recommends moving work off the instance (no reclaim yet, maybe never)
+REBALANCE_PATH = ("events/recommendations/rebalance", "rebalance recommendation")
 
 
 class NoticeWatch:
-    """Reads IMDS for reclaim notices (404 until there is one), at most every ``every`` seconds."""
+    """Reads IMDS for a reclaim notice and a rebalance recommendation (each 404 until there is one),
+    at most every ``every`` seconds; :attr:`reclaim` and :attr:`rebalance` hold what was read (a
+    rebalance is never taken for a reclaim)."""
 
     def __init__(self, every: float = 2.0, timeout: float = 1.0) -> None:
         self.every = every
         self.timeout = timeout
         self._token: str | None = None
-        self._checked = 0.0
+        self._checked: float | None = None
+        self.reclaim: str | None = None
+        self.rebalance: str | None = None
 
     def check(self) -> str | None:
+        """The reclaim notice, once there is one (IMDS read again when ``every`` has passed); the
+        rebalance recommendation read on the same pass is kept in :attr:`rebalance`."""
         import urllib.error
 
         now = time.monotonic()
-        if now - self._checked < self.every:
-            return None
+        if self.reclaim is not None or (self._checked is not None and now - self._checked < self.every):
+            return self.reclaim
         self._checked = now
         try:
             if self._token is None:
                 self._token = imds_token((self.timeout,))
-            for path, what in NOTICE_PATHS:
+            for path, what in (*NOTICE_PATHS, *([REBALANCE_PATH] if self.rebalance is None else [])):
                 try:
-                    return f"{what}: {imds_get(path, self._token, (self.timeout,))}"
+                    text = f"{what}: {imds_get(path, self._token, (self.timeout,))}"
                 except urllib.error.HTTPError as exc:
                     if exc.code == 401:
                         self._token = None
                     elif exc.code != 404:
                         raise
+                    continue
+                if (path, what) == REBALANCE_PATH:
+                    self.rebalance = text
+                else:
+                    self.reclaim = text
+                    break
         except (OSError, ValueError):
             pass  # the metadata service is unreachable for a moment: ask again next time
-        return None
+        return self.reclaim
 
 
 def fetch_identity(attempts: int = 30, timeout: float = 2.0) -> NodeIdentity:
@@ -83,11 +101,12 @@ def fetch_identity(attempts: int = 30, timeout: float = 2.0) -> NodeIdentity:
 class EC2NodeHost:
     """An EC2 instance as its bootstrap sees it (see :mod:`prefect_sgpu.launch.node_host`)."""
 
-    def __init__(self, region: str | None = None, endpoint_url: str | None = None) -> None:
+    def __init__(self, region: str | None = None, endpoint_url: str | None = None,
+                 notice_every_s: float = 2.0) -> None:
         self.region = region
         self.endpoint_url = endpoint_url
         self._clients: dict[str, Any] = {}
-        self._notices = NoticeWatch()
+        self._notices = NoticeWatch(every=notice_every_s)
         self._born = retry.CLOCK.monotonic()
 
     def _client(self, service: str) -> Any:
@@ -129,6 +148,10 @@ class EC2NodeHost:
 
     def reclaim_notice(self) -> str | None:
         return self._notices.check()
+
+    def rebalance_notice(self) -> str | None:
+        self._notices.check()
+        return self._notices.rebalance
 
     def terminate(self, identity: NodeIdentity) -> None:
         self._client("ec2").terminate_instances(InstanceIds=[identity.instance_id])

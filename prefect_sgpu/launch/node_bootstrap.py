@@ -113,6 +113,9 @@ class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):
         self._refusals: set[str] = set()
         self.notice: str | None = None
         self._notice_published = False
+        #: the host's rebalance recommendation, once it gave one (a warning, not a reclaim)
+        self.rebalance: str | None = None
+        self._rebalance_published = False
         self.terminated = False
         if key is not None:
             self.use_key(key)
@@ -145,6 +148,7 @@ class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):
         self._uploaded, self._appended = {}, {}
         self._agent = None
         self._notice_published = False
+        self._rebalance_published = False
 
     def read_key(self, run_id: str | None = None, wait: float | None = None) -> str | None:
         """The job key from its secret (SSM on EC2), under the name this node derives from a run id (its own, or an

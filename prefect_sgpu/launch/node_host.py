@@ -15,8 +15,11 @@ Each method's guarantee:
 - :meth:`NodeHost.delete_secret`: best effort; raises when it failed (the caller ignores
   it: the driver's release and the sweeper delete it too).
 - :meth:`NodeHost.reclaim_notice`: a notice that the cloud will take the machine away
-  (spot interruption, rebalance), or None; cheap to call every tick (it limits its own
+  (a spot interruption), or None; cheap to call every tick (it limits its own
   rate) and never raises for an unreachable metadata service.
+- :meth:`NodeHost.rebalance_notice`: a warning that the cloud may take the machine away later,
+  or never (an EC2 rebalance recommendation), or None; never a reclaim. Cheap and never raises,
+  as :meth:`NodeHost.reclaim_notice`.
 - :meth:`NodeHost.terminate`: end this machine through the cloud's API; raises when the
   API refused, and then :meth:`NodeHost.power_off` is the last resort.
 - :meth:`NodeHost.error_text`: a short name for an error of this cloud's API, for logs.
@@ -58,6 +61,8 @@ class NodeHost(Protocol):
     def delete_secret(self, name: str) -> None: ...
 
     def reclaim_notice(self) -> str | None: ...
+
+    def rebalance_notice(self) -> str | None: ...
 
     def terminate(self, identity: NodeIdentity) -> None: ...
 

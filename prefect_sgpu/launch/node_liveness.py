@@ -9,6 +9,10 @@ bootstrap: its folder, key, host and identity):
   valid seal); none new for ``heartbeat_ttl`` seconds on this node's monotonic clock means the driver
   is gone: the node stops its agent and terminates its own machine, so a dead driver cannot leak paid VMs;
 - a reclaim notice from the host, told to the ranks (the ``preempt`` file) and the driver;
+- a rebalance recommendation from the host: a warning, not a reclaim (the cloud may never take the
+  machine): logged, told to the driver (a notice document marked ``reclaim=False``) and to the
+  ranks only as the ``rebalance`` file (``runtime.rebalance_recommendation()``), which a
+  checkpointer asked to save on it reads; a reclaim notice that follows is handled as any other;
 - a crash of this program: reported to the driver, then the machine is ended.
 """
 
@@ -41,6 +45,7 @@ class NodeLiveness:
     interval: float
     heartbeat_ttl: float
     notice: str | None
+    rebalance: str | None
     terminated: bool
     _agent: Any
     _alive_lock: Any
@@ -127,13 +132,22 @@ class NodeLiveness:
             return False
 
     def watch_notices(self) -> None:
-        """A reclaim notice from the host (IMDS on EC2): tell the ranks (the ``preempt`` file) and the driver (a notice document)."""
-        from prefect_sgpu.runtime import PREEMPT_FILE
+        """A reclaim notice from the host (IMDS on EC2): tell the ranks (the ``preempt`` file) and the driver
+        (a notice document). A rebalance recommendation is a warning only: logged, the ranks' ``rebalance``
+        file and a notice document marked ``reclaim=False``; the node keeps watching for a reclaim."""
+        from prefect_sgpu.runtime import PREEMPT_FILE, REBALANCE_FILE
         from prefect_sgpu.store import atomic_write
 
         if self.notice is not None:
             return
         notice = self.host.reclaim_notice()
+        if self.rebalance is None and notice is None:
+            advice = self.host.rebalance_notice()
+            if advice is not None:
+                self.rebalance = advice
+                _log(f"{advice}: a warning, not a reclaim; the job goes on (a reclaim notice may follow, or none)")
+                atomic_write(self.job_dir / REBALANCE_FILE, advice.encode())
+                self.publish_notice()
         if notice is None:
             return
         self.notice = notice
@@ -142,15 +156,26 @@ class NodeLiveness:
         self.publish_notice()
 
     def publish_notice(self) -> None:
-        """The notice document (once; retried on the next tick until the store took it)."""
-        if self.notice is None or self._notice_published:
+        """The notice document: the reclaim notice once, or while there is none the rebalance
+        recommendation once (``reclaim=False``); retried on the next tick until the store took it."""
+        if self.notice is not None:
+            text, reclaim, done = self.notice, True, self._notice_published
+        elif self.rebalance is not None:
+            text, reclaim, done = self.rebalance, False, self._rebalance_published
+        else:
+            return
+        if done:
             return
         try:
-            self.folder.put_notice(self.index, Notice(text=self.notice, time=time.time()),
+            self.folder.put_notice(self.index, Notice(text=text, time=time.time(), reclaim=reclaim),
                                    instance_id=self.identity.instance_id)
-            self._notice_published = True
+            if reclaim:
+                self._notice_published = True
+            else:
+                self._rebalance_published = True
         except Exception as exc:  # noqa: BLE001 - the next tick publishes it again
-            self._store_error("publishing the reclaim notice", exc)
+            self._store_error("publishing the reclaim notice" if reclaim else "publishing the rebalance recommendation",
+                              exc)
 
     def terminate_self(self, reason: str) -> int:
         """The driver is gone: node 0 deletes the job's key parameter; every node terminates its instance."""

@@ -25,6 +25,9 @@ a gang on different nodes than the writers restores it by downloading it first.
 When the node is about to be reclaimed (a spot interruption notice, see
 ``runtime.preemption_requested()``), ``due`` says so on every rank at the same step,
 so the loop saves at once instead of losing the work since the last regular save.
+A rebalance recommendation (``runtime.rebalance_recommendation()``) is only a warning that the
+node may be reclaimed later, or never: ``on_rebalance=True`` makes it one early save too (once),
+by default it changes nothing.
 """
 
 from __future__ import annotations
@@ -153,9 +156,12 @@ class SealedSteps:
     newest verified one found again: what :class:`Checkpointer` and the trainer callbacks
     (:mod:`prefect_sgpu.integrations`) share. Collective where a method says so."""
 
-    def __init__(self, folder: str | Path | None = None, *, keep: int = 2) -> None:
+    def __init__(self, folder: str | Path | None = None, *, keep: int = 2, on_rebalance: bool = False) -> None:
         if keep < 1:
             raise SGPUConfigError("keep", keep, "an integer >= 1 (complete checkpoints to keep)")
+        #: save once, early, when any rank's node gets a rebalance recommendation (not only on a reclaim notice)
+        self.on_rebalance = bool(on_rebalance)
+        self.rebalanced_at: int | None = None
         self.location = Location(folder)
         #: where this rank reads and writes: the location itself, or this node's (private) stage of it
         self.folder = self.location.ensure_local()
@@ -165,11 +171,19 @@ class SealedSteps:
 
     def reclaim_due(self, step: int) -> bool:
         """True once, at the first ``step`` where any rank's node has a reclaim notice (collective:
-        every rank calls it at every step, so all of them save at the same step)."""
+        every rank calls it at every step, so all of them save at the same step); with
+        ``on_rebalance``, also once at the first step where any rank's node has a rebalance
+        recommendation."""
         if self.preempted_at is None and self._any_rank(runtime.preemption_requested()):
             self.preempted_at = step
             print(f"[sgpu] reclaim notice: saving a checkpoint at step {step} "
                   f"({runtime.preemption_notice() or 'on another node'})", flush=True)
+            return True
+        if (self.on_rebalance and self.rebalanced_at is None and self.preempted_at is None
+                and self._any_rank(runtime.rebalance_recommendation() is not None)):
+            self.rebalanced_at = step
+            print(f"[sgpu] rebalance recommendation: saving a checkpoint at step {step} "
+                  f"({runtime.rebalance_recommendation() or 'on another node'}); the job goes on", flush=True)
             return True
         return False
 
@@ -301,13 +315,16 @@ class Checkpointer(SealedSteps):
     final checkpoint is complete before the function returns. A background save that failed
     raises in the call that waits for it. DeepSpeed saves inline whatever the setting (its
     engine writes its own files).
+
+    ``on_rebalance=True``: a rebalance recommendation (a warning that a node may be reclaimed later,
+    or never) makes ``due`` true once, as a reclaim notice does; the job goes on after that save.
     """
 
     def __init__(self, wrapped: "Wrapped", folder: str | Path | None = None, *, every: int = 10,
-                 keep: int = 2, async_save: bool = False) -> None:
+                 keep: int = 2, async_save: bool = False, on_rebalance: bool = False) -> None:
         if every < 1:
             raise SGPUConfigError("every", every, "an integer >= 1 (steps between checkpoints)")
-        super().__init__(folder, keep=keep)
+        super().__init__(folder, keep=keep, on_rebalance=on_rebalance)
         self.wrapped = wrapped
         self.every = every
         #: saves in the background (DeepSpeed: always inline)

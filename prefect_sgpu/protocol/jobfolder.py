@@ -244,11 +244,14 @@ class Alive(_Doc):
 
 
 class Notice(_Doc):
-    """The cloud will reclaim a node's instance (spot interruption, rebalance). A document of its
-    own, written once, so that the driver reads it only when the listing shows it appeared."""
+    """The cloud will reclaim a node's instance (a spot interruption), or, with ``reclaim=False``,
+    recommends moving work off it (a rebalance recommendation: a warning, no reclaim yet, maybe
+    never). A document of its own, so that the driver reads it only when the listing shows it
+    appeared or changed: a reclaim notice replaces a recommendation written before it."""
 
     text: str
     time: float
+    reclaim: bool = True
 
 
 class RankExit(_Doc):

@@ -9,6 +9,7 @@ hang watchdog. A small 60-step job checkpointing every 10 steps stands for train
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -335,4 +336,38 @@ def test_nodes_that_stop_for_a_stalled_driver_heartbeat_fail_the_job_saying_so_n
     assert "no new driver heartbeat for" in str(info.value) and "still ran" in str(info.value), str(info.value)
     assert len(ec2.instances(job.run_id)) == 2, "no relaunch"
     assert all(i["State"]["Name"] == "terminated" for i in ec2.instances(job.run_id))
+    assert ec2.leftovers(job.run_id) == []
+
+
+def test_a_rebalance_recommendation_without_a_reclaim_is_a_warning_and_the_job_ends_on_its_own_instances(
+        ec2: EC2Env, virtual_clock: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A rebalance recommendation mid-job and no interruption after it (AWS docs, "EC2 instance
+    rebalance recommendations": it may never be followed by one): the driver shows it as a warning,
+    the ranks are not told to preempt, no node is replaced and the job is not relaunched; it ends
+    with the right values on the instances it started on. Meanwhile EC2 keeps the run's groups in use
+    for a while after the instances ended: release waits that out (on the retry clock) and leaves nothing."""
+    assert ec2.proxy is not None
+    ec2.proxy.hold_groups(security_group_s=120.0, placement_group_s=20.0)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
+    job = fn.job(step_s=0.5)  # 40 steps after the recommendation: the node's and the driver's polls see it
+    with caplog.at_level(logging.WARNING, logger="prefect_sgpu"):
+        thread, outcome = _drive(job)
+        _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
+        node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
+        ec2.simulator.rebalance(node1)  # and no instance-action after it
+        thread.join(timeout=400)
+    assert not thread.is_alive(), "the job did not finish"
+    assert "error" not in outcome, repr(outcome.get("error"))
+    result = outcome["result"]
+    assert result.recoveries == [], "the job was relaunched for a rebalance recommendation"
+    assert [v["instance"] for v in result.values] == [node0, node1], "the job ended on the instances it started on"
+    assert result.values[0]["start"] == 0 and result.values[0]["optimizer_steps"] == STEPS
+    assert len(ec2.instances(job.run_id)) == 2, "a replacement instance was launched"
+    assert len({c.params["ClientToken"] for c in ec2.proxy.calls("RunInstances")}) == 1
+    warnings = [r.getMessage() for r in caplog.records if "rebalance recommendation" in r.getMessage()]
+    assert any("node 1" in w and node1 in w and "not a reclaim" in w for w in warnings), warnings
+    assert not any("will be reclaimed" in r.getMessage() for r in caplog.records)
+    logs = b"".join(ec2.objects(job.run_id).values())
+    assert b"reclaim notice: saving a checkpoint" not in logs, "the ranks were told to preempt"
+    assert any(c.error == "DependencyViolation" for c in ec2.proxy.calls("DeleteSecurityGroup"))
     assert ec2.leftovers(job.run_id) == []

@@ -30,6 +30,18 @@ supplies them in front of moto, following the EC2 API reference:
 - capacity reservations (``DescribeCapacityReservations`` for reservations a test
   adds with :meth:`AWSFaultProxy.add_capacity_reservation`; a targeted launch
   larger than what is left fails with ``ReservationCapacityExceeded``).
+
+Groups stay in use after their instances ended (:meth:`AWSFaultProxy.hold_groups`, off by default):
+``DeleteSecurityGroup`` answers ``DependencyViolation`` while the network interfaces of terminated
+instances detach (minutes on AWS: https://github.com/cloud-barista/cb-spider/issues/460 "Deleting
+the SG after terminating the VM makes DependencyViolation error", and
+https://github.com/hashicorp/terraform-provider-aws/issues/1671 "aws_security_group:
+DependencyViolation: resource sg-XXX has a dependent object"), and ``DeletePlacementGroup`` answers
+``InvalidPlacementGroup.InUse`` for a short while (EC2 API reference, DeletePlacementGroup: "You
+must terminate all instances in the placement group before you can delete the placement group").
+The proxy records each launch's groups and each termination it forwards, and refuses for the set
+number of seconds after the group's last member instance was terminated, on
+:data:`prefect_sgpu.retry.CLOCK` (a test's virtual clock lets the minutes pass at once).
 """
 
 from __future__ import annotations
@@ -251,6 +263,10 @@ class AWSFaultProxy:
         self.launch_faults = LaunchFaults()
         #: RunInstances' network-interface rules for EFA instance types (off by default; see _efa_layout_problem)
         self.efa_rules = False
+        #: seconds a group stays in use after its last member instance was terminated (hold_groups)
+        self.group_hold_s: dict[str, float] = {"security group": 0.0, "placement group": 0.0}
+        self._members: dict[tuple[str, str], set[str]] = {}
+        self._ended: dict[str, float] = {}
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -321,6 +337,49 @@ class AWSFaultProxy:
             self.expired_keys.clear()
             self.launch_faults.reset()
             self.efa_rules = False
+            self.group_hold_s = {"security group": 0.0, "placement group": 0.0}
+
+    def hold_groups(self, security_group_s: float = 0.0, placement_group_s: float = 0.0) -> None:
+        """From now on a security group answers ``DependencyViolation`` and a placement group
+        ``InvalidPlacementGroup.InUse`` to a delete for this many seconds (on
+        :data:`prefect_sgpu.retry.CLOCK`) after the last of its instances was terminated; 0: at once."""
+        with self._lock:
+            self.group_hold_s = {"security group": security_group_s, "placement group": placement_group_s}
+
+    def group_free_in(self, kind: str, name: str) -> float:
+        """Seconds until a delete of the group is no longer refused (0: now)."""
+        from prefect_sgpu import retry
+
+        with self._lock:
+            hold = self.group_hold_s.get(kind, 0.0)
+            ended = [self._ended[i] for i in self._members.get((kind, name), ()) if i in self._ended]
+        if hold <= 0 or not ended:
+            return 0.0
+        return max(0.0, max(ended) + hold - retry.CLOCK.monotonic())
+
+    def _record_members(self, params: Params, payload: bytes) -> None:
+        ids = re.findall(rb"<instanceId>(i-[0-9a-zA-Z]+)</instanceId>", payload)
+        groups = [("security group", v) for k, v in params.items()
+                  if re.fullmatch(r"(NetworkInterface\.\d+\.)?SecurityGroupId\.\d+", k)]
+        if params.get("Placement.GroupName"):
+            groups.append(("placement group", params["Placement.GroupName"]))
+        with self._lock:
+            for group in groups:
+                self._members.setdefault(group, set()).update(i.decode() for i in ids)
+
+    def _held_group(self, record: Recorded, action: str, params: Params, service: str):
+        """The in-use error of a group delete while its instances' end is too recent, else None."""
+        if action == "DeleteSecurityGroup":
+            name = params.get("GroupId", "")
+            if self.group_free_in("security group", name) > 0:
+                return self._error(record, "DependencyViolation", f"resource {name} has a dependent object",
+                                   400, service)
+        elif action == "DeletePlacementGroup":
+            name = params.get("GroupName", "")
+            if self.group_free_in("placement group", name) > 0:
+                return self._error(record, "InvalidPlacementGroup.InUse",
+                                   f"The placement group '{name}' is in use and may not be deleted.", 400, service)
+        return None
 
     def add_capacity_reservation(
         self, instance_type: str, availability_zone: str, count: int, state: str = "active"
@@ -455,6 +514,9 @@ class AWSFaultProxy:
         late = self.launch_faults.refuse(service, action, params)
         if late is not None:
             return self._error(record, late[0], late[1], None, service)
+        held = self._held_group(record, action, params, service) if service == "ec2" else None
+        if held is not None:
+            return held
         if service == "ec2" and action in (
             "CreatePlacementGroup",
             "DescribePlacementGroups",
@@ -476,6 +538,13 @@ class AWSFaultProxy:
             result = self._forward(method, path, headers, body)
         if service == "ec2" and result[0] < 400:
             result = self._launch_outcome(action, params, headers, result)
+        if service == "ec2" and action == "TerminateInstances" and result[0] < 400:
+            from prefect_sgpu import retry
+
+            with self._lock:
+                for key, value in params.items():
+                    if key.startswith("InstanceId."):
+                        self._ended.setdefault(value, retry.CLOCK.monotonic())
         hook = self.on_terminate
         if service == "ec2" and action == "TerminateInstances" and result[0] < 400 and hook is not None:
             hook([v for k, v in sorted(params.items()) if k.startswith("InstanceId.")])
@@ -693,6 +762,7 @@ class AWSFaultProxy:
                 )
             status, resp_headers, payload = self._forward(method, path, headers, body)
             if status == 200:
+                self._record_members(params, payload)
                 if token:
                     self._tokens[token] = (fingerprint, status, payload)
                 if reservation is not None:

@@ -466,6 +466,35 @@ class EC2Simulator:
         thread.start()
         return thread
 
+    def rebalance(self, instance_id: str, reclaim_after: float | None = None,
+                  terminate_after: float = 3.0) -> threading.Thread | None:
+        """A rebalance recommendation: IMDS serves ``events/recommendations/rebalance`` (``{"noticeTime":
+        ...}``) from now on. It is a warning, not a notice: with ``reclaim_after`` None nothing follows
+        (the instance keeps running); else ``reclaim_after`` seconds later a spot interruption follows
+        (:meth:`reclaim`, the instance terminated ``terminate_after`` seconds after that). AWS docs, "EC2
+        instance rebalance recommendations": a recommendation can arrive before, with, or without
+        any interruption notice
+        (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/rebalance-recommendations.html)."""
+        import datetime as _dt
+
+        node = self.nodes[instance_id]
+        now = _dt.datetime.now(_dt.timezone.utc)
+        node.imds.metadata["events/recommendations/rebalance"] = json.dumps(
+            {"noticeTime": now.strftime("%Y-%m-%dT%H:%M:%SZ")})
+        if reclaim_after is None:
+            return None
+
+        def interrupt() -> None:
+            time.sleep(reclaim_after)
+            try:
+                self.reclaim(instance_id, after=terminate_after)
+            except Exception as exc:  # noqa: BLE001 - tests read .errors
+                self.errors.append(f"interrupting {instance_id} after its rebalance: {exc}")
+
+        thread = threading.Thread(target=interrupt, name=f"rebalance-{instance_id}", daemon=True)
+        thread.start()
+        return thread
+
     def freeze(self, instance_id: str) -> None:
         """A hung VM: every process of the node stops (SIGSTOP) and nothing on it runs again
         until the instance is terminated (powering off kills stopped processes too)."""

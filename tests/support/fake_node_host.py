@@ -47,6 +47,11 @@ class FakeNodeHost:
         notice = self.machine_dir / "notice"
         return notice.read_text() if notice.exists() else None
 
+    def rebalance_notice(self) -> str | None:
+        """A rebalance recommendation the test wrote (``rebalance``): a warning, never a reclaim."""
+        advice = self.machine_dir / "rebalance"
+        return advice.read_text() if advice.exists() else None
+
     def terminate(self, identity: NodeIdentity) -> None:
         (self.machine_dir / "terminated").write_text("terminated through the API\n")
         self._end()

@@ -50,6 +50,8 @@ class RemoteAllocation(Allocation):
     alive_version: dict[int, str | None] = field(default_factory=dict)
     alive_changed: dict[int, float] = field(default_factory=dict)
     noticed: set[int] = field(default_factory=set)
+    #: the version of each node's notice document last read (a reclaim notice replaces a rebalance one)
+    notice_version: dict[int, str | None] = field(default_factory=dict)
     outcome: Released | None = None
     #: the warm lease this job runs on (None: a cold job, its machines its own)
     lease: WarmLease | None = None

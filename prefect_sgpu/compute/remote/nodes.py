@@ -402,6 +402,7 @@ class RemoteNodeCompute(Compute):
                                 if len(retired) == 1 else f"node {index} on {self._describe(machine)}")
         # what the driver tracked of the gang before
         allocation.announced, allocation.reported, allocation.noticed = set(), set(), set()
+        allocation.notice_version = {}
         allocation.alive_version, allocation.alive_changed, allocation.states = {}, {}, {}
         allocation.launched, allocation.lost, allocation.polled, allocation.states_checked = False, False, 0.0, 0.0
         if allocation.lease is not None:
@@ -484,12 +485,18 @@ class RemoteNodeCompute(Compute):
                 events.append(NodeLost(node.index, f"instance {iid} is {state} (lost or reclaimed) before "
                                                    "its ranks finished"))
                 continue
-            if node.index not in allocation.noticed and notice_key(node.index) in listed:
+            key = notice_key(node.index)
+            if (node.index not in allocation.noticed and key in listed
+                    and (node.index not in allocation.notice_version
+                         or listed[key] != allocation.notice_version[node.index])):
+                allocation.notice_version[node.index] = listed[key]
                 notice = allocation.folder.notice(node.index, instance_id=iid)
-                if notice is not None:
+                if notice is not None and notice.reclaim:
                     allocation.noticed.add(node.index)
                     allocation.lost = True
                     events.append(NodeNotice(node.index, f"{iid}: {notice.text}"))
+                elif notice is not None:  # a rebalance recommendation: a warning, the node is not lost
+                    events.append(NodeNotice(node.index, f"{iid}: {notice.text}", reclaim=False))
             version = listed.get(alive_key(node.index))
             if version != allocation.alive_version.get(node.index) or node.index not in allocation.alive_changed:
                 allocation.alive_version[node.index], allocation.alive_changed[node.index] = version, now
