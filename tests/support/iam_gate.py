@@ -137,6 +137,11 @@ class IAMGate:
         self.denied: list[Decision] = []
         #: (identity, action) of every call of a watched identity that was allowed
         self.allowed: set[tuple[str, str]] = set()
+        #: when True, ``ssm:GetParameter`` with decryption of a SecureString also needs ``kms:Decrypt`` on
+        #: the parameter's key, as SSM asks KMS on the caller's behalf (``kms:ViaService`` and the
+        #: ``PARAMETER_ARN`` encryption context set); off by default. Source: "How AWS Systems Manager
+        #: Parameter Store uses AWS KMS", https://docs.aws.amazon.com/kms/latest/developerguide/services-parameter-store.html
+        self.kms_via_ssm = False
         self._lock = threading.Lock()
 
     def watch_role(self, name: str) -> None:
@@ -205,6 +210,27 @@ class IAMGate:
         except Exception:  # noqa: BLE001 - an unknown instance has no tags (EC2 refuses it itself)
             return {}
         return {t["key"]: t["value"] for t in inst.get_tags()}
+
+    def _parameter_key_arn(self, name: str) -> str | None:
+        """The ARN of the KMS key a SecureString is encrypted under (the AWS-managed ``alias/aws/ssm`` key
+        when it names none); None for a parameter that is not a SecureString or does not exist."""
+        from moto.kms.models import kms_backends
+        from moto.ssm.models import ssm_backends
+
+        try:
+            versions = ssm_backends[ACCOUNT][self.region]._parameters[name]
+            parameter = versions[-1]
+        except Exception:  # noqa: BLE001 - SSM answers ParameterNotFound itself
+            return None
+        if parameter.parameter_type != "SecureString":
+            return None
+        key = parameter.keyid or "alias/aws/ssm"
+        if key.startswith("arn:") and ":key/" in key:
+            return key
+        kms = kms_backends[ACCOUNT][self.region]
+        if key.startswith("alias/") or ":alias/" in key:
+            key = kms.get_key_id_from_alias(key.split(":")[-1]) or key
+        return self._arn("kms", f"key/{key}")
 
     def _group_tags(self, group_id: str) -> dict[str, str]:
         from moto.ec2.models import ec2_backends
@@ -275,7 +301,8 @@ class IAMGate:
                  service: str, action: str, params: dict[str, str]) -> list[tuple[str, str, dict[str, list[str]]]]:
         """(action, resource ARN, condition context) for everything one request needs."""
         if service.startswith("json:"):
-            prefix = {"AmazonSSM": "ssm", "TrentService": "kms"}.get(service[5:], service[5:].lower())
+            prefix = {"AmazonSSM": "ssm", "TrentService": "kms", "ServiceQuotasV20190624": "servicequotas"}.get(
+                service[5:], service[5:].lower())
             name = params.get("Name", "")
             if prefix == "ssm" and not name and params.get("ResourceType") == "Parameter":
                 name = params.get("ResourceId", "")  # tagging calls name the parameter so
@@ -284,6 +311,12 @@ class IAMGate:
                 arn = self._arn("ssm", "parameter" + (name if name.startswith("/") else "/" + name), account=owner)
                 if action == "PutParameter" and params.get("Tags"):  # tags at creation need the tagging right too
                     return [(f"ssm:{action}", arn, {}), ("ssm:AddTagsToResource", arn, {})]
+                if action == "GetParameter" and self.kms_via_ssm and params.get("WithDecryption") == "true":
+                    key = self._parameter_key_arn(name)
+                    if key:
+                        return [(f"ssm:{action}", arn, {}), ("kms:Decrypt", key, {
+                            "kms:ViaService": [f"ssm.{self.region}.amazonaws.com"],
+                            "kms:EncryptionContext:PARAMETER_ARN": [arn], "kms:CallerAccount": [ACCOUNT]})]
                 return [(f"ssm:{action}", arn, {})]
             return [(f"{prefix}:{action}", "*", {})]
         if service == "rest":
