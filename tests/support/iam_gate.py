@@ -38,6 +38,7 @@ class Decision:
     action: str
     resource: str
     identity: str
+    context: dict[str, list[str]] | None = None
 
 
 def _match(pattern: str, value: str, case: bool = True) -> bool:
@@ -142,6 +143,11 @@ class IAMGate:
         #: ``PARAMETER_ARN`` encryption context set); off by default. Source: "How AWS Systems Manager
         #: Parameter Store uses AWS KMS", https://docs.aws.amazon.com/kms/latest/developerguide/services-parameter-store.html
         self.kms_via_ssm = False
+        #: when True, an EC2 refusal carries an "Encoded authorization failure message", which
+        #: ``sts:DecodeAuthorizationMessage`` (:meth:`decode`) turns back into the refused action, resource
+        #: and context; off by default. Source: https://docs.aws.amazon.com/STS/latest/APIReference/API_DecodeAuthorizationMessage.html
+        self.encode_ec2_messages = False
+        self._encoded: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def watch_role(self, name: str) -> None:
@@ -369,6 +375,8 @@ class IAMGate:
                     "Create") else None)
             elif "RoleName" in params:
                 arn = self._role_arn(params["RoleName"], params.get("Path") if action == "CreateRole" else None)
+            elif "PolicySourceArn" in params or "PolicyArn" in params:  # the simulated principal; a managed policy
+                arn = params.get("PolicySourceArn") or params["PolicyArn"]
             else:
                 arn = "*"
             return [(f"iam:{action}", arn, context)]
@@ -420,13 +428,77 @@ class IAMGate:
             if verdict == "allow" and boundary:
                 verdict = evaluate(boundary, needed, resource, context)
             if verdict != "allow":
-                decision = Decision(needed, resource, name)
+                decision = Decision(needed, resource, name, context)
                 with self._lock:
                     self.denied.append(decision)
                 return decision
             with self._lock:
                 self.allowed.add((name, needed))
         return None
+
+
+def encode_refusal(gate: IAMGate, decision: Decision, context: dict[str, list[str]]) -> str:
+    """A token standing for ``decision`` as EC2 encodes it (opaque to the caller; :func:`decode_answer`
+    reads it back)."""
+    import base64
+    import uuid as _uuid
+
+    token = base64.urlsafe_b64encode(_uuid.uuid4().bytes + _uuid.uuid4().bytes).decode().rstrip("=")
+    with gate._lock:
+        gate._encoded[token] = {
+            "allowed": False, "explicitDeny": False, "matchedStatements": {"items": []}, "failures": {"items": []},
+            "context": {"principal": {"arn": f"arn:aws:iam::{ACCOUNT}:{decision.identity}"},
+                        "action": decision.action, "resource": decision.resource,
+                        "conditions": {"items": [{"key": k, "values": {"items": [{"value": v} for v in vs]}}
+                                                 for k, vs in sorted(context.items())]}}}
+    return token
+
+
+def decode_answer(gate: IAMGate | None, params: dict[str, str]) -> tuple[int, bytes]:
+    """STS's ``DecodeAuthorizationMessage`` for a token of :func:`encode_refusal` (moto has none)."""
+    from xml.sax.saxutils import escape
+
+    found = gate._encoded.get(params.get("EncodedMessage", "")) if gate is not None else None
+    if found is None:
+        return 400, ('<ErrorResponse><Error><Type>Sender</Type><Code>InvalidAuthorizationMessageException</Code>'
+                     "<Message>The message is not an encoded authorization message of this account.</Message>"
+                     "</Error><RequestId>0</RequestId></ErrorResponse>").encode()
+    return 200, ('<DecodeAuthorizationMessageResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+                 f"<DecodeAuthorizationMessageResult><DecodedMessage>{escape(json.dumps(found))}</DecodedMessage>"
+                 "</DecodeAuthorizationMessageResult><ResponseMetadata><RequestId>0</RequestId></ResponseMetadata>"
+                 "</DecodeAuthorizationMessageResponse>").encode()
+
+
+def simulate_custom_policy(params: dict[str, str]) -> bytes:
+    """IAM's ``SimulateCustomPolicy`` answered with :func:`evaluate` (moto 5.2 has none): the request's
+    policies, then its permissions boundary policies, for each action on each resource under the
+    request's context entries."""
+    from xml.sax.saxutils import escape
+
+    def members(prefix: str) -> list[str]:
+        return [v for k, v in sorted(params.items(), key=lambda kv: _member_order(kv[0]))
+                if re.fullmatch(rf"{re.escape(prefix)}\.member\.\d+", k)]
+
+    docs = [json.loads(d) for d in members("PolicyInputList")]
+    boundary = [json.loads(d) for d in members("PermissionsBoundaryPolicyInputList")]
+    context: dict[str, list[str]] = {}
+    for key in [k for k in params if re.fullmatch(r"ContextEntries\.member\.\d+\.ContextKeyName", k)]:
+        context[params[key]] = members(f"{key.rsplit('.', 1)[0]}.ContextKeyValues")
+    out = []
+    for action in members("ActionNames"):
+        for resource in members("ResourceArns") or ["*"]:
+            verdict = evaluate(docs, action, resource, context)
+            if verdict == "allow" and boundary:
+                verdict = evaluate(boundary, action, resource, context)
+            decision = {"allow": "allowed", "deny": "explicitDeny"}.get(verdict, "implicitDeny")
+            out.append(f"<member><EvalActionName>{escape(action)}</EvalActionName><EvalResourceName>"
+                       f"{escape(resource)}</EvalResourceName><EvalDecision>{decision}</EvalDecision>"
+                       "<MatchedStatements/><MissingContextValues/></member>")
+    return ('<SimulateCustomPolicyResponse xmlns="https://iam.amazonaws.com/doc/2010-05-08/">'
+            "<SimulateCustomPolicyResult><IsTruncated>false</IsTruncated><EvaluationResults>"
+            + "".join(out) + "</EvaluationResults></SimulateCustomPolicyResult><ResponseMetadata>"
+            "<RequestId>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestId></ResponseMetadata>"
+            "</SimulateCustomPolicyResponse>").encode()
 
 
 def simulate_principal_policy(params: dict[str, str], region: str = "us-east-1") -> bytes:

@@ -71,7 +71,8 @@ NODE_TRUST_POLICY = {
 
 
 def policy_template(name: str) -> dict[str, Any]:
-    """One of the shipped policy documents (``node-policy``, ``node-boundary``, ``driver-policy``)."""
+    """One of the shipped policy documents (``node-policy``, ``node-boundary``, ``driver-policy``,
+    ``doctor-policy``)."""
     text = resources.files("prefect_sgpu.policies").joinpath(f"{name}.json").read_text()
     return json.loads(text)
 
@@ -226,6 +227,14 @@ def node_boundary(store_uri: str, region: str, account: str, kms_key_id: str | N
                    "StorePrefix": prefix, "StoreUri": store_uri.rstrip("/"), "StoreScope": store_scope(store_uri),
                    "KmsKeyArn": kms_key_arn(kms_key_id, region, account),
                    "SsmManagedKeys": ssm_managed_keys(kms_key_id, region, account)})
+
+
+def doctor_policy(store_uri: str, region: str, account: str) -> dict[str, Any]:
+    """The shipped doctor policy for one store: what ``prefect-sgpu doctor`` reads besides what the
+    driver policy allows (the driver runs the doctor under both)."""
+    bucket, _ = s3_location(store_uri)
+    return render(policy_template("doctor-policy"), {"Partition": partition(region), "Account": account,
+                                                     "Bucket": bucket})
 
 
 @dataclass
