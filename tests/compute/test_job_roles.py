@@ -23,7 +23,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "iam"
 
 
 def test_the_shipped_documents_are_the_ones_the_package_renders() -> None:
-    for name in ("node-policy", "node-boundary", "driver-policy"):
+    for name in ("node-policy", "node-boundary", "driver-policy", "doctor-policy"):
         assert json.loads((DOCS / f"{name}.json").read_text()) == roles.policy_template(name)
 
 
