@@ -123,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
     setup_aws.add_argument("--abort-incomplete-uploads-days", type=int, default=7, metavar="N",
                            help="days after which incomplete multipart uploads under the store are aborted "
                                 "(default 7)")
+    setup_aws.add_argument("--name-suffix", default="", help="added to the managed policies' names (a second "
+                                                              "store of one account)")
     setup_aws.add_argument("--dry-run", action="store_true", help="print every call it would make; make none")
     setup_aws.add_argument("--json", action="store_true", help="print the outcome as JSON")
     return parser
@@ -130,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _setup_aws(args: argparse.Namespace) -> int:
     from prefect_sgpu.compute.ec2 import setup
+    from prefect_sgpu.errors import SGPUConfigError
 
     session, kms_key_id, region = None, args.kms_key_id, args.region
     store = args.store
@@ -137,7 +140,6 @@ def _setup_aws(args: argparse.Namespace) -> int:
         from prefect.blocks.core import Block
 
         from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
-        from prefect_sgpu.errors import SGPUConfigError
 
         compute = Block.load(args.compute_block).get_compute()
         if not isinstance(compute, EC2InstanceCompute):
@@ -147,9 +149,12 @@ def _setup_aws(args: argparse.Namespace) -> int:
         session = compute.provisioner._session
     made = setup.AWSSetup(store, region or _default_region(), session=session, endpoint_url=args.endpoint_url,
                           instance_profile=args.instance_profile, kms_key_id=kms_key_id,
-                          abort_after_days=args.abort_incomplete_uploads_days, dry_run=args.dry_run)
+                          abort_after_days=args.abort_incomplete_uploads_days, dry_run=args.dry_run,
+                          name_suffix=args.name_suffix)
     try:
         outcome = made.run()
+    except SGPUConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - say what failed and what was done before it
         from prefect_sgpu.aws import error_of
 

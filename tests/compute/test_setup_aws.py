@@ -27,9 +27,9 @@ def _setup(capsys: pytest.CaptureFixture[str], aws: MotoAWS, *args: str) -> tupl
     return code, json.loads(out) if out.strip() else {}
 
 
-def _remove(aws: MotoAWS, bucket: str, profile: str | None) -> None:
+def _remove(aws: MotoAWS, bucket: str, profile: str | None, suffix: str = "") -> None:
     iam = aws.client("iam")
-    for name in POLICIES:
+    for name in [*POLICIES, *(f"{n}{suffix}" for n in POLICIES if suffix)]:
         arn = f"arn:aws:iam::{ACCOUNT}:policy/{name}"
         try:
             for user in iam.list_entities_for_policy(PolicyArn=arn)["PolicyUsers"]:
@@ -83,6 +83,13 @@ def test_setup_makes_a_store_ready_once_and_the_doctor_finds_it_green(
         assert [iam.get_policy(PolicyArn=f"arn:aws:iam::{ACCOUNT}:policy/{n}")["Policy"]["DefaultVersionId"]
                 for n in POLICIES] == ["v1"] * 3
 
+        # another store of the account: the first store's policies are not taken over; names of its own are fine
+        assert cli.main(["setup", "aws", "--region", REGION, "--endpoint-url", aws_env.endpoint_url, "--store",
+                         f"s3://{bucket}/other"]) == 2
+        assert "--name-suffix" in capsys.readouterr().err
+        code, other = _setup(capsys, aws_env, "--store", f"s3://{bucket}/other", f"--name-suffix=-{tag}")
+        assert code == 0 and other["attach_to_driver"][0].endswith(f"policy/{setup.DRIVER_POLICY}-{tag}")
+
         # a driver holding the driver and doctor policies it made: every doctor check passes, every call judged
         user = f"sgpu-setup-driver-{tag}"
         iam.create_user(UserName=user)
@@ -110,7 +117,7 @@ def test_setup_makes_a_store_ready_once_and_the_doctor_finds_it_green(
         assert [(d.action, d.context) for d in gate.denied] == [("s3:ListBucket", {"s3:prefix": [""]})], gate.denied
         assert (f"user/{user}", "s3:GetBucketLocation") in gate.allowed
     finally:
-        _remove(aws_env, bucket, profile)
+        _remove(aws_env, bucket, profile, f"-{tag}")
 
 
 def test_a_dry_run_asks_nothing_and_lists_every_call_of_a_first_run(

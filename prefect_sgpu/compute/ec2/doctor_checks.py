@@ -95,8 +95,8 @@ class AccountChecks:
         principal = self.principal()
         if principal is None:
             return []
-        entries = [{"ContextKeyName": k, "ContextKeyValues": [v], "ContextKeyType": "string"}
-                   for k, v in context.items()]
+        entries = [{"ContextKeyName": k, "ContextKeyValues": [v],
+                    "ContextKeyType": "boolean" if v in ("true", "false") else "string"} for k, v in context.items()]
         results = self.client("iam").simulate_principal_policy(
             PolicySourceArn=principal, ActionNames=actions, ResourceArns=[resource],
             ContextEntries=entries)["EvaluationResults"]

@@ -17,12 +17,15 @@ For one store (``s3://bucket/prefix``) in one region, in the order the later ste
 Each step reads first and writes only what differs: a second run makes no write. A managed policy
 whose default version differs from the rendered document gets a new default version (the oldest
 non-default version is deleted when IAM's five are in use). A bucket rule of another ID is kept.
+The managed policies' descriptions name their store: a policy of the same name made for another
+store is never replaced (a second store of one account takes ``name_suffix``).
 With ``dry_run`` no call is made: every call a first run on an empty account makes is listed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -82,7 +85,7 @@ class AWSSetup:
 
     def __init__(self, store_uri: str, region: str, *, session: Any | None = None, endpoint_url: str | None = None,
                  instance_profile: str | None = None, kms_key_id: str | None = None, abort_after_days: int = 7,
-                 dry_run: bool = False) -> None:
+                 dry_run: bool = False, name_suffix: str = "") -> None:
         if not store_uri.startswith("s3://") or not roles.s3_location(store_uri)[0]:
             raise SGPUConfigError("store_uri", store_uri, "an s3://bucket/prefix URI")
         if not 1 <= abort_after_days <= 365:
@@ -94,7 +97,10 @@ class AWSSetup:
         self.store_uri, self.region, self.endpoint_url = store_uri.rstrip("/"), region, endpoint_url
         self.bucket, self.prefix = roles.s3_location(store_uri)
         self.instance_profile, self.kms_key_id, self.days = instance_profile, kms_key_id, abort_after_days
-        self.dry_run = dry_run
+        if name_suffix and not re.fullmatch(r"[A-Za-z0-9+=,.@_-]{1,32}", name_suffix):
+            raise SGPUConfigError("name_suffix", name_suffix, "up to 32 of IAM's name characters (letters, digits, "
+                                  "+=,.@_-)")
+        self.dry_run, self.suffix = dry_run, name_suffix
         self._session = session
         self._clients: dict[str, Any] = {}
         self.outcome = Outcome()
@@ -135,12 +141,12 @@ class AWSSetup:
         account = identity["Account"] if identity else "<account>"
         part = roles.partition(self.region)
         self.bucket_steps()
-        boundary = self.managed_policy(BOUNDARY_POLICY, account, roles.node_boundary(
+        boundary = self.managed_policy(BOUNDARY_POLICY + self.suffix, account, roles.node_boundary(
             self.store_uri, self.region, account, self.kms_key_id), "the boundary of prefect-sgpu job roles")
         role_arn = self.shared_profile(account, part) if self.instance_profile else None
-        driver = self.managed_policy(DRIVER_POLICY, account, roles.driver_policy(
+        driver = self.managed_policy(DRIVER_POLICY + self.suffix, account, roles.driver_policy(
             self.store_uri, self.region, account, boundary, self.kms_key_id, role_arn), "prefect-sgpu drivers")
-        doctor = self.managed_policy(DOCTOR_POLICY, account, roles.doctor_policy(self.store_uri, self.region, account),
+        doctor = self.managed_policy(DOCTOR_POLICY + self.suffix, account, roles.doctor_policy(self.store_uri, self.region, account),
                                      "what prefect-sgpu doctor reads besides the driver policy")
         self.network()
         self.outcome.attach = [driver, doctor]
@@ -190,11 +196,16 @@ class AWSSetup:
         """The ARN of managed policy ``name`` holding ``document`` as its default version."""
         arn = f"arn:{roles.partition(self.region)}:iam::{account}:policy/{name}"
         found = self._read("iam", "get_policy", PolicyArn=arn)
+        description = f"{description} (store {self.store_uri})"
         if found is None:
             self._call("iam", "create_policy", PolicyName=name, PolicyDocument=json.dumps(document),
                        Description=description)
             self._step(name, "created", arn)
             return arn
+        if found["Policy"].get("Description", description) != description:
+            raise SGPUConfigError("store_uri", self.store_uri, f"the store policy {arn} was made for",
+                                  f"it says: {found['Policy'].get('Description')!r}; give this store's policies "
+                                  "names of their own (--name-suffix)")
         version = found["Policy"]["DefaultVersionId"]
         current = self._call("iam", "get_policy_version", PolicyArn=arn, VersionId=version)["PolicyVersion"]
         if _same(current["Document"], document):
