@@ -111,7 +111,8 @@ def test_setup_makes_a_store_ready_once_and_the_doctor_finds_it_green(
             aws_faults.iam_gate = None
         statuses = {c.name: c.status for c in checks}
         assert {n for n, s in statuses.items() if s not in ("ok", "skip")} == set(), doctor.report(checks)
-        assert statuses["shared profile"] == statuses["launch (dry run)"] == statuses["EBS key"] == "ok", doctor.report(checks)
+        assert statuses["shared profile"] == statuses["launch (dry run)"] == statuses["EBS key"] == "ok", \
+            doctor.report(checks)
         # one refusal, on purpose: HeadBucket needs s3:ListBucket of the whole bucket, which a driver of one
         # prefix does not hold; the store check then reads the bucket's location (doctor policy)
         assert [(d.action, d.context) for d in gate.denied] == [("s3:ListBucket", {"s3:prefix": [""]})], gate.denied

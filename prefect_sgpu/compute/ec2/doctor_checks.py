@@ -112,7 +112,8 @@ class AccountChecks:
         try:
             (found,) = self.client("ec2").describe_security_groups(GroupIds=[group])["SecurityGroups"]
         except Exception as exc:  # noqa: BLE001
-            return Check("security group", "fail", f"{group}: {error_text(exc)}", "a security group of the subnets' VPC")
+            return Check("security group", "fail", f"{group}: {error_text(exc)}",
+                         "a security group of the subnets' VPC")
         missing = [way for way, rules in (("inbound", found.get("IpPermissions", [])),
                                           ("outbound", found.get("IpPermissionsEgress", [])))
                    if not self_rule(rules, group)]

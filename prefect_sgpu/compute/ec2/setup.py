@@ -146,7 +146,8 @@ class AWSSetup:
         role_arn = self.shared_profile(account, part) if self.instance_profile else None
         driver = self.managed_policy(DRIVER_POLICY + self.suffix, account, roles.driver_policy(
             self.store_uri, self.region, account, boundary, self.kms_key_id, role_arn), "prefect-sgpu drivers")
-        doctor = self.managed_policy(DOCTOR_POLICY + self.suffix, account, roles.doctor_policy(self.store_uri, self.region, account),
+        doctor = self.managed_policy(DOCTOR_POLICY + self.suffix, account,
+                                     roles.doctor_policy(self.store_uri, self.region, account),
                                      "what prefect-sgpu doctor reads besides the driver policy")
         self.network()
         self.outcome.attach = [driver, doctor]
@@ -175,7 +176,8 @@ class AWSSetup:
         else:
             self._call("s3", "put_bucket_encryption", Bucket=b,
                        ServerSideEncryptionConfiguration={"Rules": [wanted]})
-            self._step("bucket encryption", "updated" if rules else "created", f"{sse['SSEAlgorithm']} with Bucket Keys")
+            self._step("bucket encryption", "updated" if rules else "created",
+                       f"{sse['SSEAlgorithm']} with Bucket Keys")
         found = self._read("s3", "get_bucket_lifecycle_configuration", Bucket=b)
         rules = list((found or {}).get("Rules", []))
         ours = {"ID": LIFECYCLE_RULE_ID, "Status": "Enabled", "Filter": {"Prefix": self.prefix},
