@@ -5,6 +5,7 @@
     prefect-sgpu run [--gpus N] [--nodes N] [--gpu-type TYPE] [--remote --compute-block SLUG/NAME] SCRIPT [ARGS]
     prefect-sgpu gc [--dry-run] [--compute-block SLUG/NAME | --store URI] [options]
     prefect-sgpu doctor [--compute-block SLUG/NAME | --store s3://... --region R] [--gpu-type T --gpus N --nodes N]
+    prefect-sgpu setup aws (--store s3://... | --compute-block SLUG/NAME) [--instance-profile NAME] [--dry-run]
 
 ``gpus`` prints the accelerator catalog (:mod:`prefect_sgpu.catalog`): each GPU type, the
 instance types that carry it, their GPUs per node and on-demand price per hour where the
@@ -17,8 +18,16 @@ failed, 2 for bad arguments (nothing was started).
 
 ``doctor`` checks what a first EC2 job needs against the account (:mod:`prefect_sgpu.compute.ec2.doctor`):
 credentials, region, the store bucket, the image, the instance type's offering and vCPU quota, a
-capacity reservation, and the driver policy simulated against the driver's identity. Exit status 0
-when nothing failed, 1 when a check failed (each says what to do), 2 for bad arguments.
+capacity reservation, the driver policy simulated against the driver's identity, and what a
+launch meets after the API accepted it (security group, EBS key, subnet addresses, a shared
+profile's role, a job role's key, the first attempt with ``DryRun``). Exit status 0 when nothing
+failed, 1 when a check failed (each says what to do), 2 for bad arguments.
+
+``setup aws`` creates or checks what one store needs (:mod:`prefect_sgpu.compute.ec2.setup`): the
+bucket with encryption, Bucket Keys and a lifecycle rule, the node boundary, the driver and doctor
+policies, a shared instance profile if asked; it reports the network it finds. A second run changes
+nothing; ``--dry-run`` prints every call and makes none. Exit status 0, 1 when a call failed, 2 for
+bad arguments.
 
 ``gc`` removes what dead drivers left behind (:mod:`prefect_sgpu.compute.remote.sweep`): with
 ``--compute-block`` the store, region and credentials of a saved compute block; with
@@ -96,7 +105,69 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--gpus", type=int, help="GPUs of the job (default: one node's)")
     doctor.add_argument("--nodes", type=int, help="nodes of the job (default: as few as hold --gpus)")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    setup = commands.add_parser("setup", help="create or check what a cloud account needs for one store")
+    clouds = setup.add_subparsers(dest="cloud", required=True)
+    setup_aws = clouds.add_parser(
+        "aws", help="the bucket (encryption, Bucket Keys, a lifecycle rule), the node boundary, the driver and "
+                    "doctor policies, a shared instance profile if asked; reports the network it finds")
+    where = setup_aws.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", metavar="URI", help="the s3://bucket/prefix nodes exchange files through")
+    where.add_argument("--compute-block", metavar="SLUG/NAME", help="a saved EC2 compute block (its store, "
+                                                                     "region, KMS key and credentials)")
+    setup_aws.add_argument("--region", help="AWS region (default: the block's, else the AWS config's)")
+    setup_aws.add_argument("--endpoint-url", help="a custom AWS endpoint (private links, tests)")
+    setup_aws.add_argument("--kms-key-id", help="the store's KMS key (default encryption SSE-KMS under it; "
+                                                "default: the block's, else SSE-S3)")
+    setup_aws.add_argument("--instance-profile", metavar="NAME", help="also create a shared instance profile (and "
+                                                                      "its role) of this name")
+    setup_aws.add_argument("--abort-incomplete-uploads-days", type=int, default=7, metavar="N",
+                           help="days after which incomplete multipart uploads under the store are aborted "
+                                "(default 7)")
+    setup_aws.add_argument("--name-suffix", default="", help="added to the managed policies' names (a second "
+                                                              "store of one account)")
+    setup_aws.add_argument("--dry-run", action="store_true", help="print every call it would make; make none")
+    setup_aws.add_argument("--json", action="store_true", help="print the outcome as JSON")
     return parser
+
+
+def _setup_aws(args: argparse.Namespace) -> int:
+    from prefect_sgpu.compute.ec2 import setup
+    from prefect_sgpu.errors import SGPUConfigError
+
+    session, kms_key_id, region = None, args.kms_key_id, args.region
+    store = args.store
+    if args.compute_block:
+        from prefect.blocks.core import Block
+
+        from prefect_sgpu.compute.ec2.compute import EC2InstanceCompute
+
+        compute = Block.load(args.compute_block).get_compute()
+        if not isinstance(compute, EC2InstanceCompute):
+            raise SGPUConfigError("--compute-block", args.compute_block, "an EC2 compute block")
+        store, region = compute.settings.store_uri, region or compute.settings.region
+        kms_key_id = kms_key_id or compute.settings.kms_key_id
+        session = compute.provisioner._session
+    made = setup.AWSSetup(store, region or _default_region(), session=session, endpoint_url=args.endpoint_url,
+                          instance_profile=args.instance_profile, kms_key_id=kms_key_id,
+                          abort_after_days=args.abort_incomplete_uploads_days, dry_run=args.dry_run,
+                          name_suffix=args.name_suffix)
+    try:
+        outcome = made.run()
+    except SGPUConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - say what failed and what was done before it
+        from prefect_sgpu.aws import error_of
+
+        code, message = error_of(exc)
+        print(setup.report(made.outcome, args.dry_run), file=sys.stderr)
+        print(f"prefect-sgpu setup aws: {made.outcome.calls[-1] if made.outcome.calls else 'the first call'} "
+              f"failed: {code or type(exc).__name__}: {message}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(outcome.as_json(), indent=2))
+    else:
+        print(setup.report(outcome, args.dry_run))
+    return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -241,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "doctor":
             return _doctor(args)
+        if args.command == "setup":
+            return _setup_aws(args)
         made = _sweeper(args)
     except SGPUConfigError as exc:
         print(f"prefect-sgpu {args.command}: {exc}", file=sys.stderr)

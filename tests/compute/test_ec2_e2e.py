@@ -1102,6 +1102,7 @@ def test_with_job_roles_a_rank_cannot_read_forge_or_stop_another_job(ec2: EC2Env
     assert ec2.proxy is not None
     iam = ec2.aws.client("iam")
     driver, gate, boundary = ec2.gated_driver()
+    gate.kms_via_ssm = True  # a node's read of its key needs kms:Decrypt through SSM (no store key here)
     user = next(iter(gate.users))
     settings = {**ec2.settings, "instance_profile": None, "job_roles": True, "node_permissions_boundary": boundary}
     compute = EC2InstanceCompute.from_settings(settings, session=driver)
@@ -1146,7 +1147,7 @@ def test_with_job_roles_a_rank_cannot_read_forge_or_stop_another_job(ec2: EC2Env
     assert {(f"user/{user}", a) for a in ("iam:CreateRole", "iam:PassRole", "ec2:RunInstances",
                                           "ec2:TerminateInstances", "ssm:PutParameter", "s3:PutObject",
                                           "iam:DeleteRole")} <= gate.allowed, "the driver's calls were judged"
-    assert {(role_a, a) for a in ("ssm:GetParameter", "s3:GetObject", "s3:PutObject")} <= gate.allowed
+    assert {(role_a, a) for a in ("ssm:GetParameter", "kms:Decrypt", "s3:GetObject", "s3:PutObject")} <= gate.allowed
     for run_id in (result_a.run_id, job_b.run_id):
         assert f"IAM role {roles.role_name(run_id)}" in (result_a if run_id == result_a.run_id else result_b).released
         with pytest.raises(iam.exceptions.NoSuchEntityException):

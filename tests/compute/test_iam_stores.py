@@ -246,5 +246,7 @@ def test_the_boundary_names_one_stores_paths_instances_and_key(kms: str | None) 
     assert f"parameter/prefect-sgpu/{scope}/*" in text and "parameter/prefect-sgpu/*" not in text
     terminate = next(s for s in boundary["Statement"] if s["Action"] == "ec2:TerminateInstances")
     assert terminate["Condition"] == {"StringEquals": {"ec2:ResourceTag/sgpu:store": "s3://b/team-x"}}
-    keys = [s["Resource"] for s in boundary["Statement"] if any(a.startswith("kms:") for a in s["Action"])]
+    keys = [s["Resource"] for s in boundary["Statement"] if s["Sid"] == "StoreKey"]
     assert keys == ([f"arn:aws:kms:eu-west-1:210987654321:key/{kms}"] if kms else []), "KMS on one key, or none"
+    via_ssm = [s for s in boundary["Statement"] if s["Sid"] == "StoreParametersKey"]
+    assert bool(via_ssm) == (kms is None), "without a store key: SSM's decryption of the store's parameters"

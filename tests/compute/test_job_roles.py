@@ -23,7 +23,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "iam"
 
 
 def test_the_shipped_documents_are_the_ones_the_package_renders() -> None:
-    for name in ("node-policy", "node-boundary", "driver-policy"):
+    for name in ("node-policy", "node-boundary", "driver-policy", "doctor-policy"):
         assert json.loads((DOCS / f"{name}.json").read_text()) == roles.policy_template(name)
 
 
@@ -31,7 +31,9 @@ def test_a_node_policy_names_only_its_run_and_its_locations() -> None:
     policy = roles.node_policy("train-0123456789", "eu-west-1", "210987654321",
                                ["s3://b/jobs/train-0123456789", "s3://b/jobs/checkpoints/flow/task"], "0123456789abcdef")
     text = json.dumps(policy)
-    assert "{{" not in text and "kms:" not in text, "no unfilled name; no KMS statement without a key"
+    assert "{{" not in text, "no unfilled name"
+    assert [s["Sid"] for s in policy["Statement"] if "kms:" in json.dumps(s["Action"])] == ["JobParametersKey"], \
+        "without a store key: only SSM's decryption of the run's own parameters"
     sids = [s["Sid"] for s in policy["Statement"]]
     assert len(sids) == len(set(sids)), "statement ids are unique"
     resources = {r for s in policy["Statement"] for r in (s["Resource"] if isinstance(s["Resource"], list)
@@ -39,7 +41,7 @@ def test_a_node_policy_names_only_its_run_and_its_locations() -> None:
     assert resources == {
         "arn:aws:s3:::b/jobs/train-0123456789/*", "arn:aws:s3:::b/jobs/checkpoints/flow/task/*", "arn:aws:s3:::b",
         "arn:aws:ssm:eu-west-1:210987654321:parameter/prefect-sgpu/0123456789abcdef/train-0123456789/*",
-        "arn:aws:ec2:eu-west-1:210987654321:instance/*",
+        "arn:aws:ec2:eu-west-1:210987654321:instance/*", "arn:aws:kms:eu-west-1:210987654321:key/*",
     }
     terminate = next(s for s in policy["Statement"] if s["Action"] == "ec2:TerminateInstances")
     assert terminate["Condition"] == {"StringEquals": {"ec2:ResourceTag/sgpu:run-id": "train-0123456789"}}

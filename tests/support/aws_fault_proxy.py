@@ -507,6 +507,11 @@ class AWSFaultProxy:
                     service, ("AccessDeniedException", 400) if service.startswith("json:") else ("AccessDenied", 403))
                 message = (f"User: {refused.identity} is not authorized to perform: {refused.action} on resource: "
                            f"{refused.resource}")
+                if service == "ec2" and gate.encode_ec2_messages:
+                    from support.iam_gate import encode_refusal
+
+                    message = (f"You are not authorized to perform this operation. {message}. Encoded authorization "
+                               f"failure message: {encode_refusal(gate, refused, refused.context or {})}")
                 return self._error(record, code, message, status, service)
         if rule is not None and not rule.after_forward:
             return self._error(record, rule.code, rule.message, rule.status, service)
@@ -531,6 +536,19 @@ class AWSFaultProxy:
             from support.iam_gate import simulate_principal_policy
 
             result = 200, [("Content-Type", "text/xml")], simulate_principal_policy(params)
+        elif service == "iam" and action == "SimulateCustomPolicy":
+            from support.iam_gate import simulate_custom_policy
+
+            result = 200, [("Content-Type", "text/xml")], simulate_custom_policy(params)
+        elif service == "sts" and action == "DecodeAuthorizationMessage":
+            from support.iam_gate import decode_answer
+
+            status, answer = decode_answer(gate, params)
+            result = status, [("Content-Type", "text/xml")], answer
+        elif service == "ec2" and action in ("GetEbsDefaultKmsKeyId", "ResetEbsDefaultKmsKeyId"):
+            result = self._ebs_default_key(action, headers)
+        elif service == "json:TrentService" and action == "DescribeKey":
+            result = self._describe_key(self._forward(method, path, headers, body))
         elif service == "json:ServiceQuotasV20190624" and params.get("ServiceCode") == "ec2" and action in (
                 "GetServiceQuota", "GetAWSDefaultServiceQuota"):
             result = self._ec2_quota(record, params, service)
@@ -768,6 +786,40 @@ class AWSFaultProxy:
                 if reservation is not None:
                     reservation.available -= int(params.get("MaxCount", "1"))
             return status, resp_headers, payload
+
+    def _ebs_default_key(self, action: str, headers: dict[str, str]) -> tuple[int, list, bytes]:
+        """EC2's default EBS key from moto's state (moto 5.2 sets it, ModifyEbsDefaultKmsKeyId, but answers
+        neither the read nor the reset): ``alias/aws/ebs`` until a customer key was set. Source:
+        https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_GetEbsDefaultKmsKeyId.html"""
+        from moto.ec2.models import ec2_backends
+
+        scope = re.search(r"Credential=[^/]+/[^/]+/([^/]+)/", {k.lower(): v for k, v in headers.items()}.get(
+            "authorization", ""))
+        backend = ec2_backends["123456789012"][scope.group(1) if scope else "us-east-1"]
+        if action == "ResetEbsDefaultKmsKeyId":
+            backend.default_kms_key_id = ""
+        key = backend.default_kms_key_id or "alias/aws/ebs"
+        return self._ec2_ok(action, f"<kmsKeyId>{escape(key)}</kmsKeyId>")
+
+    @staticmethod
+    def _describe_key(result: tuple[int, list, bytes]) -> tuple[int, list, bytes]:
+        """KMS's DescribeKey with ``KeyManager: AWS`` for the keys of ``alias/aws/*`` (moto says
+        CUSTOMER for every key). Source: "AWS managed keys",
+        https://docs.aws.amazon.com/kms/latest/developerguide/concepts.html#aws-managed-cmk"""
+        status, headers, payload = result
+        if status != 200:
+            return result
+        from moto.kms.models import kms_backends
+
+        answer = json.loads(payload)
+        meta = answer.get("KeyMetadata", {})
+        region = meta.get("Arn", "::::").split(":")[3]
+        key = kms_backends[meta.get("AWSAccountId", "123456789012")][region].keys.get(meta.get("KeyId", ""))
+        if key is not None and any(a.startswith("alias/aws/") for a in key.aliases):
+            meta["KeyManager"] = "AWS"
+            payload = json.dumps(answer).encode()
+            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+        return status, headers, payload
 
     def _describe_reservations(self, params: Params) -> tuple[int, list, bytes]:
         with self._lock:

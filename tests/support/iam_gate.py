@@ -46,6 +46,7 @@ class Decision:
     action: str
     resource: str
     identity: str
+    context: dict[str, list[str]] | None = None
 
 
 def _match(pattern: str, value: str, case: bool = True) -> bool:
@@ -151,6 +152,16 @@ class IAMGate:
         self.clock: Any = time.monotonic
         #: role name -> when its policy was last written, on ``clock``
         self.written: dict[str, float] = {}
+        #: when True, ``ssm:GetParameter`` with decryption of a SecureString also needs ``kms:Decrypt`` on
+        #: the parameter's key, as SSM asks KMS on the caller's behalf (``kms:ViaService`` and the
+        #: ``PARAMETER_ARN`` encryption context set); off by default. Source: "How AWS Systems Manager
+        #: Parameter Store uses AWS KMS", https://docs.aws.amazon.com/kms/latest/developerguide/services-parameter-store.html
+        self.kms_via_ssm = False
+        #: when True, an EC2 refusal carries an "Encoded authorization failure message", which
+        #: ``sts:DecodeAuthorizationMessage`` (:meth:`decode`) turns back into the refused action, resource
+        #: and context; off by default. Source: https://docs.aws.amazon.com/STS/latest/APIReference/API_DecodeAuthorizationMessage.html
+        self.encode_ec2_messages = False
+        self._encoded: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def watch_role(self, name: str) -> None:
@@ -219,6 +230,27 @@ class IAMGate:
         except Exception:  # noqa: BLE001 - an unknown instance has no tags (EC2 refuses it itself)
             return {}
         return {t["key"]: t["value"] for t in inst.get_tags()}
+
+    def _parameter_key_arn(self, name: str) -> str | None:
+        """The ARN of the KMS key a SecureString is encrypted under (the AWS-managed ``alias/aws/ssm`` key
+        when it names none); None for a parameter that is not a SecureString or does not exist."""
+        from moto.kms.models import kms_backends
+        from moto.ssm.models import ssm_backends
+
+        try:
+            versions = ssm_backends[ACCOUNT][self.region]._parameters[name]
+            parameter = versions[-1]
+        except Exception:  # noqa: BLE001 - SSM answers ParameterNotFound itself
+            return None
+        if parameter.parameter_type != "SecureString":
+            return None
+        key = parameter.keyid or "alias/aws/ssm"
+        if key.startswith("arn:") and ":key/" in key:
+            return key
+        kms = kms_backends[ACCOUNT][self.region]
+        if key.startswith("alias/") or ":alias/" in key:
+            key = kms.get_key_id_from_alias(key.split(":")[-1]) or key
+        return self._arn("kms", f"key/{key}")
 
     def _group_tags(self, group_id: str) -> dict[str, str]:
         from moto.ec2.models import ec2_backends
@@ -289,7 +321,8 @@ class IAMGate:
                  service: str, action: str, params: dict[str, str]) -> list[tuple[str, str, dict[str, list[str]]]]:
         """(action, resource ARN, condition context) for everything one request needs."""
         if service.startswith("json:"):
-            prefix = {"AmazonSSM": "ssm", "TrentService": "kms"}.get(service[5:], service[5:].lower())
+            prefix = {"AmazonSSM": "ssm", "TrentService": "kms", "ServiceQuotasV20190624": "servicequotas"}.get(
+                service[5:], service[5:].lower())
             name = params.get("Name", "")
             if prefix == "ssm" and not name and params.get("ResourceType") == "Parameter":
                 name = params.get("ResourceId", "")  # tagging calls name the parameter so
@@ -298,6 +331,12 @@ class IAMGate:
                 arn = self._arn("ssm", "parameter" + (name if name.startswith("/") else "/" + name), account=owner)
                 if action == "PutParameter" and params.get("Tags"):  # tags at creation need the tagging right too
                     return [(f"ssm:{action}", arn, {}), ("ssm:AddTagsToResource", arn, {})]
+                if action == "GetParameter" and self.kms_via_ssm and params.get("WithDecryption") == "true":
+                    key = self._parameter_key_arn(name)
+                    if key:
+                        return [(f"ssm:{action}", arn, {}), ("kms:Decrypt", key, {
+                            "kms:ViaService": [f"ssm.{self.region}.amazonaws.com"],
+                            "kms:EncryptionContext:PARAMETER_ARN": [arn], "kms:CallerAccount": [ACCOUNT]})]
                 return [(f"ssm:{action}", arn, {})]
             return [(f"{prefix}:{action}", "*", {})]
         if service == "rest":
@@ -350,6 +389,8 @@ class IAMGate:
                     "Create") else None)
             elif "RoleName" in params:
                 arn = self._role_arn(params["RoleName"], params.get("Path") if action == "CreateRole" else None)
+            elif "PolicySourceArn" in params or "PolicyArn" in params:  # the simulated principal; a managed policy
+                arn = params.get("PolicySourceArn") or params["PolicyArn"]
             else:
                 arn = "*"
             return [(f"iam:{action}", arn, context)]
@@ -410,13 +451,77 @@ class IAMGate:
             if verdict == "allow" and boundary:
                 verdict = evaluate(boundary, needed, resource, context)
             if verdict != "allow":
-                decision = Decision(needed, resource, name)
+                decision = Decision(needed, resource, name, context)
                 with self._lock:
                     self.denied.append(decision)
                 return decision
             with self._lock:
                 self.allowed.add((name, needed))
         return None
+
+
+def encode_refusal(gate: IAMGate, decision: Decision, context: dict[str, list[str]]) -> str:
+    """A token standing for ``decision`` as EC2 encodes it (opaque to the caller; :func:`decode_answer`
+    reads it back)."""
+    import base64
+    import uuid as _uuid
+
+    token = base64.urlsafe_b64encode(_uuid.uuid4().bytes + _uuid.uuid4().bytes).decode().rstrip("=")
+    with gate._lock:
+        gate._encoded[token] = {
+            "allowed": False, "explicitDeny": False, "matchedStatements": {"items": []}, "failures": {"items": []},
+            "context": {"principal": {"arn": f"arn:aws:iam::{ACCOUNT}:{decision.identity}"},
+                        "action": decision.action, "resource": decision.resource,
+                        "conditions": {"items": [{"key": k, "values": {"items": [{"value": v} for v in vs]}}
+                                                 for k, vs in sorted(context.items())]}}}
+    return token
+
+
+def decode_answer(gate: IAMGate | None, params: dict[str, str]) -> tuple[int, bytes]:
+    """STS's ``DecodeAuthorizationMessage`` for a token of :func:`encode_refusal` (moto has none)."""
+    from xml.sax.saxutils import escape
+
+    found = gate._encoded.get(params.get("EncodedMessage", "")) if gate is not None else None
+    if found is None:
+        return 400, ('<ErrorResponse><Error><Type>Sender</Type><Code>InvalidAuthorizationMessageException</Code>'
+                     "<Message>The message is not an encoded authorization message of this account.</Message>"
+                     "</Error><RequestId>0</RequestId></ErrorResponse>").encode()
+    return 200, ('<DecodeAuthorizationMessageResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+                 f"<DecodeAuthorizationMessageResult><DecodedMessage>{escape(json.dumps(found))}</DecodedMessage>"
+                 "</DecodeAuthorizationMessageResult><ResponseMetadata><RequestId>0</RequestId></ResponseMetadata>"
+                 "</DecodeAuthorizationMessageResponse>").encode()
+
+
+def simulate_custom_policy(params: dict[str, str]) -> bytes:
+    """IAM's ``SimulateCustomPolicy`` answered with :func:`evaluate` (moto 5.2 has none): the request's
+    policies, then its permissions boundary policies, for each action on each resource under the
+    request's context entries."""
+    from xml.sax.saxutils import escape
+
+    def members(prefix: str) -> list[str]:
+        return [v for k, v in sorted(params.items(), key=lambda kv: _member_order(kv[0]))
+                if re.fullmatch(rf"{re.escape(prefix)}\.member\.\d+", k)]
+
+    docs = [json.loads(d) for d in members("PolicyInputList")]
+    boundary = [json.loads(d) for d in members("PermissionsBoundaryPolicyInputList")]
+    context: dict[str, list[str]] = {}
+    for key in [k for k in params if re.fullmatch(r"ContextEntries\.member\.\d+\.ContextKeyName", k)]:
+        context[params[key]] = members(f"{key.rsplit('.', 1)[0]}.ContextKeyValues")
+    out = []
+    for action in members("ActionNames"):
+        for resource in members("ResourceArns") or ["*"]:
+            verdict = evaluate(docs, action, resource, context)
+            if verdict == "allow" and boundary:
+                verdict = evaluate(boundary, action, resource, context)
+            decision = {"allow": "allowed", "deny": "explicitDeny"}.get(verdict, "implicitDeny")
+            out.append(f"<member><EvalActionName>{escape(action)}</EvalActionName><EvalResourceName>"
+                       f"{escape(resource)}</EvalResourceName><EvalDecision>{decision}</EvalDecision>"
+                       "<MatchedStatements/><MissingContextValues/></member>")
+    return ('<SimulateCustomPolicyResponse xmlns="https://iam.amazonaws.com/doc/2010-05-08/">'
+            "<SimulateCustomPolicyResult><IsTruncated>false</IsTruncated><EvaluationResults>"
+            + "".join(out) + "</EvaluationResults></SimulateCustomPolicyResult><ResponseMetadata>"
+            "<RequestId>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestId></ResponseMetadata>"
+            "</SimulateCustomPolicyResponse>").encode()
 
 
 def simulate_principal_policy(params: dict[str, str], region: str = "us-east-1") -> bytes:

@@ -271,7 +271,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
         request = allocation.request
         assert isinstance(request, EC2Request)
         policy = roles.job_access_policy(request.run_id, self.region, self.account(), self.job_locations(request),
-                                         self.store.scope)
+                                         self.store.scope, self.settings.kms_key_id)
         roles.grant_job(self._client("iam"), lease.lease_id, policy)
 
     def _revoke(self, allocation: RemoteAllocation, lease: WarmLease) -> None:

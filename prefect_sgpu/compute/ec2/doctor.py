@@ -16,26 +16,27 @@ deleted at once) and says ``ok``, ``warn``, ``fail`` or ``skip`` with the reason
   covers the job's nodes; a shortfall names the quota to raise;
 - **capacity reservation** (market ``reserved``): active, of the instance type, with enough free;
 - **driver policy**: the shipped driver policy for this store, simulated against the driver's own
-  identity (``iam:SimulatePrincipalPolicy``); each action it would be refused is listed.
+  identity (``iam:SimulatePrincipalPolicy``); each action it would be refused is listed;
+- what a launch meets after the API accepted it, and the policies that only fail inside a node:
+  the security group's rule to itself, the default EBS key, free addresses in the subnets, a
+  shared profile's role, a job role's key through SSM, and the first launch attempt with
+  ``DryRun=True`` (:mod:`prefect_sgpu.compute.ec2.doctor_checks`).
+
+The driver runs every check under its own identity: the shipped driver policy for the store and
+``policies/doctor-policy.json`` (:func:`prefect_sgpu.compute.ec2.roles.doctor_policy`).
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from prefect_sgpu import catalog
+from prefect_sgpu.compute.ec2.doctor_checks import AccountChecks, Check, Status, error_text
 from prefect_sgpu.errors import SGPUConfigError
 
-Status = Literal["ok", "warn", "fail", "skip"]
-
-@dataclass
-class Check:
-    name: str
-    status: Status
-    detail: str
-    fix: str = ""
+__all__ = ["Check", "Doctor", "Status", "Wanted", "as_json", "examine", "report"]
 
 
 @dataclass
@@ -57,14 +58,10 @@ class Wanted:
         return cls(instance_type, count)
 
 
-def _error(exc: BaseException) -> str:
-    from prefect_sgpu.aws import error_of
-
-    code, message = error_of(exc)
-    return f"{code}: {message}" if code else f"{type(exc).__name__}: {message}"
+_error = error_text
 
 
-class Doctor:
+class Doctor(AccountChecks):
     """Runs the checks for one set of EC2 settings with one boto3 session (the driver's)."""
 
     def __init__(self, settings: Any, session: Any | None = None, builds_on_nodes: bool | None = None) -> None:
@@ -91,10 +88,18 @@ class Doctor:
     def run(self, wanted: Wanted) -> list[Check]:
         checks = [self.credentials()]
         if self.identity is None:
-            rest = ("region", "store", "image", "instances", "GPU quota", "driver policy")
+            rest = ("region", "store", "image", "instances", "GPU quota", "driver policy", "security group",
+                    "EBS key", "subnet addresses", "shared profile", "job role key", "launch (dry run)")
             return checks + [Check(name, "skip", "needs credentials") for name in rest]
         checks += [self.region(), self.store(), self.image(), *self.instances(wanted), self.driver_policy()]
+        checks += self.launch_checks(wanted.instance_type, wanted.nodes)
         return checks
+
+    def principal(self) -> str | None:
+        return self._principal_arn()
+
+    def image_of(self) -> tuple[str, str]:
+        return self.provisioner.image()
 
     # -- one check each -----------------------------------------------------------------
 
@@ -133,7 +138,14 @@ class Doctor:
         bucket, prefix = s3_location(s.store_uri)
         s3 = self.client("s3")
         try:
-            s3.head_bucket(Bucket=bucket)
+            try:
+                s3.head_bucket(Bucket=bucket)
+            except Exception as exc:  # noqa: BLE001
+                # HeadBucket needs s3:ListBucket of the whole bucket; the driver policy lists its prefix
+                # only, so a 403 here is the policy: the bucket's location says whether it exists
+                if error_code(exc) not in ("403", "AccessDenied"):
+                    raise
+                s3.get_bucket_location(Bucket=bucket)
         except Exception as exc:  # noqa: BLE001
             code = error_code(exc)
             if code in ("404", "NoSuchBucket"):
@@ -280,7 +292,8 @@ class Doctor:
         account, region = self.identity["Account"], s.region
         part = roles.partition(region)
         boundary = s.node_permissions_boundary or f"arn:{part}:iam::{account}:policy/prefect-sgpu-node-boundary"
-        policy = roles.driver_policy(s.store_uri, region, account, boundary, s.kms_key_id)
+        shared = self._shared_role_arn()
+        policy = roles.driver_policy(s.store_uri, region, account, boundary, s.kms_key_id, shared)
         try:
             principal = self._principal_arn()
         except Exception as exc:  # noqa: BLE001
@@ -315,6 +328,17 @@ class Doctor:
                          "docs/iam)")
         return Check("driver policy", "ok", f"{principal} is allowed every action of the driver policy for "
                      f"{s.store_uri}")
+
+    def _shared_role_arn(self) -> str | None:
+        """The role of the shared ``instance_profile``, when there is one and IAM names it."""
+        if not self.settings.instance_profile:
+            return None
+        try:
+            found = self.client("iam").get_instance_profile(
+                InstanceProfileName=self.settings.instance_profile.rsplit("/", 1)[-1])["InstanceProfile"]["Roles"]
+        except Exception:  # noqa: BLE001 - the shared profile check says why
+            return None
+        return str(found[0]["Arn"]) if found else None
 
     def _principal_arn(self) -> str | None:
         """The IAM user or role behind the caller (an assumed role's session names its role)."""

@@ -12,7 +12,10 @@ with one inline policy rendered from
 - ``ssm:GetParameter`` / ``ssm:DeleteParameter`` on ``/prefect-sgpu/<store scope>/<run id>/*`` only
   (the job key, the job's ``secrets=``);
 - ``ec2:TerminateInstances`` only on instances tagged ``sgpu:run-id=<run id>``;
-- the store's KMS key when one is configured.
+- the store's KMS key when one is configured; without one, ``kms:Decrypt`` through SSM only
+  (``kms:ViaService``) and only for the run's own parameters (their ``PARAMETER_ARN`` encryption
+  context): the job key is a SecureString under the account's AWS-managed ``aws/ssm`` key, whose
+  key policy leaves the rest to IAM.
 
 Code in one job's ranks therefore gets AccessDenied on another job's key, documents and
 nodes. The role is created with the permissions boundary ``node_permissions_boundary`` (the
@@ -60,7 +63,7 @@ ROLE_POLICY_NAME = "prefect-sgpu-job"
 #: the inline policy a warm lease's role holds for the job it serves (put at assignment, deleted at release)
 ASSIGNED_JOB_POLICY_NAME = "prefect-sgpu-assigned-job"
 #: the statements of ``node-policy.json`` that a job on a lease adds to the lease's role
-ASSIGNED_JOB_STATEMENTS = ("JobFiles", "ListJobFiles", "JobParameters")
+ASSIGNED_JOB_STATEMENTS = ("JobFiles", "ListJobFiles", "JobParameters", "JobParametersKey")
 NODE_TRUST_POLICY = {
     "Version": "2012-10-17",
     "Statement": [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}],
@@ -68,7 +71,8 @@ NODE_TRUST_POLICY = {
 
 
 def policy_template(name: str) -> dict[str, Any]:
-    """One of the shipped policy documents (``node-policy``, ``node-boundary``, ``driver-policy``)."""
+    """One of the shipped policy documents (``node-policy``, ``node-boundary``, ``driver-policy``,
+    ``doctor-policy``)."""
     text = resources.files("prefect_sgpu.policies").joinpath(f"{name}.json").read_text()
     return json.loads(text)
 
@@ -92,6 +96,19 @@ def kms_key_arn(key_id: str | None, region: str, account: str) -> str | None:
     if key_id.startswith("arn:"):
         return key_id
     return f"arn:{partition(region)}:kms:{region}:{account}:{key_id if key_id.startswith('alias/') else 'key/' + key_id}"
+
+
+def ssm_managed_keys(kms_key_id: str | None, region: str, account: str) -> str | None:
+    """The KMS keys a node may decrypt its SSM SecureStrings with when the store names no key of its own:
+    every key of the account, each statement that names them conditioned to SSM's use for the store's
+    (or the run's) parameters; None when a key is configured (the ``StoreKey`` statements cover it).
+
+    SSM encrypts a SecureString without ``KeyId`` under the AWS-managed ``alias/aws/ssm`` key, whose id
+    differs per account and region, and IAM cannot name a key by alias for ``kms:Decrypt``: hence
+    ``key/*`` with ``kms:ViaService`` and ``kms:EncryptionContext:PARAMETER_ARN``
+    (https://docs.aws.amazon.com/systems-manager/latest/userguide/secure-string-parameter-kms-encryption.html).
+    """
+    return None if kms_key_id else f"arn:{partition(region)}:kms:{region}:{account}:key/*"
 
 
 def render(template: dict[str, Any], values: dict[str, str | None],
@@ -144,19 +161,22 @@ def node_policy(run_id: str, region: str, account: str, locations: list[str], sc
     packages_prefix = s3_location(packages_uri)[1] if packages_uri and environment_uri else None
     return render(policy_template("node-policy"),
                   {"Partition": partition(region), "Region": region, "Account": account, "RunId": run_id,
-                   "StoreScope": scope, "KmsKeyArn": kms_key_arn(kms_key_id, region, account), "EnvironmentBucket": env_bucket,
+                   "StoreScope": scope, "KmsKeyArn": kms_key_arn(kms_key_id, region, account),
+                   "SsmManagedKeys": ssm_managed_keys(kms_key_id, region, account), "EnvironmentBucket": env_bucket,
                    "EnvironmentPrefix": env_prefix, "PackagesPrefix": packages_prefix},
                   [s3_location(uri) for uri in dict.fromkeys(locations)])
 
 
-def job_access_policy(run_id: str, region: str, account: str, locations: list[str], scope: str) -> dict[str, Any]:
+def job_access_policy(run_id: str, region: str, account: str, locations: list[str], scope: str,
+                      kms_key_id: str | None = None) -> dict[str, Any]:
     """What a warm lease's role holds while it serves run ``run_id``: that run's ``s3://`` locations
-    and SSM path (the node policy's job statements; the lease's own policy has its instances,
-    environment and KMS key)."""
+    and SSM path, and without a store key the decryption of that path's parameters through SSM (the
+    node policy's job statements; the lease's own policy has its instances, environment and KMS key)."""
     template = policy_template("node-policy")
     template = {**template, "Statement": [s for s in template["Statement"] if s.get("Sid") in ASSIGNED_JOB_STATEMENTS]}
     return render(template, {"Partition": partition(region), "Region": region, "Account": account, "RunId": run_id,
-                             "StoreScope": scope}, [s3_location(uri) for uri in dict.fromkeys(locations)])
+                             "StoreScope": scope, "SsmManagedKeys": ssm_managed_keys(kms_key_id, region, account)},
+                  [s3_location(uri) for uri in dict.fromkeys(locations)])
 
 
 def grant_job(iam: Any, lease_id: str, policy: dict[str, Any]) -> None:
@@ -183,14 +203,19 @@ def role_policies(iam: Any, run_id: str) -> list[str]:
 
 
 def driver_policy(store_uri: str, region: str, account: str, node_boundary_arn: str,
-                  kms_key_id: str | None = None) -> dict[str, Any]:
-    """The shipped driver policy for one store (what a Prefect worker's role needs)."""
+                  kms_key_id: str | None = None, shared_profile_role_arn: str | None = None) -> dict[str, Any]:
+    """The shipped driver policy for one store (what a Prefect worker's role needs).
+
+    ``shared_profile_role_arn``: the role of the block's shared ``instance_profile``, which the
+    driver then may pass to EC2 (``iam:PassRole``, ``iam:PassedToService`` EC2 only); without it the
+    driver passes only the store's job roles, and a launch naming another profile is refused."""
     bucket, prefix = s3_location(store_uri)
     return render(policy_template("driver-policy"),
                   {"Partition": partition(region), "Region": region, "Account": account, "Bucket": bucket,
                    "StorePrefix": prefix, "StoreUri": store_uri.rstrip("/"), "NodeBoundaryArn": node_boundary_arn,
                    "StoreScope": store_scope(store_uri),
-                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account)})
+                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account),
+                   "SharedProfileRoleArn": shared_profile_role_arn})
 
 
 def node_boundary(store_uri: str, region: str, account: str, kms_key_id: str | None = None) -> dict[str, Any]:
@@ -200,7 +225,16 @@ def node_boundary(store_uri: str, region: str, account: str, kms_key_id: str | N
     return render(policy_template("node-boundary"),
                   {"Partition": partition(region), "Region": region, "Account": account, "Bucket": bucket,
                    "StorePrefix": prefix, "StoreUri": store_uri.rstrip("/"), "StoreScope": store_scope(store_uri),
-                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account)})
+                   "KmsKeyArn": kms_key_arn(kms_key_id, region, account),
+                   "SsmManagedKeys": ssm_managed_keys(kms_key_id, region, account)})
+
+
+def doctor_policy(store_uri: str, region: str, account: str) -> dict[str, Any]:
+    """The shipped doctor policy for one store: what ``prefect-sgpu doctor`` reads besides what the
+    driver policy allows (the driver runs the doctor under both)."""
+    bucket, _ = s3_location(store_uri)
+    return render(policy_template("doctor-policy"), {"Partition": partition(region), "Account": account,
+                                                     "Bucket": bucket})
 
 
 @dataclass
