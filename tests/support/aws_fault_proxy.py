@@ -673,6 +673,8 @@ class AWSFaultProxy:
 
     def _describe_reservations(self, params: Params) -> tuple[int, list, bytes]:
         with self._lock:
+            for reservation in self._reservations.values():
+                self._take_released(reservation)
             ids = _indexed(params, "CapacityReservationId")
             for rid in ids:
                 if rid not in self._reservations:
