@@ -77,6 +77,36 @@ def test_boot_timeout_scales_with_the_instance_family_and_shows_in_the_dry_run(a
     assert mine.plan(spec.JobSpec(gpus=16, gpu_type="H100", remote=True), "r").describe()["agent_timeout_s"] == 300.0
 
 
+def test_the_agents_wait_the_requests_boot_time_counted_from_running(
+    settings: dict[str, Any], aws_env: Any, tmp_path: Any
+) -> None:
+    """The wait for the agents is the request's (its instance type's boot time, not the compute's
+    ``agent_timeout_s``), and starts once the instances run: provisioning's wait for ``running``
+    is over before it."""
+    import threading
+
+    from prefect_sgpu.compute.ec2.compute import EC2Allocation, EC2InstanceCompute
+    from prefect_sgpu.errors import LaunchTimeout
+    from prefect_sgpu.protocol.jobfolder import JobFolder
+
+    compute = EC2InstanceCompute(EC2Settings(**settings, store_uri="s3://bucket/jobs"))
+    request = compute.plan(spec.JobSpec(gpus=2, gpu_type="A10", remote=True, mlflow=False), "r-boot")
+    assert compute.agent_timeout_s == request.agent_timeout_s == 900.0
+    request = replace(request, agent_timeout_s=2.0)  # a family's boot time, short enough to wait out here
+    instances = compute.provisioner.provision("r-boot", request.plan, USER_DATA)
+    try:
+        assert live(aws_env, [i.id for i in instances]) == {i.id for i in instances}  # booted: running
+        allocation = EC2Allocation(request=request, folder=JobFolder.local(tmp_path / "r-boot", "00" * 32),
+                                   nodes=[], instances=instances, progress=lambda *_: None)
+        started = time.monotonic()
+        with pytest.raises(LaunchTimeout) as info:
+            compute._wait_for_agents(allocation, time.monotonic() + 20.0, threading.Event())
+        assert 2.0 <= time.monotonic() - started < 10.0
+        assert info.value.phase == "agent start" and "2" in str(info.value)
+    finally:
+        compute.provisioner.terminate("r-boot")
+
+
 # -- a cluster placement group is bound to a zone ---------------------------------------
 
 
