@@ -42,6 +42,25 @@ must terminate all instances in the placement group before you can delete the pl
 The proxy records each launch's groups and each termination it forwards, and refuses for the set
 number of seconds after the group's last member instance was terminated, on
 :data:`prefect_sgpu.retry.CLOCK` (a test's virtual clock lets the minutes pass at once).
+Three more, each off by default (a test turns it on):
+
+- ``bind_placement_zones``: a cluster placement group is bound to the Availability Zone of its
+  first instance; a launch into it from a subnet of another zone fails with
+  ``InvalidPlacementGroup.InUse`` (AWS docs, "Placement groups: rules and limitations": a cluster
+  placement group can't span multiple Availability Zones).
+- ``reservation_release_s``: a reservation's slot comes back that many seconds (on
+  :data:`prefect_sgpu.retry.CLOCK`, which the ``virtual_clock`` fixture makes virtual) after its
+  instance was terminated; until then a launch into it fails with ``ReservationCapacityExceeded``
+  (AWS docs, "Capacity Blocks for ML": a terminated instance's capacity is not available again for
+  some minutes). ``None`` (the default): a slot, once used, never comes back.
+- capacity blocks (``add_capacity_reservation(reservation_type="capacity-block", ...)``):
+  DescribeCapacityReservations returns ``ReservationType``, ``PlacementGroupArn`` and ``EndDate``;
+  a launch into a capacity block without ``InstanceMarketOptions.MarketType=capacity-block`` fails
+  with ``InvalidParameterValue`` "The market type (purchasing) option is not valid" (the error
+  users report, terraform-aws-modules/terraform-aws-ec2-instance PR #404; RunInstances docs,
+  InstanceMarketOptionsRequest), and a launch into a reservation made in a cluster placement group
+  that names another group fails with ``InvalidParameterCombination`` (AWS docs, "Capacity
+  Reservations in cluster placement groups": instances must be launched into that group).
 """
 
 from __future__ import annotations
@@ -178,6 +197,12 @@ class _Reservation:
     total: int
     available: int
     state: str = "active"
+    reservation_type: str = "default"
+    placement_group: str | None = None
+    end_date: str | None = None
+    #: the instances launched into it, and when each terminated one's slot comes back
+    instances: set[str] = field(default_factory=set)
+    releasing: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -186,6 +211,8 @@ class _PlacementGroup:
     strategy: str
     group_id: str
     tags: dict[str, str] = field(default_factory=dict)
+    #: the Availability Zone of its first instance (``bind_placement_zones``)
+    zone: str | None = None
 
 
 def _tag_specifications(params: Params, resource_type: str) -> dict[str, str]:
@@ -267,6 +294,10 @@ class AWSFaultProxy:
         self.group_hold_s: dict[str, float] = {"security group": 0.0, "placement group": 0.0}
         self._members: dict[tuple[str, str], set[str]] = {}
         self._ended: dict[str, float] = {}
+        #: a cluster placement group keeps to the zone of its first instance (module docstring)
+        self.bind_placement_zones = False
+        #: seconds after a termination until its reservation slot is free again; None: never
+        self.reservation_release_s: float | None = None
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -338,6 +369,8 @@ class AWSFaultProxy:
             self.launch_faults.reset()
             self.efa_rules = False
             self.group_hold_s = {"security group": 0.0, "placement group": 0.0}
+            self.bind_placement_zones = False
+            self.reservation_release_s = None
 
     def hold_groups(self, security_group_s: float = 0.0, placement_group_s: float = 0.0) -> None:
         """From now on a security group answers ``DependencyViolation`` and a placement group
@@ -382,14 +415,21 @@ class AWSFaultProxy:
         return None
 
     def add_capacity_reservation(
-        self, instance_type: str, availability_zone: str, count: int, state: str = "active"
+        self, instance_type: str, availability_zone: str, count: int, state: str = "active", *,
+        reservation_type: str = "default", placement_group: str | None = None, end_date: str | None = None,
     ) -> str:
-        """A targeted EC2 capacity reservation; returns its id (cr-...)."""
+        """A targeted EC2 capacity reservation; returns its id (cr-...). ``reservation_type``
+        ``"capacity-block"`` makes it a Capacity Block; ``placement_group``: the cluster placement
+        group it was made in (created here, as AWS creates it with the block); ``end_date``: ISO 8601."""
         reservation_id = f"cr-{uuid.uuid4().hex[:17]}"
         with self._lock:
             self._reservations[reservation_id] = _Reservation(
-                reservation_id, instance_type, availability_zone, count, count, state
+                reservation_id, instance_type, availability_zone, count, count, state,
+                reservation_type, placement_group, end_date,
             )
+            if placement_group and placement_group not in self._groups:
+                self._groups[placement_group] = _PlacementGroup(
+                    placement_group, "cluster", f"pg-{uuid.uuid4().hex[:17]}")
         return reservation_id
 
     def calls(self, action: str) -> list[Recorded]:
@@ -563,6 +603,8 @@ class AWSFaultProxy:
                 for key, value in params.items():
                     if key.startswith("InstanceId."):
                         self._ended.setdefault(value, retry.CLOCK.monotonic())
+        if service == "ec2" and action == "TerminateInstances" and result[0] < 400:
+            self._release_slots([v for k, v in params.items() if k.startswith("InstanceId.")])
         hook = self.on_terminate
         if service == "ec2" and action == "TerminateInstances" and result[0] < 400 and hook is not None:
             hook([v for k, v in sorted(params.items()) if k.startswith("InstanceId.")])
@@ -772,12 +814,31 @@ class AWSFaultProxy:
                     "InvalidCapacityReservationId.NotFound",
                     f"The capacity reservation ID '{reservation_id}' does not exist",
                 )
+            if reservation is not None and reservation.reservation_type == "capacity-block" and params.get(
+                    "InstanceMarketOptions.MarketType") != "capacity-block":
+                return self._ec2_fail(
+                    "InvalidParameterValue",
+                    "The market type (purchasing) option is not valid. Choose a different market type and "
+                    "try again.",
+                )
+            if (reservation is not None and reservation.placement_group
+                    and group != reservation.placement_group):
+                return self._ec2_fail(
+                    "InvalidParameterCombination",
+                    f"The Capacity Reservation ({reservation_id}) is in placement group "
+                    f"'{reservation.placement_group}': launch into that placement group.",
+                )
+            if reservation is not None:
+                self._take_released(reservation)
             if reservation is not None and int(params.get("MinCount", "1")) > reservation.available:
                 return self._ec2_fail(
                     "ReservationCapacityExceeded",
                     f"The targeted Capacity Reservation ({reservation_id}) does not have enough available "
                     "instance capacity to fulfill your request.",
                 )
+            bound = self._bound_zone_refusal(group, headers, params) if self.bind_placement_zones else None
+            if bound is not None:
+                return bound
             status, resp_headers, payload = self._forward(method, path, headers, body)
             if status == 200:
                 self._record_members(params, payload)
@@ -785,6 +846,11 @@ class AWSFaultProxy:
                     self._tokens[token] = (fingerprint, status, payload)
                 if reservation is not None:
                     reservation.available -= int(params.get("MaxCount", "1"))
+                    reservation.instances.update(re.findall(r"<instanceId>(i-[0-9a-f]+)</instanceId>",
+                                                            payload.decode("utf-8", "replace")))
+                if group and group in self._groups and self._groups[group].zone is None:
+                    found = re.search(rb"<availabilityZone>([^<]+)</availabilityZone>", payload)
+                    self._groups[group].zone = found.group(1).decode() if found else None
             return status, resp_headers, payload
 
     def _ebs_default_key(self, action: str, headers: dict[str, str]) -> tuple[int, list, bytes]:
@@ -820,9 +886,61 @@ class AWSFaultProxy:
             payload = json.dumps(answer).encode()
             headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
         return status, headers, payload
+    def _bound_zone_refusal(self, group: str | None, headers: dict[str, str],
+                            params: Params) -> tuple[int, list, bytes] | None:
+        """``InvalidPlacementGroup.InUse`` for a launch into a cluster group bound to another zone."""
+        placed = self._groups.get(group or "")
+        if placed is None or placed.strategy != "cluster" or placed.zone is None:
+            return None
+        subnet = params.get("SubnetId") or params.get("NetworkInterface.1.SubnetId")
+        zone = params.get("Placement.AvailabilityZone")
+        if zone is None and subnet:
+            zone = self._subnet_zone(subnet, headers)
+        if zone is None or zone == placed.zone:
+            return None
+        return self._ec2_fail(
+            "InvalidPlacementGroup.InUse",
+            f"The placement group '{placed.name}' is in use in another availability zone: {placed.zone}",
+        )
+
+    def _subnet_zone(self, subnet_id: str, headers: dict[str, str]) -> str | None:
+        """The zone of a subnet, asked of moto with the caller's own (unchecked) signature headers."""
+        body = f"Action=DescribeSubnets&Version=2016-11-15&SubnetId.1={subnet_id}".encode()
+        keep = ("authorization", "x-amz-date", "content-type")
+        out = {k: v for k, v in headers.items() if k.lower() in keep}
+        status, _, payload = self._forward("POST", "/", out, body)
+        found = re.search(rb"<availabilityZone>([^<]+)</availabilityZone>", payload)
+        found = found if status == 200 else None
+        return found.group(1).decode() if found else None
+
+    def _release_slots(self, ids: list[str]) -> None:
+        """Terminated instances' reservation slots come back ``reservation_release_s`` later."""
+        if self.reservation_release_s is None:
+            return
+        from prefect_sgpu import retry
+
+        now = retry.CLOCK.monotonic()
+        with self._lock:
+            for reservation in self._reservations.values():
+                for instance_id in set(ids) & reservation.instances:
+                    reservation.instances.discard(instance_id)
+                    reservation.releasing.append(now + self.reservation_release_s)
+
+    def _take_released(self, reservation: _Reservation) -> None:
+        """Slots whose time has come are available again."""
+        if not reservation.releasing:
+            return
+        from prefect_sgpu import retry
+
+        now = retry.CLOCK.monotonic()
+        due = [t for t in reservation.releasing if t <= now]
+        reservation.releasing = [t for t in reservation.releasing if t > now]
+        reservation.available = min(reservation.total, reservation.available + len(due))
 
     def _describe_reservations(self, params: Params) -> tuple[int, list, bytes]:
         with self._lock:
+            for reservation in self._reservations.values():
+                self._take_released(reservation)
             ids = _indexed(params, "CapacityReservationId")
             for rid in ids:
                 if rid not in self._reservations:
@@ -837,7 +955,12 @@ class AWSFaultProxy:
                 f"<availabilityZone>{r.availability_zone}</availabilityZone><tenancy>default</tenancy>"
                 f"<totalInstanceCount>{r.total}</totalInstanceCount>"
                 f"<availableInstanceCount>{r.available}</availableInstanceCount><state>{r.state}</state>"
-                "<instanceMatchCriteria>targeted</instanceMatchCriteria></item>"
+                "<instanceMatchCriteria>targeted</instanceMatchCriteria>"
+                f"<reservationType>{r.reservation_type}</reservationType>"
+                + (f"<placementGroupArn>arn:aws:ec2:us-east-1:123456789012:placement-group/"
+                   f"{r.placement_group}</placementGroupArn>" if r.placement_group else "")
+                + (f"<endDate>{r.end_date}</endDate>" if r.end_date else "")
+                + "</item>"
                 for r in self._reservations.values()
                 if not ids or r.reservation_id in ids
             )

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from prefect_sgpu import catalog
 from prefect_sgpu.compute.base import Request
 from prefect_sgpu.compute.ec2 import request as rq
-from prefect_sgpu.compute.ec2 import efa, roles
+from prefect_sgpu.compute.ec2 import capacity, efa, roles
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.remote.lease import WarmLease, lease_id
 from prefect_sgpu.environment import ship as environment_ship
@@ -86,7 +86,20 @@ class EC2Request(RemoteRequest):
             "estimated_usd_per_hour": self.usd_per_hour,
             **({"keep_warm": f"a warm lease's instances when one of this shape is idle; else new ones for lease "
                              f"{self.lease_id}, kept {self.keep_warm:g}s between jobs"} if self.lease_id else {}),
+            **self._reservation_shown(),
         }
+
+
+    def _reservation_shown(self) -> dict[str, str]:
+        """What a reserved try depends on that only launching can read (DescribeCapacityReservations)."""
+        target = next((a.params["CapacityReservationSpecification"]["CapacityReservationTarget"]
+                       for a in self.run_instances if a.market == "reserved"), None)
+        if target is None:
+            return {}
+        return {"capacity_reservation": (
+            f"{target['CapacityReservationId']}: launched into its zone and, when it has one, its placement "
+            "group; a Capacity Block as MarketType=capacity-block; one that ends before the job's deadline "
+            "is warned of when the job launches")}
 
 
 @dataclass
@@ -212,10 +225,23 @@ class EC2InstanceCompute(RemoteNodeCompute):
                           heartbeat_ttl_s=self.heartbeat_ttl_s, region=self.region, instance_type=instance_type,
                           run_instances=attempts, user_data=user_data, store_uri=self.store.uri(run_id),
                           key_parameter=ssm_key_parameter(run_id, self.store.scope), usd_per_hour=price,
-                          agent_timeout_s=self.agent_timeout_s,
+                          agent_timeout_s=self.boot_timeout_s(instance_type),
                           job_role=roles.role_name(lease or run_id) if self.settings.job_roles else "",
                           job_role_path=roles.role_path(self.store.scope),
                           keep_warm=self.keep_warm, lease_id=lease)
+
+    def boot_timeout_s(self, instance_type: str) -> float:
+        """The wait for the agents of ``instance_type`` from ``running``: the block's ``agent_timeout_s``
+        when it was changed from its default, else the family's
+        (:func:`~prefect_sgpu.compute.ec2.capacity.boot_timeout_s`: a p5 boots for many minutes)."""
+        default = type(self.settings).model_fields["agent_timeout_s"].default
+        configured = None if self.settings.agent_timeout_s == default else self.settings.agent_timeout_s
+        return capacity.boot_timeout_s(instance_type, configured)
+
+    def _agent_timeout(self, allocation: RemoteAllocation) -> float:
+        """The request's (:meth:`boot_timeout_s` of its instance type)."""
+        request = allocation.request
+        return request.agent_timeout_s if isinstance(request, EC2Request) else self.agent_timeout_s
 
     def replan(self, request: Request, gang: int) -> EC2Request:
         """The same launch tries in the same order (the first market first, then the fallback
@@ -321,7 +347,9 @@ class EC2InstanceCompute(RemoteNodeCompute):
                         cancel: threading.Event) -> Instance:
         """One instance in the run's groups (a warm lease's: the lease's), launched alone for node ``node``
         of the job's current gang: the request's tries in order, each with a ClientToken of its own for
-        that gang and node, and user-data that names the node (its launch index is 0) and a cold job's gang."""
+        that gang and node, and user-data that names the node (its launch index is 0) and a cold job's gang.
+        Only subnets in the kept machines' zone are tried (the run's cluster placement group is bound to
+        it), a failure ends only what this launch started, and a reservation's slot is waited for."""
         request = allocation.request
         assert isinstance(request, EC2Request)
         gang = allocation.folder.gang
@@ -333,13 +361,17 @@ class EC2InstanceCompute(RemoteNodeCompute):
         attempts = tuple(replace(a, params={**a.params, "UserData": user_data,
                                             "ClientToken": rq.client_token(launch_id, i, gang, node)})
                          for i, a in enumerate(self.provisioner.attempts(launch_id, one, user_data)))
+        # the run's cluster placement group is bound to its machines' zone: only subnets there are tried
+        zones = {m.availability_zone for i, m in enumerate(allocation.instances)
+                 if i != node and isinstance(m, Instance)}
+        zone = next(iter(zones)) if len(zones) == 1 else None
         (instance,) = self._launch(allocation, launch_id, one, user_data, attempts, deadline, cancel,
-                                   f"node {node}: ")
+                                   f"node {node}: ", zone=zone, alone=True)
         return instance
 
     def _launch(self, allocation: RemoteAllocation, launch_id: str, plan: Any, user_data: str,
                 attempts: tuple[LaunchAttempt, ...], deadline: float, cancel: threading.Event,
-                label: str) -> list[Instance]:
+                label: str, zone: str | None = None, alone: bool = False) -> list[Instance]:
         """``provisioner.provision`` with its timeouts as the job's: the job's deadline reached is its
         ``LaunchTimeout`` of the whole job, the provisioner's own wait one of ``agent_timeout_s``."""
         request = allocation.request
@@ -348,7 +380,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
             return self.provisioner.provision(
                 launch_id, plan, user_data,
                 progress=lambda text: allocation.progress("provisioning", label + text), should_stop=cancel.is_set,
-                attempts=attempts, deadline=deadline, sent=allocation.sent,
+                attempts=attempts, deadline=deadline, sent=allocation.sent, zone=zone, alone=alone,
             )
         except LaunchTimeout:
             if time.monotonic() >= deadline:

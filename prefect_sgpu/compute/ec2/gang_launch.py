@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 import re
 import time
@@ -35,6 +36,8 @@ from prefect_sgpu.aws import error_of
 from prefect_sgpu.compute.ec2 import launch_outcomes as outcomes
 from prefect_sgpu.compute.ec2.describe import Instance, described, launched_instances
 from prefect_sgpu.compute.ec2.launch_outcomes import PROFILE_PROPAGATION_S, QUOTA_ERRORS, DiedPending
+from prefect_sgpu.compute.ec2.capacity import (SLOT_ERRORS, SLOT_WAIT_CAP_S, SLOT_WAIT_FLOOR_S, Reservation,
+                                               into_reservation, reservation_of)
 from prefect_sgpu.compute.ec2.request import DEFAULT_ROOT_DEVICE, LaunchAttempt
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 
@@ -111,7 +114,8 @@ class GangLaunch:
     def provision(self, run_id: str, plan: Any, user_data: str, progress: Progress = None,
                   should_stop: Callable[[], bool] | None = None, *,
                   attempts: tuple[LaunchAttempt, ...] | None = None,
-                  deadline: float | None = None, sent: list[dict[str, Any]] | None = None) -> list[Instance]:
+                  deadline: float | None = None, sent: list[dict[str, Any]] | None = None,
+                  zone: str | None = None, alone: bool = False) -> list[Instance]:
         """Launch ``plan.nodes`` instances as one gang, failing over as configured.
 
         ``attempts`` are the requests rendered when the job was planned (what dry_run
@@ -122,6 +126,14 @@ class GangLaunch:
         ``should_stop()`` turns true before they run (``JobCancelled``), every resource
         of the run is cleaned up before the error propagates. Each request actually
         sent is appended to ``sent``.
+
+        ``alone``: the launch adds machines to a run that keeps others (a lost node's replacement):
+        only subnets in ``zone`` (the kept machines', where the run's cluster placement group is
+        bound) are tried, a failure terminates only what this call launched, and a reservation's
+        slot that is not free yet (a terminated instance's, for minutes) is waited for, up to
+        ``reservation_slot_wait_s``. A reserved try goes into the reservation's own placement group
+        when it has one, as a ``capacity-block`` launch into a Capacity Block, and a reservation
+        that ends before ``deadline`` is warned of (logged and said through ``progress``).
         """
         stop = should_stop or (lambda: False)
         say = progress or (lambda message: None)
@@ -131,16 +143,26 @@ class GangLaunch:
             attempts = self.attempts(run_id, plan, user_data)  # shape and secrets, before any call
         subnets = self._describe_subnets()
         todo = list(attempts)
+        if zone is not None:  # a cluster placement group stays in the zone of its first instance
+            todo = [a for a in todo if subnets[a.subnet_id or ""]["AvailabilityZone"] == zone]
+            if not todo:
+                raise ProvisioningError(f"run {run_id}: no configured subnet is in {zone}, the zone of the "
+                                        "machines it keeps (its cluster placement group is bound to it)")
+        reservation: Reservation | None = None
         if any(a.market == "reserved" for a in todo):
-            zone = self._reservation_zone(itype)
-            todo = [a for a in todo if a.market != "reserved" or subnets[a.subnet_id or ""]["AvailabilityZone"] == zone]
-            if not any(a.market == "reserved" for a in todo):
+            reservation = self._reservation(itype)
+            rzone = reservation.zone
+            todo = [a for a in todo
+                    if a.market != "reserved" or subnets[a.subnet_id or ""]["AvailabilityZone"] == rzone]
+            if not any(a.market == "reserved" for a in todo) and zone is None:
                 raise SGPUConfigError(
                     "subnet_ids",
                     self.settings.subnet_ids,
-                    f"a subnet in {zone}, the zone of capacity reservation "
+                    f"a subnet in {rzone}, the zone of capacity reservation "
                     f"{self.settings.capacity_reservation_id}",
                 )
+            self._warn_reservation_end(run_id, reservation, deadline, say)
+        mine: list[str] = []  # what this call launched (``alone``: all a failure may end)
         image_id, root_device = self.image()
         try:
             sg = self.settings.security_group_id or self._create_security_group(run_id, subnets)
@@ -155,11 +177,16 @@ class GangLaunch:
                     continue  # every zone of the region counts against the same quota
                 zone = subnets[subnet_id]["AvailabilityZone"]
                 request = launch.resolved(image_id, sg, root_device)
+                if market == "reserved" and reservation is not None:
+                    request = into_reservation(request, reservation)
                 if sent is not None:
                     sent.append(request)
                 say(f"run_instances {plan.nodes} x {itype} in {subnet_id} ({zone}), {market}")
                 try:
-                    response = self._run_instances(request, stop, deadline)
+                    if alone and market == "reserved":
+                        response = self._run_in_reservation(run_id, request, stop, deadline, say)
+                    else:
+                        response = self._run_instances(request, stop, deadline)
                 except ClientError as exc:
                     code, message = error_of(exc)
                     if code in QUOTA_ERRORS:
@@ -181,6 +208,7 @@ class GangLaunch:
                     logger.info("run %s: %s", run_id, tried[-1])
                     continue
                 ids = [i["InstanceId"] for i in response["Instances"]]
+                mine += ids
                 self._launched.setdefault(run_id, set()).update(ids)
                 say(f"launched {', '.join(ids)} in {zone}; waiting for running")
                 try:
@@ -205,10 +233,45 @@ class GangLaunch:
             raise error
         except BaseException:
             try:
-                self.terminate(run_id)
+                if alone:  # the run keeps its other machines and its groups
+                    self.terminate_machines(mine)
+                else:
+                    self.terminate(run_id)
             except Exception:  # keep the launch error; the failed cleanup is logged
                 logger.exception("cleanup of run %s after a failed launch failed", run_id)
             raise
+
+    def _run_in_reservation(self, run_id: str, request: dict[str, Any], stop: Callable[[], bool],
+                            deadline: float | None, say: Callable[[str], None]) -> dict[str, Any]:
+        """``run_instances`` into a reservation whose slot a terminated instance held: EC2 answers
+        ``ReservationCapacityExceeded`` (or ``InsufficientInstanceCapacity``) until the slot is free
+        again, minutes later (AWS docs, "Capacity Blocks for ML"), so those are retried with a backoff
+        of at least ``SLOT_WAIT_FLOOR_S`` for ``reservation_slot_wait_s`` (and never past ``deadline``)."""
+        budget = self.settings.reservation_slot_wait_s
+        if deadline is not None:
+            budget = min(budget, max(0.0, deadline - time.monotonic()))
+
+        def transient(exc: BaseException) -> bool:
+            return isinstance(exc, ClientError) and error_of(exc)[0] in SLOT_ERRORS and not stop()
+
+        return retry.retrying(
+            lambda: self._run_instances(request, stop, deadline), transient=transient, budget_s=budget,
+            base_s=SLOT_WAIT_FLOOR_S, cap_s=SLOT_WAIT_CAP_S, floor_s=SLOT_WAIT_FLOOR_S,
+            what=f"run {run_id}: a slot in capacity reservation {self.settings.capacity_reservation_id}",
+            log=lambda text: (logger.info(text), say(text)),
+        )
+
+    def _warn_reservation_end(self, run_id: str, reservation: Reservation, deadline: float | None,
+                              say: Callable[[str], None]) -> None:
+        """A reservation (a Capacity Block, mostly) that ends before the job's deadline is warned of."""
+        if deadline is None:
+            return
+        left = max(0.0, deadline - time.monotonic())
+        job_end = _dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(seconds=left)
+        text = reservation.warning(job_end)
+        if text:
+            logger.warning("run %s: %s", run_id, text)
+            say(f"warning: {text}")
 
     def _run_instances(self, request: dict[str, Any], stop: Callable[[], bool],
                        deadline: float | None) -> dict[str, Any]:
@@ -269,6 +332,10 @@ class GangLaunch:
 
     def _reservation_zone(self, instance_type: str) -> str:
         """The capacity reservation's zone, after checking it can hold this launch."""
+        return self._reservation(instance_type).zone
+
+    def _reservation(self, instance_type: str) -> Reservation:
+        """The capacity reservation (zone, type, placement group, end), checked to hold this launch."""
         rid = self.settings.capacity_reservation_id
         allowed = (
             f"an active capacity reservation for {instance_type} in {self.settings.region} "
@@ -290,7 +357,7 @@ class GangLaunch:
             raise SGPUConfigError(
                 "capacity_reservation_id", rid, allowed, hint=f"it holds {reservation.get('InstanceType')}"
             )
-        return reservation["AvailabilityZone"]
+        return reservation_of(reservation)
 
     def image(self) -> tuple[str, str]:
         """The AMI id (resolved from SSM when not given) and its root device name."""

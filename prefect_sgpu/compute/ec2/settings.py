@@ -139,7 +139,15 @@ class EC2ComputeFields(BaseModel):
             "the same packages unpack them instead of installing from the index (docs/environment.md).")
     )
     agent_timeout_s: float = Field(
-        default=900.0, gt=0, description="Seconds from launch until every node's agent must be up."
+        default=900.0, gt=0, description=(
+            "Seconds from an instance's 'running' until every node's agent must be up. Left at 900, the "
+            "instance family's boot time applies instead: 45 minutes for p5/p5e/p5en/trn2, 30 for "
+            "p4d/p4de/trn1, 15 for g5/g6 (prefect_sgpu.compute.ec2.capacity.BOOT_TIMEOUTS_S).")
+    )
+    reservation_slot_wait_s: float = Field(
+        default=600.0, ge=0, description=(
+            "Seconds a lost node's replacement inside a capacity reservation or Capacity Block waits for "
+            "the lost instance's slot, which EC2 frees minutes after the termination.")
     )
     node_silence_s: float = Field(
         default=120.0, gt=0, description="Seconds a running node may go without reporting before the job fails."

@@ -290,6 +290,11 @@ class RemoteNodeCompute(Compute):
 
     # -- nodes up -----------------------------------------------------------------------
 
+    def _agent_timeout(self, allocation: RemoteAllocation) -> float:
+        """Seconds the agents of ``allocation``'s machines get to come up once they run (a cloud may
+        scale it with the machine type)."""
+        return self.agent_timeout_s
+
     def _wait_for_agents(self, allocation: RemoteAllocation, deadline: float, cancel: threading.Event,
                          timeout: float | None = None) -> None:
         """Every node's bootstrap has announced itself (a sealed alive document of its machine).
@@ -303,8 +308,8 @@ class RemoteNodeCompute(Compute):
         if len(instances) != allocation.plan.nodes:
             raise ProvisioningError(f"job {run_id}: asked for {allocation.plan.nodes} machine(s), "
                                     f"got {len(instances)}")
-        own_timeout = self.agent_timeout_s if timeout is None else timeout
-        own_limit = time.monotonic() + own_timeout
+        own_timeout = self._agent_timeout(allocation) if timeout is None else timeout
+        own_limit = time.monotonic() + own_timeout  # from "running": provisioning returned running machines
         limit = min(deadline, own_limit)
         up: set[int] = set()
         last_state_check = 0.0
