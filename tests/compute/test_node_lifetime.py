@@ -72,10 +72,10 @@ def test_under_cloud_init_a_node_outlives_no_lifetime_and_a_reboot_powers_it_off
     ec2 = aws_env.client("ec2")
     user_data = "\n".join([
         "#!/bin/bash",
-        'env > /root/given-env; pwd > /root/given-cwd',
+        'root_home="$(getent passwd 0 | cut -d: -f6)"; env > "$root_home/given-env"; pwd > "$root_home/given-cwd"',
         *rq.cloud_init_lines(lifetime_s=4200),
         'echo "home=$HOME pwd=$(pwd) lang=$LANG user=$USER" > "$HOME/set"',
-        "echo booted >> /root/boots",
+        'echo booted >> "$root_home/boots"',
         "exec sleep 600",
     ]) + "\n"
     node_env = {k: v for k, v in aws_env.env.items() if k != "AWS_ENDPOINT_URL"}
@@ -95,7 +95,8 @@ def test_under_cloud_init_a_node_outlives_no_lifetime_and_a_reboot_powers_it_off
             assert not {"HOME", "LANG", "USER", "LOGNAME"} & set(given), sorted(given)
             assert given["PATH"].endswith(":/usr/sbin:/usr/bin:/sbin:/bin"), given["PATH"]
             assert (roots[iid] / "given-cwd").read_text().strip() == "/"
-            assert (roots[iid] / "set").read_text().strip() == "home=/root pwd=/root lang=C.UTF-8 user=root"
+            assert (roots[iid] / "set").read_text().strip() == \
+                f"home={roots[iid]} pwd={roots[iid]} lang=C.UTF-8 user=root", "root's home, from /etc/passwd"
             assert simulator.scheduled_shutdown(iid) == "+70", simulator.scheduled_shutdowns(iid)
             assert (simulator.per_boot_dir(iid) / rq.PER_BOOT_SCRIPT).stat().st_mode & 0o111
             assert not simulator.shutdowns(iid), "scheduling powers nothing off"

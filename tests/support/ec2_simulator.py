@@ -34,10 +34,10 @@ with the same environment reuses the venv the first one built).
 cloud-init's world (``cloud_init``, the default for a bare image where PID namespaces are available):
 the user-data runs as cloud-init runs it, with cwd ``/``, no HOME, LANG or USER and PATH
 ``/usr/sbin:/usr/bin:/sbin:/bin`` (behind the node's own ``shutdown`` and the image's ``python3``,
-which stand for the image's programs there), in a mount namespace where ``/root`` is the node's own
-folder (an overlay: what this machine has there stays readable) and ``/var/lib`` an overlay too, both
-writing into the node's folder: cloud-init's per-boot
-scripts (``/var/lib/cloud/scripts/per-boot``) are seen there, never written to this machine's ``/var``.
+which stand for the image's programs there), in a mount namespace where root's home (its
+/etc/passwd entry) is the node's own folder ``root`` and ``/var/lib`` an overlay writing into the
+node's ``var-lib``: cloud-init's per-boot scripts (``/var/lib/cloud/scripts/per-boot``) are seen
+there, and nothing is written to this machine's ``/root`` or ``/var``.
 Sources: https://github.com/openfaas/faasd/issues/282 (HOME unset under cloud-init); cloud-init docs,
 "Module reference: Scripts per boot" and "Scripts user" (user-data once per instance, per-boot
 scripts at every boot). :meth:`EC2Simulator.reboot` kills the node's processes and runs the per-boot
@@ -335,18 +335,21 @@ class EC2Simulator:
 
     def _run_on_node(self, home: Path, env: dict[str, str], command: str) -> subprocess.Popen[bytes]:
         """``command`` (bash) as the node's process tree: in a PID namespace where there are; in cloud-init's
-        world with cwd ``/``, and ``/root`` and ``/var/lib`` overlays whose writes land in the node's folder
-        (``root``, ``var-lib``): this machine's files stay readable (the Pythons under /root), none is changed."""
+        world with cwd ``/``, root's home (in /etc/passwd) the node's folder ``root`` and ``/var/lib`` an overlay
+        whose writes land in the node's ``var-lib``: this machine's files stay readable, none is changed (root's
+        home is moved rather than overlaid: uv's hard links from its cache into the node's venvs keep working)."""
         argv = ["bash", "-c", command]
         cwd = home
         if self.cloud_init:
-            mounts = ""
-            for target, upper in (("/var/lib", home / "var-lib"), ("/root", home / "root")):
-                work = home / f".{upper.name}-work"
-                upper.mkdir(exist_ok=True)
-                work.mkdir(exist_ok=True)
-                mounts += f"mount -t overlay overlay -o lowerdir={target},upperdir={upper},workdir={work} {target} && "
-            mounts += "cd / && "
+            upper, work, root = home / "var-lib", home / ".var-lib-work", home / "root"
+            for folder in (upper, work, root):
+                folder.mkdir(exist_ok=True)
+            passwd = home / "passwd"
+            passwd.write_text("".join(
+                ":".join([*f[:5], str(root), *f[6:]]) + "\n" if f[0] == "root" else ":".join(f) + "\n"
+                for f in (line.split(":") for line in Path("/etc/passwd").read_text().splitlines() if line)))
+            mounts = (f"mount -t overlay overlay -o lowerdir=/var/lib,upperdir={upper},workdir={work} /var/lib && "
+                      f"mount --bind {passwd} /etc/passwd && cd / && ")
             argv = ["/bin/bash", "-c", mounts + command]
             cwd = Path("/")
         if self.namespaces:

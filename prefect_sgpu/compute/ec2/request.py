@@ -393,7 +393,8 @@ def cloud_init_lines(lifetime_s: float | None = None) -> list[str]:
     cloud-init runs a user-data script as root with cwd ``/`` and without HOME, LANG or USER, and a
     minimal PATH (https://github.com/openfaas/faasd/issues/282 "Install scripts fails when executed in a
     VM cloud-init startup script": "env-var HOME, not set"): pip, uv and torch place their caches under
-    HOME, so they are set here when unset, and the script works in HOME so nothing lands in ``/``.
+    HOME, so they are set here when unset (HOME from the user's passwd entry, as a login would; else
+    ``/root``), and the script works in HOME so nothing lands in ``/``.
 
     It runs the script once per instance, never after a reboot (cloud-init docs, "Module reference:
     Scripts user", frequency once-per-instance), while a reboot ends every process of the node: a
@@ -404,6 +405,7 @@ def cloud_init_lines(lifetime_s: float | None = None) -> list[str]:
     """
     lines = [
         "# cloud-init runs this as root in / without HOME, USER or LANG: set them, work in HOME",
+        '[ -n "${HOME:-}" ] || HOME="$(getent passwd "$(id -u)" | cut -d: -f6)"',
         'export HOME="${HOME:-/root}" USER="${USER:-$(id -un)}" LANG="${LANG:-C.UTF-8}"',
         'cd "$HOME" || cd /tmp',
         "# a reboot ends every process here and cloud-init does not run this script again: power off then",
