@@ -121,7 +121,8 @@ def test_a_rebooted_instance_powers_off_and_is_replaced_and_the_job_resumes(ec2:
     script (not the user-data), which powers it off; the driver replaces it as any lost node."""
     if not ec2.simulator.cloud_init:
         pytest.skip("cloud-init's environment needs PID and mount namespaces (root)")
-    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(agent_timeout_s=600.0), mlflow=False,
+                     timeout=600)(_train)
     job = fn.job()
     thread, outcome = _drive(job)
     _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
