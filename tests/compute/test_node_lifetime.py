@@ -26,13 +26,13 @@ from prefect_sgpu.spec import JobSpec
 def test_the_user_data_sets_home_schedules_the_lifetime_and_installs_a_per_boot_power_off() -> None:
     script = rq.render_user_data("s3://bucket/jobs", "run-1", "eu-west-1", 900, lifetime_s=3 * 3600 + 600)
     lines = script.splitlines()
-    assert 'export HOME="${HOME:-/root}" USER="${USER:-$(id -un)}" LANG="${LANG:-C.UTF-8}"' in lines
-    assert lines.index('cd "$HOME" || cd /tmp') < next(i for i, x in enumerate(lines) if "bootstrap" in x)
+    first = 'export HOME=${HOME:-~} USER=${USER:-$(id -un)} LANG=${LANG:-C.UTF-8};cd "$HOME"||cd /tmp'
+    assert lines.index(first) < next(i for i, x in enumerate(lines) if "bootstrap" in x)
     (schedule,) = [x for x in lines if x.startswith("shutdown -h +")]
-    assert schedule.startswith("shutdown -h +190 "), schedule  # 3 h 10 min, in whole minutes
+    assert schedule == "shutdown -h +190||echo no lifetime>&2", schedule  # 3 h 10 min, in whole minutes
     assert lines.index(schedule) < lines.index("set -euo pipefail"), "a failed schedule does not stop the boot"
-    assert f'per_boot="${{PREFECT_SGPU_PER_BOOT_DIR:-{rq.PER_BOOT_DIR}}}"' in lines
-    assert "exec shutdown -h now" in script and rq.PER_BOOT_SCRIPT in script
+    assert f"b=${{PREFECT_SGPU_PER_BOOT_DIR:-{rq.PER_BOOT_DIR}}}/{rq.PER_BOOT_SCRIPT}" in lines
+    assert "exec shutdown -h now" in script
     assert "shutdown -h +" not in rq.render_user_data("s3://bucket/jobs", "lease-1", "eu-west-1", 900, lease=True)
     assert rq.lifetime_minutes(61) == 2 and rq.lifetime_minutes(60) == 1
     with pytest.raises(SGPUConfigError, match="timeout.*more than 0 seconds"):
@@ -43,12 +43,12 @@ def test_a_cold_jobs_instances_live_its_timeout_plus_a_margin_and_terminate_on_s
     compute = EC2InstanceCompute.from_settings({"store_uri": "s3://bucket/jobs", "region": "eu-west-1",
                                                 "subnet_ids": ["subnet-0123456789abcdef0"], "ami_id": "ami-12345678"})
     request = compute.plan(JobSpec(gpus=1, gpu_type="A10", remote=True, timeout=1800), "run-1")
-    assert "\nshutdown -h +40 " in request.user_data  # 1800 s + LIFETIME_MARGIN_S
+    assert "\nshutdown -h +40||" in request.user_data  # 1800 s + LIFETIME_MARGIN_S
     for attempt in request.run_instances:
         assert attempt.params["InstanceInitiatedShutdownBehavior"] == "terminate"
         assert base64.b64encode(attempt.params["UserData"].encode()) == base64.b64encode(request.user_data.encode())
     again = compute.replan(request, gang=1)
-    assert "\nshutdown -h +40 " in again.user_data and "--gang=1" in again.user_data
+    assert "\nshutdown -h +40||" in again.user_data and "--gang=1" in again.user_data
     warm = EC2InstanceCompute.from_settings({"store_uri": "s3://bucket/jobs", "region": "eu-west-1",
                                              "subnet_ids": ["subnet-0123456789abcdef0"], "ami_id": "ami-12345678",
                                              "keep_warm": 300})

@@ -393,8 +393,8 @@ def cloud_init_lines(lifetime_s: float | None = None) -> list[str]:
     cloud-init runs a user-data script as root with cwd ``/`` and without HOME, LANG or USER, and a
     minimal PATH (https://github.com/openfaas/faasd/issues/282 "Install scripts fails when executed in a
     VM cloud-init startup script": "env-var HOME, not set"): pip, uv and torch place their caches under
-    HOME, so they are set here when unset (HOME from the user's passwd entry, as a login would; else
-    ``/root``), and the script works in HOME so nothing lands in ``/``.
+    HOME, so they are set here when unset (HOME from the user's passwd entry: bash's ``~``, as a login
+    would), and the script works in HOME so nothing lands in ``/``.
 
     It runs the script once per instance, never after a reboot (cloud-init docs, "Module reference:
     Scripts user", frequency once-per-instance), while a reboot ends every process of the node: a
@@ -403,25 +403,15 @@ def cloud_init_lines(lifetime_s: float | None = None) -> list[str]:
     (shutdown(8): systemd holds the schedule and returns at once), an end that needs no process of
     the product to be alive. A reboot drops the schedule; the per-boot script covers that case.
     """
+    # terse: the user-data's room is the environment stage's and setup_commands' (16 KiB in all)
     lines = [
-        "# cloud-init runs this as root in / without HOME, USER or LANG: set them, work in HOME",
-        '[ -n "${HOME:-}" ] || HOME="$(getent passwd "$(id -u)" | cut -d: -f6)"',
-        'export HOME="${HOME:-/root}" USER="${USER:-$(id -un)}" LANG="${LANG:-C.UTF-8}"',
-        'cd "$HOME" || cd /tmp',
-        "# a reboot ends every process here and cloud-init does not run this script again: power off then",
-        f'per_boot="${{{PER_BOOT_ENV}:-{PER_BOOT_DIR}}}"',
-        '{ mkdir -p "$per_boot" && printf "%s\\n" "#!/bin/sh" '
-        '"# prefect-sgpu: a rebooted node lost its job: power off (terminates it)" "exec shutdown -h now" '
-        f'> "$per_boot/{PER_BOOT_SCRIPT}" && chmod 755 "$per_boot/{PER_BOOT_SCRIPT}"; }} '
-        '|| echo "prefect-sgpu: no per-boot power-off in $per_boot" >&2',
+        'export HOME=${HOME:-~} USER=${USER:-$(id -un)} LANG=${LANG:-C.UTF-8};cd "$HOME"||cd /tmp',
+        f"b=${{{PER_BOOT_ENV}:-{PER_BOOT_DIR}}}/{PER_BOOT_SCRIPT}",
+        """mkdir -p "${b%/*}"&&printf '#!/bin/sh\\nexec shutdown -h now\\n'>"$b"&&chmod 755 "$b"||echo "no $b">&2""",
     ]
     if lifetime_s is not None:
         minutes = lifetime_minutes(lifetime_s)
-        lines += [
-            "# an absolute lifetime: powered off (terminated) then, whatever became of this node's processes",
-            f"shutdown -h +{minutes} 'prefect-sgpu: node lifetime ended' "
-            '|| echo "prefect-sgpu: could not schedule the end of its lifetime" >&2',
-        ]
+        lines.append(f"shutdown -h +{minutes}||echo no lifetime>&2")
     return lines
 
 
