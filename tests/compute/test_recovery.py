@@ -115,6 +115,29 @@ def test_a_terminated_instance_is_replaced_and_the_job_resumes(ec2: EC2Env) -> N
     _recovered_exactly_once(ec2, job, outcome, node1, node0)
 
 
+def test_a_rebooted_instance_powers_off_and_is_replaced_and_the_job_resumes(ec2: EC2Env) -> None:
+    """Bare nodes boot under cloud-init's environment (no HOME, LANG or USER, cwd /: the simulator's default
+    where it has namespaces), each scheduling its absolute lifetime (the job's 600 s timeout plus 600 s of
+    margin: 20 minutes). Node 1 is rebooted mid-training: its processes die, cloud-init runs the per-boot
+    script (not the user-data), which powers it off; the driver replaces it as any lost node."""
+    if not ec2.simulator.cloud_init:
+        pytest.skip("cloud-init's environment needs PID and mount namespaces (root)")
+    fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(agent_timeout_s=600.0), mlflow=False,
+                     timeout=600)(_train)
+    job = fn.job()
+    thread, outcome = _drive(job)
+    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
+    node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
+    for iid in (node0, node1):
+        assert ec2.simulator.scheduled_shutdown(iid) == "+20", ec2.simulator.scheduled_shutdowns(iid)
+    ec2.simulator.reboot(node1)
+    thread.join(timeout=400)
+    assert not thread.is_alive(), "the job did not finish"
+    _recovered_exactly_once(ec2, job, outcome, node1, node0)
+    assert "shutdown -h now" in ec2.simulator.shutdowns(node1), "the per-boot script powered it off"
+    assert "reboot" in ec2.simulator.console(node1)
+
+
 def test_an_fsdp2_checkpoint_on_s3_is_restored_by_a_gang_on_other_nodes(ec2: EC2Env) -> None:
     """One job writes sharded FSDP2 checkpoints to S3 and ends at step 20; a second job, on new
     instances, downloads the newest and continues from the very same weights."""

@@ -30,6 +30,19 @@ fetches its pinned uv wheel from a package index on 127.0.0.1 (:mod:`support.whe
 driver's environment from the store, installing packages offline from uv's cache (``./dev`` fills
 it), under ``env_root`` (one folder for the simulator's nodes: a second node, or a second boot,
 with the same environment reuses the venv the first one built).
+
+cloud-init's world (``cloud_init``, the default for a bare image where PID namespaces are available):
+the user-data runs as cloud-init runs it, with cwd ``/``, no HOME, LANG or USER and PATH
+``/usr/sbin:/usr/bin:/sbin:/bin`` (behind the node's own ``shutdown`` and the image's ``python3``,
+which stand for the image's programs there), in a mount namespace where root's home (its
+/etc/passwd entry) is the node's own folder ``root`` and ``/var/lib`` an overlay writing into the
+node's ``var-lib``: cloud-init's per-boot scripts (``/var/lib/cloud/scripts/per-boot``) are seen
+there, and nothing is written to this machine's ``/root`` or ``/var``.
+Sources: https://github.com/openfaas/faasd/issues/282 (HOME unset under cloud-init); cloud-init docs,
+"Module reference: Scripts per boot" and "Scripts user" (user-data once per instance, per-boot
+scripts at every boot). :meth:`EC2Simulator.reboot` kills the node's processes and runs the per-boot
+scripts, not the user-data; ``shutdown -h +N`` is recorded as scheduled (shutdown(8): systemd holds
+it and returns), lost at a reboot, and :meth:`EC2Simulator.end_lifetime` makes it due.
 """
 
 from __future__ import annotations
@@ -213,6 +226,7 @@ class EC2Simulator:
         interval: float = 0.3,
         bare: bool = False,
         env_root: Path | None = None,
+        cloud_init: bool | None = None,
     ) -> None:
         self.ec2 = ec2_client
         self.aws_env = aws_env
@@ -224,6 +238,11 @@ class EC2Simulator:
         self.nodes: dict[str, SimulatedNode] = {}
         self.skipped: set[str] = set()
         self.namespaces = pid_namespaces()
+        #: run user-data in cloud-init's environment (module docstring); needs PID (and mount) namespaces
+        self.cloud_init = (bare and self.namespaces) if cloud_init is None else cloud_init
+        if self.cloud_init and not self.namespaces:
+            raise ValueError("cloud_init=True needs PID and mount namespaces (root and util-linux unshare): "
+                             "without them /root and /var/lib would be this machine's own")
         base = network_octet()  # this worker's own addresses (see aws_fixtures.network_octet)
         self._addresses = (f"127.{base}.{n // 250}.{n % 250 + 1}" for n in itertools.count())
         self._stop = threading.Event()
@@ -347,16 +366,52 @@ class EC2Simulator:
                 env.pop(name, None)
         if os.environ.get("TORCH_EXTENSIONS_DIR"):
             env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
-        argv = ["bash", str(script)]
+        if self.cloud_init:
+            env = self._cloud_init_env(env, home)
+        else:  # the per-boot scripts in the node's folder: this machine's /var/lib is not the node's
+            env["PREFECT_SGPU_PER_BOOT_DIR"] = str(home / "per-boot")
+        log = home / "console.log"
+        proc = self._run_on_node(home, env, f"exec bash {script}")
+        node = SimulatedNode(iid, int(inst.get("AmiLaunchIndex", 0)), inst.get("PrivateIpAddress", ""),
+                             address, imds, proc, log, user_data)
+        node.info["env"] = env
+        return node
+
+    def _cloud_init_env(self, env: dict[str, str], home: Path) -> dict[str, str]:
+        """``env`` as cloud-init leaves it: no HOME, LANG, LC_*, USER or LOGNAME, a minimal PATH (the
+        node's ``shutdown`` and the image's ``python3`` in front stand for the image's own in /usr/sbin
+        and /usr/bin). What remains are the simulator's stand-ins (IMDS endpoint, node folders)."""
+        image = bare_image()
+        dropped = ("HOME", "LANG", "LANGUAGE", "USER", "LOGNAME")
+        env = {k: v for k, v in env.items() if k not in dropped and not k.startswith("LC_")}
+        env["PATH"] = f"{home / 'bin'}:{image / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin"
+        return env
+
+    def _run_on_node(self, home: Path, env: dict[str, str], command: str) -> subprocess.Popen[bytes]:
+        """``command`` (bash) as the node's process tree: in a PID namespace where there are; in cloud-init's
+        world with cwd ``/``, root's home (in /etc/passwd) the node's folder ``root`` and ``/var/lib`` an overlay
+        whose writes land in the node's ``var-lib``: this machine's files stay readable, none is changed (root's
+        home is moved rather than overlaid: uv's hard links from its cache into the node's venvs keep working)."""
+        argv = ["bash", "-c", command]
+        cwd = home
+        if self.cloud_init:
+            upper, work, root = home / "var-lib", home / ".var-lib-work", home / "root"
+            for folder in (upper, work, root):
+                folder.mkdir(exist_ok=True)
+            passwd = home / "passwd"
+            passwd.write_text("".join(
+                ":".join([*f[:5], str(root), *f[6:]]) + "\n" if f[0] == "root" else ":".join(f) + "\n"
+                for f in (line.split(":") for line in Path("/etc/passwd").read_text().splitlines() if line)))
+            mounts = (f"mount -t overlay overlay -o lowerdir=/var/lib,upperdir={upper},workdir={work} /var/lib && "
+                      f"mount --bind {passwd} /etc/passwd && cd / && ")
+            argv = ["/bin/bash", "-c", mounts + command]
+            cwd = Path("/")
         if self.namespaces:
             argv = [shutil.which("unshare") or "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
                     "--mount-proc", "--", *argv]
-        log = home / "console.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=home)
-        return SimulatedNode(iid, int(inst.get("AmiLaunchIndex", 0)), inst.get("PrivateIpAddress", ""),
-                             address, imds, proc, log, user_data)
+        with open(home / "console.log", "ab") as out:
+            return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
 
     def _bare_env(self, home: Path) -> dict[str, str]:
         """A bare image's node: its Python (pip only) first on PATH (no PYTHONPATH), the pinned uv
@@ -408,8 +463,23 @@ class EC2Simulator:
         bin_dir = home / "bin"
         bin_dir.mkdir(exist_ok=True)
         script = bin_dir / "shutdown"
+        # shutdown(8): "+m" or "hh:mm" schedules (systemd holds it; the call returns), "-c" cancels,
+        # "now" (or none, "+0") powers off at once
         script.write_text(
             "#!/bin/bash\n"
+            'when=now\n'
+            'for arg in "$@"; do\n'
+            f'  case "$arg" in -c) echo "shutdown $*" >> {home / "scheduled-shutdown.log"}; '
+            f'rm -f {home / "scheduled-shutdown"}; exit 0 ;;\n'
+            '    -*) ;;\n'
+            '    *) when="$arg"; break ;;\n'
+            '  esac\n'
+            'done\n'
+            'if [ "$when" != now ] && [ "$when" != +0 ]; then\n'
+            f'  echo "shutdown $*" >> {home / "scheduled-shutdown.log"}\n'
+            f'  echo "$when" > {home / "scheduled-shutdown"}\n'
+            '  exit 0\n'
+            'fi\n'
             f'echo "shutdown $*" >> {home / "shutdown.log"}\n'
             f"exec {sys.executable} -c 'import boto3; boto3.client(\"ec2\", "
             f"endpoint_url=\"{self.ec2.meta.endpoint_url}\", region_name=\"{self.ec2.meta.region_name}\")"
@@ -418,9 +488,35 @@ class EC2Simulator:
         script.chmod(0o755)
 
     def shutdowns(self, instance_id: str) -> str:
-        """What the node's ``shutdown`` was called with ("" when never)."""
+        """What the node's ``shutdown`` was called with to power off now ("" when never)."""
         log = self.workdir / instance_id / "shutdown.log"
         return log.read_text() if log.exists() else ""
+
+    def scheduled_shutdowns(self, instance_id: str) -> str:
+        """What the node's ``shutdown`` was called with to schedule (``+m``, ``hh:mm``) or cancel (``-c``)."""
+        log = self.workdir / instance_id / "scheduled-shutdown.log"
+        return log.read_text() if log.exists() else ""
+
+    def scheduled_shutdown(self, instance_id: str) -> str | None:
+        """The node's pending scheduled shutdown (``+m`` or ``hh:mm``); None when none is pending."""
+        pending = self.workdir / instance_id / "scheduled-shutdown"
+        return pending.read_text().strip() if pending.exists() else None
+
+    def end_lifetime(self, instance_id: str) -> bool:
+        """The node's scheduled shutdown comes due (as its minutes passing would): EC2 terminates the
+        instance (shutdown behaviour "terminate"), whether or not any process of the node still runs.
+        False when none was pending."""
+        if self.scheduled_shutdown(instance_id) is None:
+            return False
+        with open(self.workdir / instance_id / "shutdown.log", "a") as log:
+            log.write("scheduled shutdown came due\n")
+        self.ec2.terminate_instances(InstanceIds=[instance_id])
+        return True
+
+    def per_boot_dir(self, instance_id: str) -> Path:
+        """Where the node's cloud-init per-boot scripts are (in the node's folder)."""
+        home = self.workdir / instance_id
+        return home / "var-lib" / "cloud" / "scripts" / "per-boot" if self.cloud_init else home / "per-boot"
 
     def _power_off(self, node: SimulatedNode) -> None:
         """What terminating a VM does: every process of the node dies at once."""
@@ -494,6 +590,23 @@ class EC2Simulator:
         thread = threading.Thread(target=interrupt, name=f"rebalance-{instance_id}", daemon=True)
         thread.start()
         return thread
+    def reboot(self, instance_id: str) -> None:
+        """A reboot (``RebootInstances``, a kernel panic, maintenance): every process of the node dies, a
+        scheduled shutdown is lost (systemd keeps it in /run), and at boot cloud-init runs the per-boot
+        scripts (``/var/lib/cloud/scripts/per-boot``, in name order) but not the user-data again (it ran
+        once for this instance). The instance stays running in EC2 throughout."""
+        with self._lock:
+            node = self.nodes[instance_id]
+            self._power_off(node)
+            (self.workdir / instance_id / "scheduled-shutdown").unlink(missing_ok=True)
+            home = self.workdir / instance_id
+            scripts = self.per_boot_dir(instance_id)
+            where = "/var/lib/cloud/scripts/per-boot" if self.cloud_init else str(scripts)
+            with open(home / "console.log", "ab") as out:
+                out.write(b"--- reboot: cloud-init runs the per-boot scripts ---\n")
+            node.proc = self._run_on_node(home, node.info["env"],
+                                          f'for f in {where}/*; do [ -x "$f" ] && "$f"; done; true')
+            node.killed = False
 
     def freeze(self, instance_id: str) -> None:
         """A hung VM: every process of the node stops (SIGSTOP) and nothing on it runs again

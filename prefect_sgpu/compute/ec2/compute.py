@@ -192,10 +192,12 @@ class EC2InstanceCompute(RemoteNodeCompute):
                                   "and pass where they are")
 
     def user_data(self, run_id: str, lease: bool = False, environment: Any = None, gang: int = 0,
-                  node_index: int | None = None) -> str:
+                  node_index: int | None = None, timeout_s: float | None = None) -> str:
         """``environment``: the job's captured environment; mode "driver" builds it on the node.
         ``gang``: the gang of a cold job the instances serve (its stop is bound to it); ``node_index``:
-        the node an instance launched alone replaces."""
+        the node an instance launched alone replaces. ``timeout_s``: a cold job's timeout; its instances
+        power off ``rq.LIFETIME_MARGIN_S`` after it whatever happens to them (a lease's instances serve
+        job after job: they end by the lease's own rules)."""
         packs: list[str] = []
         if self.packs_environments:
             from prefect_sgpu.environment import ship as environment_ship
@@ -211,12 +213,15 @@ class EC2InstanceCompute(RemoteNodeCompute):
                                    backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
                                    kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner,
                                    lease=lease, environment=environment, gang=gang, node_index=node_index,
-                                   packs=packs, offer_pack=self.packs_environments)
+                                   packs=packs, offer_pack=self.packs_environments,
+                                   lifetime_s=None if lease or timeout_s is None
+                                   else float(timeout_s) + rq.LIFETIME_MARGIN_S)
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
         lease = lease_id(run_id) if self.keep_warm > 0 else ""
-        user_data = self.user_data(lease or run_id, lease=bool(lease), environment=spec.environment)
+        user_data = self.user_data(lease or run_id, lease=bool(lease), environment=spec.environment,
+                                   timeout_s=spec.timeout)
         attempts = self.provisioner.attempts(lease or run_id, plan, user_data)
         instance_type = attempts[0].params["InstanceType"] if attempts else rq.instance_type_for(self.settings, plan)
         known = catalog.instance_type_by_name(instance_type)
@@ -254,7 +259,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
             user_data = self.user_data(lease, lease=True, environment=request.spec.environment)
             return replace(request, lease_id=lease, user_data=user_data,
                            run_instances=self.provisioner.attempts(lease, request.plan, user_data))
-        user_data = self.user_data(request.run_id, environment=request.spec.environment, gang=gang)
+        user_data = self.user_data(request.run_id, environment=request.spec.environment, gang=gang,
+                                   timeout_s=request.spec.timeout)
         attempts = tuple(replace(a, params={**a.params, "UserData": user_data,
                                             "ClientToken": rq.client_token(request.run_id, i, gang)})
                          for i, a in enumerate(request.run_instances))
@@ -356,7 +362,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
         lease = allocation.lease.lease_id if allocation.lease is not None else None
         launch_id = lease or request.run_id
         user_data = self.user_data(launch_id, lease=bool(lease), environment=request.spec.environment,
-                                   gang=0 if lease else gang, node_index=node)  # a lease's assignment names the gang
+                                   gang=0 if lease else gang, node_index=node,  # a lease's assignment names the gang
+                                   timeout_s=request.spec.timeout)
         one = replace(request.plan, nodes=1)
         attempts = tuple(replace(a, params={**a.params, "UserData": user_data,
                                             "ClientToken": rq.client_token(launch_id, i, gang, node)})

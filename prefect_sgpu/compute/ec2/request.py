@@ -47,6 +47,14 @@ STORE_TAG = "sgpu:store"
 #: seconds without a driver heartbeat after which the run's nodes stop themselves
 HEARTBEAT_TTL_TAG = "sgpu:heartbeat-ttl"
 DEFAULT_ROOT_DEVICE = "/dev/sda1"  # Ubuntu Deep Learning AMIs
+#: where cloud-init keeps the scripts it runs at every boot (its ``scripts_per_boot`` module), first boot included;
+#: cloud-init docs, "Module reference: Scripts per boot". An image whose cloud-init reads them elsewhere sets
+#: :data:`PER_BOOT_ENV` in the environment the user-data runs in.
+PER_BOOT_DIR = "/var/lib/cloud/scripts/per-boot"
+PER_BOOT_ENV = "PREFECT_SGPU_PER_BOOT_DIR"
+PER_BOOT_SCRIPT = "prefect-sgpu-power-off"
+#: a node's absolute lifetime beyond the job's timeout: release, the last uploads, a late first boot
+LIFETIME_MARGIN_S = 600.0
 MIN_SECRET_LEN = 12  # AWS key ids are 20 characters, secrets 40: shorter strings are not keys
 
 
@@ -278,6 +286,7 @@ def render_user_data(
     node_index: int | None = None,
     packs: list[str] | tuple[str, ...] = (),
     offer_pack: bool = False,
+    lifetime_s: float | None = None,
 ) -> str:
     """The instance's user-data: a short shell script, with no credential and no key in it.
 
@@ -311,6 +320,13 @@ def render_user_data(
     or killed: SIGKILL, the OOM killer, a crash below Python), the script powers the machine off
     as it exits: the bootstrap never ends while its machine should live on, and with the driver
     gone nothing else would end it.
+
+    The script is written for cloud-init's world (:func:`cloud_init_lines`): it sets HOME, USER and
+    LANG when cloud-init left them unset and works in HOME, not in ``/``; with ``lifetime_s`` (a cold
+    job's timeout plus :data:`LIFETIME_MARGIN_S`) it schedules ``shutdown -h +N`` at once, so the
+    instance powers off (and terminates) when its lifetime ends even if every process of the product
+    died; and it installs a per-boot script that powers a rebooted instance off (a reboot ends the
+    product's processes and cloud-init does not run user-data again).
     """
     argv = [python, "-m", "prefect_sgpu.launch.bootstrap", "--host=ec2", f"--store={store_uri}", f"--run-id={run_id}",
             f"--region={region}", f"--heartbeat-ttl={heartbeat_ttl:g}"]
@@ -332,6 +348,7 @@ def render_user_data(
         "#!/bin/bash",
         "# prefect-sgpu node: AWS access comes from the instance profile, the job key from SSM",
         "export PYTHONUNBUFFERED=1",
+        *cloud_init_lines(lifetime_s),
         f'marker="{marker}"',
         "# backstop: power off (which terminates this instance) unless the bootstrap takes over in time",
         f'( sleep {backstop:.0f}; [ -e "$marker" ] || shutdown -h now ) </dev/null >/dev/null 2>&1 &',
@@ -357,6 +374,41 @@ def render_user_data(
         raise SGPUConfigError("setup_commands", f"user-data of {len(text.encode())} bytes",
                               f"at most {environment_ship.USER_DATA_LIMIT} bytes of user-data in all (EC2's limit)")
     return text
+
+
+def lifetime_minutes(lifetime_s: float) -> int:
+    """``shutdown -h +N``'s N for a lifetime of ``lifetime_s`` seconds: whole minutes, rounded up."""
+    if not lifetime_s > 0:
+        raise SGPUConfigError("timeout", lifetime_s, "a node lifetime of more than 0 seconds")
+    return max(1, math.ceil(lifetime_s / 60.0))
+
+
+def cloud_init_lines(lifetime_s: float | None = None) -> list[str]:
+    """The user-data's first lines, for how cloud-init runs it and for what it does not do.
+
+    cloud-init runs a user-data script as root with cwd ``/`` and without HOME, LANG or USER, and a
+    minimal PATH (https://github.com/openfaas/faasd/issues/282 "Install scripts fails when executed in a
+    VM cloud-init startup script": "env-var HOME, not set"): pip, uv and torch place their caches under
+    HOME, so they are set here when unset (HOME from the user's passwd entry: bash's ``~``, as a login
+    would), and the script works in HOME so nothing lands in ``/``.
+
+    It runs the script once per instance, never after a reboot (cloud-init docs, "Module reference:
+    Scripts user", frequency once-per-instance), while a reboot ends every process of the node: a
+    per-boot script (:data:`PER_BOOT_DIR`, run at every later boot) powers a rebooted node off, which
+    terminates it, and the driver treats it as any lost node. With ``lifetime_s``: ``shutdown -h +N``
+    (shutdown(8): systemd holds the schedule and returns at once), an end that needs no process of
+    the product to be alive. A reboot drops the schedule; the per-boot script covers that case.
+    """
+    # terse: the user-data's room is the environment stage's and setup_commands' (16 KiB in all)
+    lines = [
+        'export HOME=${HOME:-~} USER=${USER:-$(id -un)} LANG=${LANG:-C.UTF-8};cd "$HOME"||cd /tmp',
+        f"b=${{{PER_BOOT_ENV}:-{PER_BOOT_DIR}}}/{PER_BOOT_SCRIPT}",
+        """mkdir -p "${b%/*}"&&printf '#!/bin/sh\\nexec shutdown -h now\\n'>"$b"&&chmod 755 "$b"||echo "no $b">&2""",
+    ]
+    if lifetime_s is not None:
+        minutes = lifetime_minutes(lifetime_s)
+        lines.append(f"shutdown -h +{minutes}||echo no lifetime>&2")
+    return lines
 
 
 #: what a credential looks like, whoever's it is: found in a launch request, it is refused
