@@ -104,7 +104,9 @@ def failure(job: Any, codes: dict[int, int], statuses: dict[int, NodeStatus],
         message = f"{first.exc_type}: {first.exc_message}"
         original = first.exception(trusted)
         refused = first.refused_exception_global() if original is None and not trusted else None
-        if refused:
+        if original is None:  # the class the driver itself imported, rebuilt from type name and message
+            original = payload_mod.rebuild_exception(first.exc_type, first.exc_message)
+        if original is None and refused:
             message += (f" (the exception refers to {refused}, which the driver does not load by default; "
                         "trusted_results=True re-raises the rank's own exception: see docs/security.md)")
         info = RankFailedError(first.rank, first.host, first.exit_code, first.traceback, message, node=first.node)

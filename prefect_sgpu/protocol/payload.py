@@ -311,6 +311,10 @@ def failure_envelope(base: dict[str, Any], exc: BaseException, tb: str, exit_cod
     )
 
 
+#: a rank's exception as the driver's own class, from type name and message (no code of the class runs)
+rebuild_exception = safe_pickle.rebuild_exception
+
+
 def dump_envelope(env: Envelope) -> bytes:
     return pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -145,3 +145,36 @@ def restricted_loads(body: bytes, extra: Iterable[type] = ()) -> Any:
 def loads(body: bytes, trusted: bool = False) -> Any:
     """A rank's value or exception: restricted by default, plain :mod:`pickle` where the job trusts its ranks."""
     return pickle.loads(body) if trusted else restricted_loads(body)
+
+
+def rebuild_exception(type_name: str | None, message: str | None) -> Exception | None:
+    """A rank's exception rebuilt from its type name and message, as the class the driver itself imported.
+
+    Only a class already in this process's ``sys.modules`` (nothing is imported for it), reached by its
+    qualified name (no ``<locals>``) and an :class:`Exception` subclass, is used; the instance is made with
+    ``BaseException.__new__`` and its ``args`` set to the message, so none of the class's own code (its
+    ``__new__``, ``__init__``, ``__setstate__``) runs. Attributes beyond the message are not rebuilt (they
+    travel only with ``trusted_results=True``). None where no such class is found.
+    """
+    if not type_name or "<" in type_name:
+        return None
+    module_name, cls = "", None
+    parts = type_name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest module prefix this process has imported
+        module_name = ".".join(parts[:cut])
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        obj: Any = module
+        for part in parts[cut:]:
+            obj = getattr(obj, part, None) if isinstance(obj, (type, type(sys))) else None
+        cls = obj
+        break
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        return None
+    try:
+        exc = BaseException.__new__(cls)
+        exc.args = (message or "",)
+    except Exception:  # noqa: BLE001 - a class whose layout BaseException cannot fill
+        return None
+    return exc
