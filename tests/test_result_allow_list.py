@@ -188,3 +188,11 @@ def test_trusted_results_is_validated() -> None:
         spec.layer("call", trusted_results="yes")
     with pytest.raises(SGPUConfigError, match="PREFECT_SGPU_TRUSTED_RESULTS"):
         spec.environment_layer({"PREFECT_SGPU_TRUSTED_RESULTS": "maybe"})
+
+
+def test_a_class_registered_with_torchs_safe_globals_loads_by_default() -> None:
+    env = _through_the_store(payload.success_envelope(dict(BASE), Scores(1.0, [])))
+    with torch.serialization.safe_globals([Scores]):
+        assert env.value() == Scores(1.0, [])
+    with pytest.raises(ResultRefused):
+        env.value()

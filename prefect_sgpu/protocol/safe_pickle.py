@@ -15,10 +15,11 @@ only the globals of plain data:
   ``uuid.UUID``, ``pathlib`` paths (constructing one does no I/O);
 - numpy arrays, dtypes and scalars (the reconstructors of numpy 1 and 2);
 - torch tensors, storages, dtypes, devices and sizes: torch's own ``weights_only`` allow-list
-  (``torch._weights_only_unpickler``) plus what ``torch.serialization.add_safe_globals`` registered. A
+  (``torch._weights_only_unpickler``), and any class the driver registered with
+  ``torch.serialization.add_safe_globals`` (of any module: the driver's own choice). A
   storage inside a pickled tensor is torch's legacy save format, which torch loads with
   ``weights_only=False``; it is loaded here with ``weights_only=True`` instead;
-- the exception classes of :mod:`prefect_sgpu` itself.
+- the exception classes of :mod:`prefect_sgpu` itself (:mod:`prefect_sgpu.errors` and its other modules).
 
 Classes made with ``collections.namedtuple``, dataclasses and every other user-defined class are refused:
 they live in the job's own modules, which is exactly where a hostile ``__reduce__`` would. A job whose
@@ -123,7 +124,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             obj = getattr(builtins, name, None)
             if isinstance(obj, type) and issubclass(obj, BaseException):
                 return obj
-        elif module == "prefect_sgpu.errors" and "." not in name:
+        elif module.startswith("prefect_sgpu.") and "." not in name:  # this package's own error classes
             obj = getattr(importlib.import_module(module), name, None)
             if isinstance(obj, type) and issubclass(obj, BaseException):
                 return obj
@@ -131,6 +132,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             allowed = _torch_allowed()
             if full in allowed:
                 return allowed[full]
+        if "torch.serialization" in sys.modules:  # what the driver registered for torch.load, of any module
             for known, obj in _torch_safe_globals():
                 if known == full:
                     return obj
