@@ -18,6 +18,7 @@ from prefect_sgpu.errors import (
     PayloadImportError,
     ProvisioningError,
     RankFailedError,
+    ResultRefused,
     SGPUConfigError,
     SGPUError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "PayloadImportError",
     "ProvisioningError",
     "RankFailedError",
+    "ResultRefused",
     "SGPUConfigError",
     "SGPUError",
     "distributed",

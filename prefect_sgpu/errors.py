@@ -246,3 +246,22 @@ class CheckpointRefused(SGPUError):
 
 class StoreUnreachable(SGPUError):
     """The job store failed every call for longer than the nodes' heartbeat TTL: they have stopped."""
+
+
+class ResultRefused(SGPUError):
+    """What a rank sent back names a global outside the allow-list of plain data
+    (:mod:`prefect_sgpu.protocol.safe_pickle`); nothing of it was called in the driver."""
+
+    def __init__(self, rank: int | None, global_name: str, what: str = "result") -> None:
+        self.rank, self.global_name, self.what = rank, global_name, what
+        where = f"rank {rank}" if rank is not None else "a rank"
+        super().__init__(
+            f"the {what} of {where} refers to {global_name}, which the driver does not load by default "
+            "(allowed: builtins' plain types and exceptions, collections, datetime, decimal, fractions, uuid, "
+            "pathlib, numpy arrays, torch tensors and prefect_sgpu's errors); return plain data (dicts, lists, "
+            "tensors), or pass trusted_results=True (to @distributed, .distributed(), @gpu_task or the job spec) "
+            "where every rank's code is as trusted as the driver's: see docs/security.md"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.rank, self.global_name, self.what))

@@ -96,6 +96,19 @@ EnvironmentField = Annotated[Any, BeforeValidator(environment_mod.parse_option),
                              Field(description="What the nodes need (prefect_sgpu.environment): 'driver', 'image', "
                                                "options, or a captured Environment; unset: the driver's own.")]
 
+def _trusted_results(value: Any) -> bool:
+    """``trusted_results``: a bool, or (from the environment) true/false/1/0."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "false", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise SGPUConfigError("trusted_results", value, "True (load any object a rank returns, only where every "
+                          "rank's code is as trusted as the driver's) or False (plain data only, the default)")
+
+
+TrustedResults = Annotated[bool, BeforeValidator(_trusted_results)]
+
+
 class JobArgs(TypedDict, total=False):
     """The keyword arguments of ``@distributed``, ``run_script`` and ``@ray_launch``: a key left
     out is *not given* (the layers below decide), which a default value could not express."""
@@ -115,6 +128,7 @@ class JobArgs(TypedDict, total=False):
     straggler_steps: int
     gang_check: bool
     environment: Any
+    trusted_results: bool
 
 
 class TaskArgs(JobArgs, total=False):
@@ -127,7 +141,7 @@ class TaskArgs(JobArgs, total=False):
 #: every field of a job spec, in the order users meet them
 FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "secrets", "mlflow",
           "max_recoveries", "hang_timeout", "straggler_factor", "straggler_steps", "gang_check", "environment",
-          "strategy", "return_all")
+          "strategy", "return_all", "trusted_results")
 
 
 def _check_shape(gpus: int | None, nodes: int | None) -> None:
@@ -160,6 +174,7 @@ class SpecLayer(BaseModel):
     environment: EnvironmentField = None
     strategy: Strategy = None
     return_all: bool | None = None
+    trusted_results: TrustedResults | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> "SpecLayer":
@@ -196,6 +211,10 @@ class JobSpec(BaseModel):
     environment: EnvironmentField = None
     strategy: Strategy = Field(None, description="Training strategy handed to ranks as SGPU_STRATEGY.")
     return_all: bool = Field(False, description="A GPU task returns every rank's value, not rank 0's.")
+    trusted_results: TrustedResults = Field(False, description=(
+        "Load every rank's return value and exception with plain pickle (any class, any code its "
+        "__reduce__ names). False (the default) loads only plain data: builtins, containers, numbers, "
+        "datetime, numpy arrays, torch tensors, prefect_sgpu's errors. See docs/security.md."))
 
     @model_validator(mode="after")
     def _shape(self) -> "JobSpec":

@@ -401,7 +401,7 @@ class Job:
             except Exception as exc:  # noqa: BLE001 - the results are there; the store will answer again
                 outage.failed(exc)
                 time.sleep(1.0)
-        return {rank: payload_mod.load_envelope(body) for rank, body in results.items()}
+        return {rank: payload_mod.load_envelope(body, rank) for rank, body in results.items()}
 
     def _cleanup(self, outcome: str, tailer: LogTailer | None) -> Any:
         released = None

@@ -148,7 +148,7 @@ def failed_gang_check(job: Any, allocation: Allocation) -> dict[int, str]:
     if not job.compute.remote or len(allocation.nodes) < 2:
         return {}
     for envelope in sorted((e for e in job.envelopes().values() if not e.ok), key=lambda e: e.finished):
-        exc = envelope.exception()
+        exc = envelope.exception(bool(getattr(job.spec, "trusted_results", False)))
         if not isinstance(exc, GangCheckFailed):
             continue
         nodes = exc.nodes

@@ -73,7 +73,8 @@ def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
                               f"rank(s) {missing} exited without a result")
     if any(not e.ok for e in envelopes.values()):
         raise failure(job, codes, statuses, lost)
-    values = [envelopes[r].value() for r in expected]
+    trusted = bool(getattr(job.spec, "trusted_results", False))
+    values = [envelopes[r].value(trusted) for r in expected]
     ranks = [RankReport(e.rank, e.node, e.host, e.exit_code, e.finished - e.started)
              for e in (envelopes[r] for r in expected)]
     return JobResult(
@@ -99,9 +100,16 @@ def failure(job: Any, codes: dict[int, int], statuses: dict[int, NodeStatus],
         return expired
     if failed:
         first = failed[0]
-        info = RankFailedError(first.rank, first.host, first.exit_code, first.traceback,
-                               f"{first.exc_type}: {first.exc_message}", node=first.node)
-        original = first.exception()
+        trusted = bool(getattr(job.spec, "trusted_results", False))
+        message = f"{first.exc_type}: {first.exc_message}"
+        original = first.exception(trusted)
+        refused = first.refused_exception_global() if original is None and not trusted else None
+        if original is None:  # the class the driver itself imported, rebuilt from type name and message
+            original = payload_mod.rebuild_exception(first.exc_type, first.exc_message)
+        if original is None and refused:
+            message += (f" (the exception refers to {refused}, which the driver does not load by default; "
+                        "trusted_results=True re-raises the rank's own exception: see docs/security.md)")
+        info = RankFailedError(first.rank, first.host, first.exit_code, first.traceback, message, node=first.node)
         if original is None or not isinstance(original, Exception):
             return info
         if isinstance(original, PayloadImportError) and not original.explained:

@@ -21,7 +21,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from prefect_sgpu.errors import PayloadError, PayloadImportError
+from prefect_sgpu.errors import PayloadError, PayloadImportError, ResultRefused
+from prefect_sgpu.protocol import safe_pickle
 
 _BY_VALUE_LOCK = threading.RLock()
 DEFAULT_MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -252,17 +253,38 @@ class Envelope:
     #: rank 0's report of the gang check (:mod:`prefect_sgpu.observe.gang_check`), where it ran
     gang_check: dict[str, Any] | None = None
 
-    def value(self) -> Any:
-        return None if self.value_blob is None else pickle.loads(self.value_blob)
+    def value(self, trusted: bool = False) -> Any:
+        """The rank's return value: plain data only (:mod:`prefect_sgpu.protocol.safe_pickle`), unless the
+        job trusts its ranks; a refused global is a :class:`ResultRefused` naming the rank, and never runs."""
+        if self.value_blob is None:
+            return None
+        try:
+            return safe_pickle.loads(self.value_blob, trusted)
+        except safe_pickle.GlobalRefused as exc:
+            raise ResultRefused(self.rank, exc.global_name, "result") from None
 
-    def exception(self) -> BaseException | None:
+    def exception(self, trusted: bool = False) -> BaseException | None:
+        """The rank's own exception where its class loads here (builtins' and prefect_sgpu's by default,
+        any with ``trusted``); else None, and the caller rebuilds it from type name, message and traceback."""
         if self.exception_blob is None:
             return None
         try:
-            exc = pickle.loads(self.exception_blob)
-        except Exception:  # noqa: BLE001 - class not importable here
+            exc = safe_pickle.loads(self.exception_blob, trusted)
+        except Exception:  # noqa: BLE001 - class refused or not importable here
             return None
         return exc if isinstance(exc, BaseException) else None
+
+    def refused_exception_global(self) -> str | None:
+        """The global that kept the rank's exception from loading by default, where one did."""
+        if self.exception_blob is None:
+            return None
+        try:
+            safe_pickle.restricted_loads(self.exception_blob)
+        except safe_pickle.GlobalRefused as exc:
+            return exc.global_name
+        except Exception:  # noqa: BLE001 - not a refusal
+            return None
+        return None
 
 
 def success_envelope(base: dict[str, Any], value: Any) -> Envelope:
@@ -289,10 +311,24 @@ def failure_envelope(base: dict[str, Any], exc: BaseException, tb: str, exit_cod
     )
 
 
+#: a rank's exception as the driver's own class, from type name and message (no code of the class runs)
+rebuild_exception = safe_pickle.rebuild_exception
+
+
 def dump_envelope(env: Envelope) -> bytes:
     return pickle.dumps(env, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def load_envelope(body: bytes) -> Envelope:
-    """An envelope from a body the job folder has already verified (sealed by a rank of this job)."""
-    return pickle.loads(body)
+def load_envelope(body: bytes, rank: int | None = None) -> Envelope:
+    """An envelope from a body the job folder has already verified (sealed by a rank of this job).
+
+    Any rank holds the job's key, so the envelope itself loads with the allow-list of plain data plus
+    :class:`Envelope`; its value and exception load later, by :meth:`Envelope.value`/:meth:`Envelope.exception`.
+    """
+    try:
+        env = safe_pickle.restricted_loads(body, extra=(Envelope,))
+    except safe_pickle.GlobalRefused as exc:
+        raise ResultRefused(rank, exc.global_name, "envelope") from None
+    if not isinstance(env, Envelope):
+        raise ResultRefused(rank, f"{type(env).__module__}.{type(env).__qualname__}", "envelope")
+    return env

@@ -450,3 +450,28 @@ def test_secrets_reach_every_rank_from_secret_blocks_and_rest_nowhere(sgpu_home:
     assert {p.name for p in (sgpu_home / "jobs").iterdir()} == before, "refused before anything was started"
     with pytest.raises(SGPUConfigError, match="environment variable name"):
         distributed(gpus=1, secrets={"NOT A NAME": "sgpu-test-token"})(token_digest)
+
+
+class _RunsACommand:
+    """A return value whose unpickling would run a shell command in whoever loads it."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_rank_returning_an_object_that_runs_a_command_is_refused_in_the_driver(tmp_path: Path) -> None:
+    from prefect_sgpu import ResultRefused
+
+    marker = tmp_path / "MARKER"
+
+    def hostile(path: str) -> object:
+        return _RunsACommand(path) if runtime.rank() == 1 else {"rank": runtime.rank()}
+
+    with pytest.raises(ResultRefused) as info:
+        distributed(gpus=2, mlflow=False)(hostile).distributed(str(marker))
+    assert info.value.rank == 1 and info.value.global_name.endswith(".system")
+    assert "trusted_results=True" in str(info.value)
+    assert not marker.exists(), "the command never ran in the driver"
