@@ -319,6 +319,8 @@ def packages_digest(manifest: dict) -> str:
     requirements and the index settings (as the manifest shows them). Packs are keyed by it, so a pack
     serves every environment of the same packages, whatever the project's files."""
     keys = ("format", "implementation", "python", "pins", "requirements", "index")
+    if manifest.get("hashes"):  # only when recorded: the digest of packages without them stays as it was
+        keys += ("hashes",)
     return hashlib.sha256(json.dumps({k: manifest.get(k) for k in keys}, sort_keys=True,
                                      separators=(",", ":")).encode()).hexdigest()
 
@@ -342,14 +344,39 @@ def install(venv: Path, manifest: dict, index: dict | None = None,
     work.mkdir()
     pins = work / "pins.txt"
     pins.write_text("\n".join(manifest["pins"]) + "\n")
+    hashes = manifest.get("hashes")
     args, env = (index_args(manifest["index"]), None) if index is None else ([], index_env(index))
     common = [tool, "pip", "install", "-q", "--python", str(python), *args]
-    if manifest["requirements"]:  # first: resolved against the pins, a bad one fails before the big install
+    if hashes and manifest["pins"]:  # first: a pin the extra requirements installed would not be checked again
+        install_hashed(common, work, manifest["pins"], hashes, env)
+    if manifest["requirements"]:  # resolved against the pins, a bad one fails before the big install
         extra = work / "requirements.txt"
         extra.write_text("\n".join(manifest["requirements"]) + "\n")
         run("installing the extra requirements", [*common, "-c", str(pins), "-r", str(extra)], env)
-    if manifest["pins"]:  # exactly the driver's set: nothing to resolve
+    if manifest["pins"] and not hashes:  # exactly the driver's set: nothing to resolve
         run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(pins)], env)
+
+
+def install_hashed(common: list[str], work: Path, pins: list[str], hashes: dict, env: dict[str, str] | None) -> None:
+    """The pinned distributions, each only as a file whose sha256 the driver recorded (``hashes``: pin ->
+    sha256s, from the index at capture): uv refuses other bytes for a pinned version, and installs nothing."""
+    lines = []
+    for pin in pins:
+        digests = hashes.get(pin) or []
+        if not digests or not all(SHA.match(str(d)) for d in digests):
+            raise SetupError("installing the driver's pinned distributions",
+                             f"the manifest records no sha256 for {pin}: refusing to install it by version only")
+        lines.append(" ".join([pin, *(f"--hash=sha256:{d}" for d in digests)]))
+    hashed = work / "pins-hashed.txt"
+    hashed.write_text("\n".join(lines) + "\n")
+    try:
+        run("installing the driver's pinned distributions (sha256 checked)",
+            [*common, "--no-deps", "--require-hashes", "-r", str(hashed)], env)
+    except SetupError as exc:
+        named = [pin for pin in pins if re.search(rf"(?i)\b{re.escape(pin.split('==')[0])}\b", str(exc))]
+        raise SetupError("installing the driver's pinned distributions (sha256 checked): "
+                         f"{', '.join(named) or 'a pinned distribution'} did not install as the driver recorded it",
+                         str(exc).split(":", 1)[-1]) from None
 
 
 def lay_out_trees(venv: Path, manifest: dict, store: Transport, files_key: str, cache: Path) -> None:
