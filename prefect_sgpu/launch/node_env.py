@@ -344,17 +344,21 @@ def install(venv: Path, manifest: dict, index: dict | None = None,
     work.mkdir()
     pins = work / "pins.txt"
     pins.write_text("\n".join(manifest["pins"]) + "\n")
-    hashes = manifest.get("hashes")
+    hashes = manifest.get("hashes") or {}
+    hashed = [pin for pin in manifest["pins"] if pin in hashes]
+    by_version = [pin for pin in manifest["pins"] if pin not in hashes]
     args, env = (index_args(manifest["index"]), None) if index is None else ([], index_env(index))
     common = [tool, "pip", "install", "-q", "--python", str(python), *args]
-    if hashes and manifest["pins"]:  # first: a pin the extra requirements installed would not be checked again
-        install_hashed(common, work, manifest["pins"], hashes, env)
+    if hashed:  # first: a pin the extra requirements installed would not be checked again
+        install_hashed(common, work, hashed, hashes, env)
     if manifest["requirements"]:  # resolved against the pins, a bad one fails before the big install
         extra = work / "requirements.txt"
         extra.write_text("\n".join(manifest["requirements"]) + "\n")
         run("installing the extra requirements", [*common, "-c", str(pins), "-r", str(extra)], env)
-    if manifest["pins"] and not hashes:  # exactly the driver's set: nothing to resolve
-        run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(pins)], env)
+    if by_version:  # exactly the driver's set: nothing to resolve
+        rest = work / ("pins-by-version.txt" if hashed else "pins.txt")
+        rest.write_text("\n".join(by_version) + "\n")
+        run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(rest)], env)
 
 
 def install_hashed(common: list[str], work: Path, pins: list[str], hashes: dict, env: dict[str, str] | None) -> None:
@@ -364,8 +368,7 @@ def install_hashed(common: list[str], work: Path, pins: list[str], hashes: dict,
     for pin in pins:
         digests = hashes.get(pin) or []
         if not digests or not all(SHA.match(str(d)) for d in digests):
-            raise SetupError("installing the driver's pinned distributions",
-                             f"the manifest records no sha256 for {pin}: refusing to install it by version only")
+            raise SetupError("checking the manifest", f"the sha256s of {pin}: {digests!r}")
         lines.append(" ".join([pin, *(f"--hash=sha256:{d}" for d in digests)]))
     hashed = work / "pins-hashed.txt"
     hashed.write_text("\n".join(lines) + "\n")

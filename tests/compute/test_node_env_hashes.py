@@ -77,7 +77,7 @@ def test_an_index_serving_other_bytes_for_a_pinned_version_fails_the_stage_namin
         assert _installed(venv) == [], "nothing installed"
 
 
-def test_the_recorded_bytes_install_and_a_pin_without_a_recorded_hash_is_refused(node: Path) -> None:
+def test_the_recorded_bytes_install_and_a_malformed_record_is_refused(node: Path) -> None:
     real = _wheel("the driver's")
     with WheelIndex({WHEEL: real}) as good:
         venv = node / "venv-b"
@@ -85,10 +85,11 @@ def test_the_recorded_bytes_install_and_a_pin_without_a_recorded_hash_is_refused
         says = subprocess.run([str(venv / "bin" / "python"), "-c", "import tinypin; print(tinypin.SAYS)"],
                               capture_output=True, text=True, check=True).stdout.strip()
         assert says == "the driver's"
+        assert "--hash=sha256:" + hashlib.sha256(real).hexdigest() in (venv / "sgpu" / "pins-hashed.txt").read_text()
 
-        unrecorded = {**_manifest(good.url, real), "hashes": {"other==2.0": ["0" * 64]}}
-        with pytest.raises(node_env.SetupError, match=r"records no sha256 for tinypin==1\.0"):
-            node_env.install(node / "venv-c", unrecorded)
+        malformed = {**_manifest(good.url, real), "hashes": {"tinypin==1.0": ["not-a-sha256"]}}
+        with pytest.raises(node_env.SetupError, match=r"the sha256s of tinypin==1\.0"):
+            node_env.install(node / "venv-c", malformed)
         assert _installed(node / "venv-c") == []
 
 
@@ -100,3 +101,68 @@ def test_the_packages_digest_names_the_hashes_only_when_recorded() -> None:
     one = node_env.packages_digest({**base, "hashes": {"tinypin==1.0": ["a" * 64]}})
     other = node_env.packages_digest({**base, "hashes": {"tinypin==1.0": ["b" * 64]}})
     assert len({before, one, other}) == 3, "a pack of other bytes is another pack"
+
+
+# --- the driver: https only, and each pin's sha256 from the indexes the environment names -------------
+
+
+def _with_pin(env, name: str = "tinypin", version: str = "1.0"):
+    from prefect_sgpu.environment import Distribution
+
+    return env.model_copy(update={"distributions": (Distribution(name=name, version=version),)})
+
+
+@pytest.mark.parametrize("given,field", [({"index_url": "http://mirror.example/simple"}, "environment.index_url"),
+                                         ({"extra_index_urls": ["https://a.example/simple", "http://b.example/simple"]},
+                                          "environment.extra_index_urls[1]"),
+                                         ({"find_links": ["http://c.example/wheels/"]}, "environment.find_links[0]")])
+def test_an_http_index_is_refused_at_capture_naming_the_field_unless_allowed(given: dict, field: str) -> None:
+    from prefect_sgpu.environment import capture
+    from prefect_sgpu.errors import SGPUConfigError
+
+    with pytest.raises(SGPUConfigError) as caught:
+        capture(auto_modules=False, **given)
+    assert caught.value.field == field, caught.value
+    assert "https://" in str(caught.value) and "allow_http_index=True" in str(caught.value)
+    with pytest.raises(SGPUConfigError, match="environment.allow_http_index"):
+        capture(auto_modules=False, allow_http_index="sometimes", **given)
+    assert capture(auto_modules=False, allow_http_index=True, **given).mode == "driver"
+
+
+def test_the_manifest_records_each_pin_s_sha256_from_the_named_index_and_the_node_refuses_other_bytes(
+        node: Path) -> None:
+    from prefect_sgpu.environment import capture
+    from prefect_sgpu.environment import ship as environment_ship
+
+    real = _wheel("the driver's")
+    sha = hashlib.sha256(real).hexdigest()
+    with WheelIndex({WHEEL: real, "tinypin-0.9-py3-none-any.whl": b"another version"}) as index:
+        env = _with_pin(capture(index_url=index.url, allow_http_index=True, auto_modules=False))
+        manifest = environment_ship.manifest(env)
+        assert manifest["pins"] == ["tinypin==1.0"] and manifest["hashes"] == {"tinypin==1.0": [sha]}
+        assert "/simple/tinypin/" in index.requests and not any(r.startswith("/files/") for r in index.requests)
+
+        # whoever controls the index later serves other bytes under the same name and version
+        index.files[WHEEL] = _wheel("someone else's")
+        with pytest.raises(node_env.SetupError, match=r"tinypin==1\.0 did not install as the driver recorded it"):
+            node_env.install(node / "venv-d", manifest)
+        assert _installed(node / "venv-d") == []
+        index.files[WHEEL] = real
+        node_env.install(node / "venv-e", manifest)
+        assert [p for p in _installed(node / "venv-e") if p.startswith("tinypin-1.0")]
+
+    plain = _with_pin(capture(auto_modules=False))
+    assert "hashes" not in environment_ship.manifest(plain), "no index named: nothing looked up"
+
+
+def test_an_index_the_driver_cannot_read_is_an_error_naming_its_field() -> None:
+    from prefect_sgpu.environment import capture
+    from prefect_sgpu.environment import ship as environment_ship
+    from prefect_sgpu.errors import SGPUConfigError
+
+    env = _with_pin(capture(extra_index_urls=["http://tok-4b1e9@127.0.0.1:9/simple"], allow_http_index=True,
+                            auto_modules=False))
+    with pytest.raises(SGPUConfigError) as caught:
+        environment_ship.manifest(env)
+    assert caught.value.field == "environment.extra_index_urls[0]"
+    assert "tok-4b1e9" not in str(caught.value) and "***@127.0.0.1:9" in str(caught.value)
