@@ -8,14 +8,16 @@ every file of that exact version is kept. The node installs those pins with ``uv
 --require-hashes`` (:func:`prefect_sgpu.launch.node_env.install_hashed`): an index that serves other
 bytes for a pinned version fails the build, naming the distribution, and nothing is installed.
 
-A page that does not list the project (404) contributes nothing; an index that cannot be read at all
-is an error naming its field. Credentials in a URL go as Basic auth to that URL only.
+A page that does not list the project (404) contributes nothing; an index the driver cannot read is a
+warning naming its field, and the pins it serves install by version. Credentials in a URL go as Basic
+auth to that URL only.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 import urllib.error
 import urllib.parse
@@ -24,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect_sgpu.environment.index import masked
-from prefect_sgpu.errors import SGPUConfigError
 
+LOGGER = logging.getLogger(__name__)
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 #: the largest project page read (PyPI's largest pages are a few MiB)
 PAGE_LIMIT = 32 << 20
@@ -106,39 +108,41 @@ def index_hashes(pins: list[str], indexes: list[tuple[str, str]], find_links: li
                  timeout: float = 30.0) -> dict[str, list[str]]:
     """pin -> the sha256s (sorted) of its version's files on the given pages, for the pins listed anywhere.
 
-    ``indexes``/``find_links``: (revealed URL, field name for errors). Raises ``SGPUConfigError`` naming
-    the field (URL masked) when an index cannot be read."""
-    pages: list[tuple[str, str, str | None]] = []  # (url, field, project or None for a find-links page)
-    for pin in pins:
-        project = _normalize(pin.split("==", 1)[0])
-        pages += [(f"{url.rstrip('/')}/{project}/", field, project) for url, field in indexes]
-    pages += [(url, field, None) for url, field in find_links]
-
-    def fetch(page: tuple[str, str, str | None]) -> list[tuple[str, str]]:
-        url, field, _project = page
-        try:
-            got = _read(url, timeout)
+    ``indexes``/``find_links``: (revealed URL, field name for messages). An index the driver cannot read
+    (the nodes may reach a mirror the driver cannot) is logged as a warning naming its field, URL masked,
+    and its pins install by version, as before."""
+    projects = sorted({_normalize(pin.split("==", 1)[0]) for pin in pins})
+    listed: list[tuple[str | None, list[tuple[str, str]]]] = []  # (project or None: any), files
+    sources = [(url, field, True) for url, field in indexes] + [(url, field, False) for url, field in find_links]
+    for url, field, per_project in sources:
+        pages = [(f"{url.rstrip('/')}/{p}/", p) for p in projects] if per_project else [(url, None)]
+        try:  # the first page alone: an index that cannot be read is not asked once per pin
+            first = _read(pages[0][0], timeout)
         except (OSError, ValueError) as exc:  # URLError, HTTPError and timeouts are OSErrors
-            raise SGPUConfigError(f"environment.{field}", masked(url),
-                                  "an index the driver can read, to record each pinned distribution's sha256",
-                                  f"reading it failed: {type(exc).__name__}: {masked_reason(exc)}") from None
-        return [] if got is None else page_files(*got)
+            LOGGER.warning("environment.%s=%r could not be read (%s: %s): the pinned distributions it serves "
+                           "install by version, without a sha256", field, masked(url), type(exc).__name__,
+                           masked_reason(exc))
+            continue
+        listed.append((pages[0][1], [] if first is None else page_files(*first)))
 
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        listed = list(pool.map(fetch, dict.fromkeys(pages)))
-    by_page = dict(zip(dict.fromkeys(pages), listed))
+        def fetch(page: tuple[str, str | None]) -> tuple[str | None, list[tuple[str, str]]]:
+            try:
+                got = _read(page[0], timeout)
+            except (OSError, ValueError) as exc:
+                LOGGER.warning("environment.%s: %s could not be read (%s): %s installs by version",
+                               field, masked(page[0]), masked_reason(exc), page[1])
+                return page[1], []
+            return page[1], [] if got is None else page_files(*got)
+
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            listed += list(pool.map(fetch, pages[1:]))
     hashes: dict[str, list[str]] = {}
     for pin in pins:
         name, _, version = pin.partition("==")
         project = _normalize(name)
-        found = set()
-        for (url, _field, page_project), files in by_page.items():
-            if page_project not in (None, project):
-                continue
-            for filename, sha in files:
-                got = _version_of(filename, project)
-                if got is not None and _same_version(got, version):
-                    found.add(sha)
+        found = {sha for page_project, files in listed if page_project in (None, project)
+                 for filename, sha in files
+                 if (got := _version_of(filename, project)) is not None and _same_version(got, version)}
         if found:
             hashes[pin] = sorted(found)
     return hashes

@@ -349,8 +349,12 @@ def install(venv: Path, manifest: dict, index: dict | None = None,
     by_version = [pin for pin in manifest["pins"] if pin not in hashes]
     args, env = (index_args(manifest["index"]), None) if index is None else ([], index_env(index))
     common = [tool, "pip", "install", "-q", "--python", str(python), *args]
-    if hashed:  # first: a pin the extra requirements installed would not be checked again
-        install_hashed(common, work, hashed, hashes, env)
+    if hashed:  # first (by sha256): a pin the extra requirements installed would not be checked again
+        if __package__:
+            from prefect_sgpu.launch import stage_uv
+        else:
+            stage_uv = shipped(UV_MODULE)
+        stage_uv.install_hashed(common, work, hashed, hashes, env, run, SetupError)
     if manifest["requirements"]:  # resolved against the pins, a bad one fails before the big install
         extra = work / "requirements.txt"
         extra.write_text("\n".join(manifest["requirements"]) + "\n")
@@ -359,27 +363,6 @@ def install(venv: Path, manifest: dict, index: dict | None = None,
         rest = work / ("pins-by-version.txt" if hashed else "pins.txt")
         rest.write_text("\n".join(by_version) + "\n")
         run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(rest)], env)
-
-
-def install_hashed(common: list[str], work: Path, pins: list[str], hashes: dict, env: dict[str, str] | None) -> None:
-    """The pinned distributions, each only as a file whose sha256 the driver recorded (``hashes``: pin ->
-    sha256s, from the index at capture): uv refuses other bytes for a pinned version, and installs nothing."""
-    lines = []
-    for pin in pins:
-        digests = hashes.get(pin) or []
-        if not digests or not all(SHA.match(str(d)) for d in digests):
-            raise SetupError("checking the manifest", f"the sha256s of {pin}: {digests!r}")
-        lines.append(" ".join([pin, *(f"--hash=sha256:{d}" for d in digests)]))
-    hashed = work / "pins-hashed.txt"
-    hashed.write_text("\n".join(lines) + "\n")
-    try:
-        run("installing the driver's pinned distributions (sha256 checked)",
-            [*common, "--no-deps", "--require-hashes", "-r", str(hashed)], env)
-    except SetupError as exc:
-        named = [pin for pin in pins if re.search(rf"(?i)\b{re.escape(pin.split('==')[0])}\b", str(exc))]
-        raise SetupError("installing the driver's pinned distributions (sha256 checked): "
-                         f"{', '.join(named) or 'a pinned distribution'} did not install as the driver recorded it",
-                         str(exc).split(":", 1)[-1]) from None
 
 
 def lay_out_trees(venv: Path, manifest: dict, store: Transport, files_key: str, cache: Path) -> None:
