@@ -167,3 +167,25 @@ def test_an_index_the_driver_cannot_read_is_a_warning_naming_its_field_and_its_p
     said = caplog.text
     assert "environment.extra_index_urls[0]" in said and "***@127.0.0.1:9" in said and "by version" in said
     assert "tok-4b1e9" not in said
+
+
+def test_the_stage_as_the_user_data_runs_it_loads_the_hashed_install_from_the_shipped_files(node: Path) -> None:
+    """On a node the stage is a plain script (no package): the hashed install comes from the environment's
+    own shipped ``stage_uv.py``, as uv does."""
+    import types
+
+    from prefect_sgpu.launch import stage_uv
+
+    script = types.ModuleType("prefect_sgpu_node_env")
+    exec(compile(Path(node_env.__file__).read_text(), "prefect_sgpu_node_env.py", "exec"), script.__dict__)  # noqa: S102
+    asked: list[str] = []
+
+    def shipped(path: str):
+        asked.append(path)
+        return stage_uv
+
+    real = _wheel("the driver's")
+    with WheelIndex({WHEEL: _wheel("someone else's")}) as other:
+        with pytest.raises(script.SetupError, match=r"tinypin==1\.0 did not install as the driver recorded it"):
+            script.install(node / "venv-f", _manifest(other.url, real), None, shipped)
+    assert script.UV_MODULE in asked and _installed(node / "venv-f") == []
