@@ -9,8 +9,9 @@ it installed. It is the node half of :mod:`prefect_sgpu.environment.ship`:
    a store writer cannot change which environment a node builds);
 2. if ``<root>/<digest>-<platform>/.complete`` exists, reuse that venv: nothing is installed;
 3. otherwise, under a lock: ``uv venv`` with the driver's Python minor version, ``uv pip install
-   --no-deps`` of the driver's pinned distributions (then the extra requirements, constrained by
-   those pins) from the manifest's index settings (the image's uv settings, ``UV_OFFLINE`` and
+   --no-deps`` of the driver's pinned distributions (``--require-hashes`` for those the manifest records
+   sha256s of; then the extra requirements, constrained by those pins) from the manifest's index
+   settings (the image's uv settings, ``UV_OFFLINE`` and
    ``UV_CACHE_DIR`` included, apply); every shipped file (local packages, this project, the
    user's ``working_dir`` and ``py_modules``) fetched by sha256, checked, and laid out; then the
    marker. When the manifest's index settings carry credentials (it shows them masked), the real
