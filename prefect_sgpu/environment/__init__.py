@@ -155,6 +155,23 @@ class EnvironmentOptions(IndexSettings):
     auto_modules: bool = Field(True, description=(
         "The user's own modules the driver has imported (not the standard library, not installed) travel "
         "as py_modules do (docs/environment.md)."))
+    allow_http_index: bool = Field(False, description=(
+        "Accept http:// index, extra index and find-links URLs (no TLS: anyone on the path can change "
+        "the page, including the sha256s the driver records from it). Off: only https://."))
+
+    @model_validator(mode="after")
+    def _https_indexes(self) -> "EnvironmentOptions":
+        if self.allow_http_index:
+            return self
+        named = [("index_url", self.index_url)] if self.index_url is not None else []
+        named += [(f"extra_index_urls[{i}]", u) for i, u in enumerate(self.extra_index_urls)]
+        named += [(f"find_links[{i}]", u) for i, u in enumerate(self.find_links)]
+        for field, url in named:
+            if url.shown.lower().startswith("http://"):
+                raise SGPUConfigError(f"environment.{field}", url.shown,
+                                      "an https:// URL (http:// sends the pages and the wheels unprotected)",
+                                      "set environment.allow_http_index=True to accept it on a network you trust")
+        return self
 
     @model_validator(mode="after")
     def _image_installs_nothing(self) -> "EnvironmentOptions":
@@ -549,6 +566,8 @@ def option_text(option: Option) -> str:
         data["max_bytes"] = option.max_bytes
     if not option.auto_modules:
         data["auto_modules"] = False
+    if option.allow_http_index:
+        data["allow_http_index"] = True
     if option.index_url is not None:
         data["index_url"] = option.index_url._url or option.index_url.shown
     for name in ("extra_index_urls", "find_links"):

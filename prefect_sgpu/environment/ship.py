@@ -194,7 +194,23 @@ def _manifest(environment: "Environment") -> tuple[dict[str, Any], dict[str, Pat
     data = {"format": 1, "digest": environment.digest, "python": environment.python.minor,
             "implementation": environment.python.implementation, "pins": pins,
             "requirements": list(environment.requirements), "index": _index(environment), "trees": trees}
+    hashes = pin_hashes(environment, pins)
+    if hashes:
+        data["hashes"] = hashes
     return data, sources
+
+
+def pin_hashes(environment: "Environment", pins: list[str]) -> dict[str, list[str]]:
+    """pin -> sha256s of its files, as the indexes the environment names list them
+    (:mod:`prefect_sgpu.environment.hashes`): the node installs those pins by hash. None named: none."""
+    from prefect_sgpu.environment.hashes import index_hashes
+
+    indexes = [(environment.index_url.reveal(), "index_url")] if environment.index_url else []
+    indexes += [(u.reveal(), f"extra_index_urls[{i}]") for i, u in enumerate(environment.extra_index_urls)]
+    find_links = [(u.reveal(), f"find_links[{i}]") for i, u in enumerate(environment.find_links)]
+    if not pins or not (indexes or find_links):
+        return {}
+    return index_hashes(pins, indexes, find_links)
 
 
 def manifest_bytes(environment: "Environment") -> bytes:

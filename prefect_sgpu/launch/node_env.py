@@ -9,8 +9,9 @@ it installed. It is the node half of :mod:`prefect_sgpu.environment.ship`:
    a store writer cannot change which environment a node builds);
 2. if ``<root>/<digest>-<platform>/.complete`` exists, reuse that venv: nothing is installed;
 3. otherwise, under a lock: ``uv venv`` with the driver's Python minor version, ``uv pip install
-   --no-deps`` of the driver's pinned distributions (then the extra requirements, constrained by
-   those pins) from the manifest's index settings (the image's uv settings, ``UV_OFFLINE`` and
+   --no-deps`` of the driver's pinned distributions (``--require-hashes`` for those the manifest records
+   sha256s of; then the extra requirements, constrained by those pins) from the manifest's index
+   settings (the image's uv settings, ``UV_OFFLINE`` and
    ``UV_CACHE_DIR`` included, apply); every shipped file (local packages, this project, the
    user's ``working_dir`` and ``py_modules``) fetched by sha256, checked, and laid out; then the
    marker. When the manifest's index settings carry credentials (it shows them masked), the real
@@ -319,6 +320,8 @@ def packages_digest(manifest: dict) -> str:
     requirements and the index settings (as the manifest shows them). Packs are keyed by it, so a pack
     serves every environment of the same packages, whatever the project's files."""
     keys = ("format", "implementation", "python", "pins", "requirements", "index")
+    if manifest.get("hashes"):  # only when recorded: the digest of packages without them stays as it was
+        keys += ("hashes",)
     return hashlib.sha256(json.dumps({k: manifest.get(k) for k in keys}, sort_keys=True,
                                      separators=(",", ":")).encode()).hexdigest()
 
@@ -342,14 +345,25 @@ def install(venv: Path, manifest: dict, index: dict | None = None,
     work.mkdir()
     pins = work / "pins.txt"
     pins.write_text("\n".join(manifest["pins"]) + "\n")
+    hashes = manifest.get("hashes") or {}
+    hashed = [pin for pin in manifest["pins"] if pin in hashes]
+    by_version = [pin for pin in manifest["pins"] if pin not in hashes]
     args, env = (index_args(manifest["index"]), None) if index is None else ([], index_env(index))
     common = [tool, "pip", "install", "-q", "--python", str(python), *args]
-    if manifest["requirements"]:  # first: resolved against the pins, a bad one fails before the big install
+    if hashed:  # first (by sha256): a pin the extra requirements installed would not be checked again
+        if __package__:
+            from prefect_sgpu.launch import stage_uv
+        else:
+            stage_uv = shipped(UV_MODULE)
+        stage_uv.install_hashed(common, work, hashed, hashes, env, run, SetupError)
+    if manifest["requirements"]:  # resolved against the pins, a bad one fails before the big install
         extra = work / "requirements.txt"
         extra.write_text("\n".join(manifest["requirements"]) + "\n")
         run("installing the extra requirements", [*common, "-c", str(pins), "-r", str(extra)], env)
-    if manifest["pins"]:  # exactly the driver's set: nothing to resolve
-        run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(pins)], env)
+    if by_version:  # exactly the driver's set: nothing to resolve
+        rest = work / ("pins-by-version.txt" if hashed else "pins.txt")
+        rest.write_text("\n".join(by_version) + "\n")
+        run("installing the driver's pinned distributions", [*common, "--no-deps", "-r", str(rest)], env)
 
 
 def lay_out_trees(venv: Path, manifest: dict, store: Transport, files_key: str, cache: Path) -> None:

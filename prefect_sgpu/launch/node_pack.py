@@ -21,7 +21,8 @@ not make a new pack, and the shipped files are laid out after unpacking as after
 - **Unpack.** A node that lacks the venv and whose user-data names a pack for its platform
   (``--pack``) downloads it (ranged GETs, 8 at a time), checks its sha256, checks every entry (plain
   files, folders and links that stay inside ``venv/`` or ``python/<name>/``; an absolute link only as
-  one of the venv's interpreters; no setuid bits), unpacks it under the environments' root, moves
+  one of the venv's interpreters; no setuid bits; each name once, none under a link, so nothing is
+  written through a link; every relative link, resolved as extracted, inside its folder), unpacks it under the environments' root, moves
   the venv's home to where the packed Python now lies, and checks that the venv's Python runs as
   the manifest's version. Anything else: the stage logs why and builds as before.
 
@@ -184,6 +185,43 @@ def check_member(member: tarfile.TarInfo) -> None:
     member.uid, member.gid, member.uname, member.gname = os.getuid(), os.getgid(), "", ""
 
 
+def check_tree(members: "list[tarfile.TarInfo]") -> None:
+    """The entries as a tree: each name once, and none under a link an earlier or later entry makes
+    (extraction would write through it, wherever it points)."""
+    seen, links = set(), set()
+    for member in members:
+        if member.name in seen:
+            raise PackError(f"entry {member.name!r} appears twice")
+        seen.add(member.name)
+        if member.issym():
+            links.add(member.name)
+    for member in members:
+        parts = member.name.split("/")
+        for end in range(1, len(parts)):
+            above = "/".join(parts[:end])
+            if above in links:
+                raise PackError(f"entry {member.name!r} lies under the link {above!r}")
+
+
+def check_links(staging: Path, members: "list[tarfile.TarInfo]") -> None:
+    """Every relative link as extracted, resolved through the links beside it, stays in its ``venv/`` or
+    ``python/<name>/`` (a chain such as ``l1 -> l0/..`` is lexically inside and resolves outside)."""
+    for member in members:
+        if not member.issym() or member.linkname.startswith("/"):
+            continue
+        parts = member.name.split("/")
+        top = os.path.realpath(str(staging.joinpath(*(parts[:1] if parts[0] == "venv" else parts[:2]))))
+        # the folder it names, resolved; a last part that is itself a link is an entry checked on its own
+        named = os.path.join(os.path.dirname(str(staging / member.name)), member.linkname)
+        last = os.path.basename(named)
+        if last in ("", ".", ".."):
+            target = os.path.realpath(named)
+        else:
+            target = os.path.join(os.path.realpath(os.path.dirname(named)), last)
+        if target != top and not target.startswith(top + os.sep):
+            raise PackError(f"{member.name!r} links to {member.linkname!r}, which resolves outside its folder")
+
+
 def _move_home(venv: Path, root: Path, packed: "list[str]") -> None:
     """The venv's home and interpreter links, from the packed Python's place under the builder's root
     to its place under ``root``."""
@@ -212,8 +250,12 @@ def unpack(archive: Path, root: Path, venv: Path, python: str) -> None:
             members = tar.getmembers()
             for member in members:
                 check_member(member)
+            check_tree(members)
+            # every entry checked above, and none is written through a link: the fully trusted filter
+            # keeps the venv's absolute interpreter links, which the data filter refuses
             options = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
-            tar.extractall(str(staging), members, **options)  # every entry checked above
+            tar.extractall(str(staging), members, **options)
+        check_links(staging, members)
         packed = sorted(p.name for p in (staging / "python").iterdir()) if (staging / "python").is_dir() else []
         for name in packed:
             if not (root / "python" / name).exists():

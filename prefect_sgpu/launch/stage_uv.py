@@ -1,8 +1,9 @@
 """The uv the environment stage (:mod:`prefect_sgpu.launch.node_env`) runs: the image's, else a pinned wheel.
 
 Standard library only: it runs on a bare image, loaded by the stage from the environment's own shipped
-files only when the image has no uv (:func:`prefect_sgpu.launch.node_env.shipped_module`). It knows
-no cloud: the wheel comes from a package index (simple API) or a find-links page.
+files only when the image has no uv or the manifest records the pins' sha256s
+(:func:`prefect_sgpu.launch.node_env.shipped_module`). It knows no cloud: the wheel comes from a package
+index (simple API) or a find-links page.
 """
 
 from __future__ import annotations
@@ -139,3 +140,24 @@ def uv(index: dict | None, root: Path, log: Callable[[str], None]) -> str:
                      f"wheel {wheel} (sha256 {sha}):\n" + "\n".join(tried) + f"\ninstall uv in the image, set "
                      f"{UV_INDEX_ENV} to an index (simple API) that serves it, or say environment='image' "
                      "if the image has every package")
+
+
+def install_hashed(common: list, work: Path, pins: list, hashes: dict, env, run: Callable, error: type) -> None:
+    """The pinned distributions ``pins``, each only as a file whose sha256 the driver recorded (``hashes``:
+    pin -> sha256s, from the index at capture): ``uv pip install --require-hashes`` refuses other bytes for
+    a pinned version and installs nothing. ``run``/``error``: the stage's step runner and its error."""
+    lines = []
+    for pin in pins:
+        digests = hashes.get(pin) or []
+        if not digests or not all(re.match(r"^[0-9a-f]{64}$", str(d)) for d in digests):
+            raise error("checking the manifest", f"the sha256s of {pin}: {digests!r}")
+        lines.append(" ".join([pin, *(f"--hash=sha256:{d}" for d in digests)]))
+    hashed = work / "pins-hashed.txt"
+    hashed.write_text("\n".join(lines) + "\n")
+    step = "installing the driver's pinned distributions (sha256 checked)"
+    try:
+        run(step, [*common, "--no-deps", "--require-hashes", "-r", str(hashed)], env)
+    except error as exc:
+        named = [pin for pin in pins if re.search(rf"(?i)\b{re.escape(pin.split('==')[0])}\b", str(exc))]
+        raise error(f"{step}: {', '.join(named) or 'a pinned distribution'} did not install as the driver "
+                    "recorded it", str(exc).split(":", 1)[-1]) from None

@@ -193,7 +193,8 @@ def test_a_job_installs_from_an_index_that_needs_its_token_and_the_token_shows_n
         fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute,
                          mlflow=False, timeout=600,
                          environment={"working_dir": str(project), "requirements": ["sgpu-index-demo==0.1"],
-                                      "extra_index_urls": [index.url(f"bob:${{{TOKEN_ENV}}}")]})(train)
+                                      "extra_index_urls": [index.url(f"bob:${{{TOKEN_ENV}}}")],
+                                      "allow_http_index": True})(train)
         job = fn.job()
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
