@@ -352,8 +352,7 @@ def render_user_data(
         f'marker="{marker}"',
         "# backstop: power off (which terminates this instance) unless the bootstrap takes over in time",
         f'( sleep {backstop:.0f}; [ -e "$marker" ] || shutdown -h now ) </dev/null >/dev/null 2>&1 &',
-        "# setup failed, or the bootstrap ended (before it took over, or after: killed, crashed,"
-        "# or done with its own termination): power off now",
+        "# setup failed or the bootstrap ended (killed, crashed or done): power off now",
         "trap 'shutdown -h now' EXIT",
         "set -euo pipefail",
         *([setup.strip()] if setup.strip() else []),
