@@ -199,6 +199,10 @@ def test_the_driver_hands_ranks_their_locations_key_as_a_secret_never_in_the_env
     launch = job.launch(request, ["127.0.0.1"], "127.0.0.1:1")
     assert KEY_ENV not in launch.env
     assert launch.secrets[KEY_ENV] == location_key(launch.env[URI_ENV])
+    from prefect_sgpu.checkpoints.manifest import FOLDERS_KEY_ENV, folders_key
+
+    assert FOLDERS_KEY_ENV not in launch.env
+    assert launch.secrets[FOLDERS_KEY_ENV] == folders_key(job.store.root_uri), "explicit folders' key: per store"
 
 
 def _saves_and_restores(step: int, other: str | None = None) -> dict[str, Any]:

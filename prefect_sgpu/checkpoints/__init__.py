@@ -169,6 +169,10 @@ class Location:
 
     # -- what is there -------------------------------------------------------------
 
+    def marker_steps(self) -> list[int]:
+        """Steps with a ``COMPLETE`` marker, sealed or not (verified or not)."""
+        return self._marker_steps()
+
     def _marker_steps(self) -> list[int]:
         """Steps with a ``COMPLETE`` marker, sealed or not."""
         steps: set[int] = set()

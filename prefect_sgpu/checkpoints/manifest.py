@@ -61,9 +61,14 @@ KEY_ENV = "SGPU_CHECKPOINT_KEY"
 #: the driver's checkpoint secret (hex), for workers that must share it; never handed to a node
 SECRET_ENV = "SGPU_CHECKPOINT_SECRET"
 SECRET_FILE = "checkpoint-secret"
+#: the key ranks derive an explicit folder's key from (hex), handed over like ``secrets=``: one per user
+#: secret and job store, so every run of that store verifies what earlier runs wrote to the same folder
+FOLDERS_KEY_ENV = "SGPU_CHECKPOINT_FOLDERS_KEY"
 MARKER = "COMPLETE"
 _LOCATION = b"prefect-sgpu checkpoint location v1\n"
 _SUB_LOCATION = b"prefect-sgpu checkpoint sub-location v1\n"
+_FOLDERS = b"prefect-sgpu checkpoint folders v1\n"
+_FOLDER = b"prefect-sgpu checkpoint folder v1\n"
 _HEX_KEY = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 20
 ALLOWED_NAME = "a plain relative name ('/'-separated parts; not absolute, no empty, '.' or '..' part, no NUL)"
@@ -188,10 +193,19 @@ def location_key(uri: str) -> str:
     return derive(driver_secret(), _LOCATION, uri)
 
 
+def folders_key(store_root: str) -> str:
+    """The key a rank derives explicit folders' keys from, for the jobs of the store at ``store_root``
+    (what the driver hands ranks beside their location's key)."""
+    return derive(driver_secret(), _FOLDERS, store_root)
+
+
 def key_for(uri: str, own_uri: str | None) -> str:
     """The key this process seals and checks ``uri``'s checkpoints with.
 
-    ``own_uri`` is this rank's own location, whose key came in ``SGPU_CHECKPOINT_KEY``."""
+    ``own_uri`` is this rank's own location, whose key came in ``SGPU_CHECKPOINT_KEY``. Another
+    location (an explicit ``Checkpointer(folder=...)``) is keyed from the user's secret where this
+    process can read it, else from ``SGPU_CHECKPOINT_FOLDERS_KEY``: the same key for every run of the
+    store, so a new run resumes from a folder an earlier run wrote."""
     own = os.environ.get(KEY_ENV, "").strip().lower()
     if own and not _HEX_KEY.match(own):
         raise _bad_secret(KEY_ENV, "<hidden>", "it is not 64 hex digits")
@@ -200,6 +214,11 @@ def key_for(uri: str, own_uri: str | None) -> str:
     secret = read_secret()
     if secret is not None:
         return derive(secret, _LOCATION, uri)
+    folders = os.environ.get(FOLDERS_KEY_ENV, "").strip().lower()
+    if folders:
+        if not _HEX_KEY.match(folders):
+            raise _bad_secret(FOLDERS_KEY_ENV, "<hidden>", "it is not 64 hex digits")
+        return derive(folders, _FOLDER, uri)
     if own:  # a rank without the user's secret (a remote node): a key only its own task holds
         return derive(own, _SUB_LOCATION, uri)
     return location_key(uri)

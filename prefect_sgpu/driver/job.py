@@ -204,12 +204,12 @@ class Job:
         """The checkpoint location's key, for the ranks: it travels as ``secrets=`` do (never in the store)
         and, derived from the driver's checkpoint secret per location, is the same for every retry of a
         task (:mod:`prefect_sgpu.checkpoints.manifest`)."""
-        from prefect_sgpu.checkpoints.manifest import KEY_ENV, location_key
+        from prefect_sgpu.checkpoints.manifest import FOLDERS_KEY_ENV, KEY_ENV, folders_key, location_key
         from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV
 
         env = {**self.checkpoint_env(), **self.spec.env}
         uri = env.get(URI_ENV) or env.get(DIR_ENV)
-        return {KEY_ENV: location_key(uri)} if uri else {}
+        return {KEY_ENV: location_key(uri), FOLDERS_KEY_ENV: folders_key(self.store.root_uri)} if uri else {}
 
     def _index_secret(self) -> dict[str, str]:
         """The environment's index URLs with their credentials, for a compute whose nodes build it: they

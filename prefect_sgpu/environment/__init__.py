@@ -151,6 +151,9 @@ class EnvironmentOptions(IndexSettings):
     max_bytes: int = Field(DEFAULT_MAX_BYTES, gt=0, description="Largest working_dir (and each py_module) in bytes.")
     py_modules: Annotated[tuple[str, ...], _strings("py_modules"), AfterValidator(_check_modules)] = Field(
         (), description="Package folders, .py files or top-level module names that travel.")
+    allow_credential_files: Annotated[tuple[str, ...], _strings("allow_credential_files")] = Field(
+        (), description=("gitignore patterns of travelling files the credential scan lets through (what they "
+                         "hold looks like a credential and is none: a test fixture)."))
     requirements: Requirements = Field((), description="Extra PEP 508 requirements installed on the nodes.")
     auto_modules: bool = Field(True, description=(
         "The user's own modules the driver has imported (not the standard library, not installed) travel "
@@ -193,13 +196,15 @@ class EnvironmentOptions(IndexSettings):
         for i, entry in enumerate(self.py_modules):
             source = _module_source(entry, f"environment.py_modules[{i}]")
             name = source.stem if source.suffix == ".py" else source.name
-            py_modules.append(scan(name, source, f"environment.py_modules[{i}]", max_bytes=self.max_bytes))
+            py_modules.append(scan(name, source, f"environment.py_modules[{i}]", max_bytes=self.max_bytes,
+                                   allow_credentials=self.allow_credential_files))
         working_dir = (scan("working_dir", Path(self.working_dir), "environment.working_dir", excludes=self.excludes,
-                            max_bytes=self.max_bytes) if self.working_dir else None)
+                            max_bytes=self.max_bytes, allow_credentials=self.allow_credential_files)
+                       if self.working_dir else None)
         distributions: tuple[Distribution, ...] = ()
         local: tuple[Tree, ...] = ()
         if self.mode == "driver":
-            distributions, local = _installed(self.max_bytes)
+            distributions, local = _installed(self.max_bytes, self.allow_credential_files)
         if self.auto_modules:  # last: what the user named is checked (and reported) first
             py_modules += self._auto_modules({t.name for t in py_modules}, script)
         return Environment(
@@ -223,7 +228,7 @@ class EnvironmentOptions(IndexSettings):
             field = f"environment (the module {module.name!r} the driver imported from {module.folder})"
             try:
                 trees.append(scan(module.name, module.source, field, excludes=self.excludes,
-                                  max_bytes=self.max_bytes))
+                                  max_bytes=self.max_bytes, allow_credentials=self.allow_credential_files))
             except SGPUConfigError as exc:
                 raise SGPUConfigError(exc.field, exc.value, exc.allowed,
                                       f"{exc.hint}; or, when the nodes do not need it, leave the driver's own "
@@ -312,7 +317,8 @@ def path_fingerprint() -> tuple[tuple[str, int | None], ...]:
     return tuple(stamps)
 
 
-def _installed(max_bytes: int) -> tuple[tuple[Distribution, ...], tuple[Tree, ...]]:
+def _installed(max_bytes: int, allow_credentials: Iterable[str] = ()) -> tuple[tuple[Distribution, ...],
+                                                                                tuple[Tree, ...]]:
     """Every distribution the driver's interpreter sees and the files of those whose files travel,
     hashed now (the distributions are read again only when ``sys.path`` or a folder on it changed:
     reading every metadata file costs more than the rest of a capture)."""
@@ -321,7 +327,8 @@ def _installed(max_bytes: int) -> tuple[tuple[Distribution, ...], tuple[Tree, ..
         _FOUND.clear()
         _FOUND[key] = _distributions()
     distributions, sources = _FOUND[key]
-    trees = [scan(name, folder, field, max_bytes=max_bytes) if rels is None
+    trees = [scan(name, folder, field, max_bytes=max_bytes, allow_credentials=allow_credentials,
+                  credentials="leave_out") if rels is None
              else installed_files(name, folder, rels, field) for name, field, folder, rels in sources]
     return distributions, tuple(sorted(trees, key=lambda t: t.name))
 
@@ -558,7 +565,7 @@ def option_text(option: Option) -> str:
         raise SGPUConfigError("environment", repr(option), "options, not a captured environment, in "
                               f"{ENVIRONMENT_ENV}")
     data: dict[str, Any] = {"mode": option.mode}
-    for name in ("working_dir", "excludes", "py_modules", "requirements"):
+    for name in ("working_dir", "excludes", "py_modules", "requirements", "allow_credential_files"):
         value = getattr(option, name)
         if value:
             data[name] = list(value) if isinstance(value, tuple) else value

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -30,9 +32,28 @@ DEFAULT_EXCLUDES = (
     ".mypy_cache/", ".pytest_cache/", ".ruff_cache/", ".ipynb_checkpoints/", "*.egg-info/", "build/",
     "dist/", "node_modules/", ".DS_Store", "mlruns/",
 )
+#: never travels either: files that hold credentials by their name (dotenv files, TLS and SSH private
+#: keys, netrc, the AWS and SSH configuration folders, package-index and database password files). A
+#: ``!pattern`` in ``excludes`` takes one back (its content is still scanned, :func:`credential_in`)
+CREDENTIAL_EXCLUDES = (
+    ".env", ".env.*", ".envrc", "*.pem", "*.key", "*.p12", "*.pfx", ".netrc", "_netrc", ".aws/", ".ssh/",
+    "id_rsa", "id_rsa.*", "id_dsa", "id_dsa.*", "id_ecdsa", "id_ecdsa.*", "id_ecdsa_sk", "id_ecdsa_sk.*",
+    "id_ed25519", "id_ed25519.*", "id_ed25519_sk", "id_ed25519_sk.*", ".pgpass", ".pypirc", ".git-credentials",
+)
+DEFAULT_EXCLUDES += CREDENTIAL_EXCLUDES
+#: what a credential looks like inside a text file: an AWS access key id (long-term ``AKIA``, temporary
+#: ``ASIA``; AWS's documented example ``AKIAIOSFODNN7EXAMPLE`` aside) or a PEM private key block
+_CREDENTIAL = re.compile(rb"(?<![0-9A-Z])(?P<aws>(?:AKIA|ASIA)[0-9A-Z]{16})(?![0-9A-Z])"
+                         rb"|(?P<pem>-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----)")
+_CREDENTIAL_KINDS = {"aws": "an AWS access key id", "pem": "a PEM private key"}
+#: bytes of a file looked at for a NUL to tell a binary file (never scanned) from a text one
+_TEXT_PROBE = 8192
 #: bytes a travelling folder may hold after its ignore rules (Ray's working_dir limit is of this order)
 DEFAULT_MAX_BYTES = 100 * 1024 * 1024
 _CHUNK = 1 << 20
+
+logger = logging.getLogger("prefect_sgpu.environment")
+_WARNED: set[tuple[str, str]] = set()
 
 
 class FileEntry(BaseModel):
@@ -87,6 +108,60 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def credential_in(path: Path) -> str | None:
+    """What credential a text file holds (``"an AWS access key id"``, ``"a PEM private key"``), or None;
+    a binary file (a NUL in its first bytes) is not scanned."""
+    return _read(path)[1]
+
+
+def _read(path: Path) -> tuple[str, str | None]:
+    """The file's sha256 and, for a text file, the credential it holds (one pass over the bytes)."""
+    digest = hashlib.sha256()
+    tail, found, text = b"", None, True
+    with open(path, "rb") as fh:
+        first = True
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+            if first and b"\0" in chunk[:_TEXT_PROBE]:
+                text = False
+            first = False
+            if text and found is None:
+                window = tail + chunk
+                for match in _CREDENTIAL.finditer(window):
+                    if match.group("aws") != b"AKIAIOSFODNN7EXAMPLE":
+                        found = _CREDENTIAL_KINDS[match.lastgroup or "aws"]
+                        break
+                tail = window[-64:]
+    return digest.hexdigest(), found if text else None
+
+
+def _credential_files(source: Path, field: str, read: list[tuple[str, int, str, str | None]],
+                      allow: Iterable[str], refuse: bool) -> set[str]:
+    """The travelling files that hold a credential and no ``allow`` pattern lets through. ``refuse``:
+    the first is an SGPUConfigError naming it and the opt-outs (leave it out, or list it in
+    ``allow_credential_files`` when it holds no real credential); else each is logged and left out."""
+    import pathspec
+
+    allowed = pathspec.PathSpec.from_lines("gitwildmatch", list(allow))
+    found = set()
+    for rel, _, _, kind in read:
+        if kind is None or allowed.match_file(rel):
+            continue
+        if refuse:
+            raise SGPUConfigError(
+                field, f"{rel} in {source}", f"files without credentials: it holds {kind}",
+                f"nothing was shipped. Leave it out with excludes=['/{rel}'] (or .gitignore), or, when it holds "
+                f"no real credential (a test fixture), let it travel with "
+                f"environment={{'allow_credential_files': ['/{rel}']}}")
+        if (str(source), rel) not in _WARNED:  # once per process: every capture reads the checkout again
+            _WARNED.add((str(source), rel))
+            logger.warning("%s: %s in %s holds %s: left out of what travels (list it in "
+                           "environment={'allow_credential_files': [...]} when it is no real credential)",
+                           field, rel, source, kind)
+        found.add(rel)
+    return found
+
+
 def ignore_spec(root: Path, excludes: Iterable[str] = ()) -> object:
     """The pathspec of ``root``: defaults, its ``.gitignore``, then ``excludes`` (later rules win)."""
     import pathspec
@@ -134,11 +209,16 @@ def _mib(size: int) -> str:
 
 
 def scan(name: str, source: Path, field: str, *, excludes: Iterable[str] = (),
-         max_bytes: int = DEFAULT_MAX_BYTES, limit_field: str = "environment.max_bytes") -> Tree:
+         max_bytes: int = DEFAULT_MAX_BYTES, limit_field: str = "environment.max_bytes",
+         allow_credentials: Iterable[str] = (), credentials: str = "refuse") -> Tree:
     """The manifest of a folder or a single ``.py`` file, checked against ``max_bytes``.
 
     Sizes are summed before anything is hashed, so a folder over the limit fails at once
     with an :class:`SGPUConfigError` naming ``field``, the size, the limit and its largest files.
+    Every text file that would travel is scanned for credentials (:func:`credential_in`): one found
+    is an :class:`SGPUConfigError` naming the file (``credentials="refuse"``: a project, a module) or
+    is left out with a warning (``"leave_out"``: an editable distribution's checkout, whose tests may
+    hold fake keys), unless ``allow_credentials`` (gitignore patterns) matches it.
     """
     source = Path(source)
     if source.is_file():
@@ -158,17 +238,26 @@ def scan(name: str, source: Path, field: str, *, excludes: Iterable[str] = (),
             f"largest: {shown}; leave files out with excludes=[...] (gitignore patterns, .gitignore is read too) "
             f"or raise {limit_field}",
         )
-    files = tuple(FileEntry(path=rel, size=size, sha256=file_sha256(path)) for rel, path, size in sizes)
+    read = [(rel, size, *_read(path)) for rel, path, size in sizes]
+    left_out = _credential_files(source, field, read, allow_credentials, refuse=credentials == "refuse")
+    files = tuple(FileEntry(path=rel, size=size, sha256=sha) for rel, size, sha, _ in read if rel not in left_out)
     return Tree(name=name, source=str(source.resolve()), files=tuple(sorted(files, key=_key)))
 
 
 def installed_files(name: str, base: Path, relative: Iterable[str], field: str) -> Tree:
-    """The manifest of an installed distribution's own files (its RECORD), bytecode left out."""
+    """The manifest of an installed distribution's own files (its RECORD), bytecode left out.
+
+    Only files inside ``base`` (its site folder) travel: a RECORD entry that is absolute, climbs with
+    ``..`` or resolves outside ``base`` through a link names some other file of this machine, and is
+    left out."""
     kept = []
+    real_base = base.resolve()
     for rel in relative:
         path = base / rel
         parts = Path(rel).parts
-        if rel.endswith((".pyc", ".pyo")) or "__pycache__" in parts or ".." in parts or not path.is_file():
+        if rel.endswith((".pyc", ".pyo")) or "__pycache__" in parts or ".." in parts or Path(rel).is_absolute():
+            continue
+        if not path.resolve().is_relative_to(real_base) or not path.is_file():
             continue
         kept.append(FileEntry(path=Path(rel).as_posix(), size=path.stat().st_size, sha256=file_sha256(path)))
     if not kept:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prefect_sgpu import runtime
-from prefect_sgpu.checkpoints.manifest import FileEntry, check_name
+from prefect_sgpu.checkpoints.manifest import FileEntry, check_name, warn_once
 from prefect_sgpu.checkpoints import MARKER, Location, step_dir_name
 from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
 from prefect_sgpu.pipeline import async_save as async_save_mod
@@ -251,11 +251,23 @@ class SealedSteps:
         return merged
 
     def _prune(self, newest: int) -> None:
-        """Keep the last ``keep`` complete checkpoints; drop older ones and stale partial folders."""
+        """Keep the last ``keep`` complete checkpoints; drop older ones and stale partial folders.
+
+        A step whose marker this key cannot verify (sealed under another key: a retry on a host with
+        another checkpoint secret, a run with another key for the same folder; or forged) is never
+        deleted: it is left as it is, with one warning naming the folder. Only verified steps and
+        folders without a marker (a save that died) are removed."""
         complete = self.location.complete_steps()
         kept = set(complete[-self.keep:])
+        marked = set(self.location.marker_steps())
+        unverified = sorted(marked - set(complete))
+        if unverified:
+            warn_once(self.location.uri, "prune", CheckpointRefused(
+                f"checkpoint folder {self.location.uri}: step(s) {', '.join(map(str, unverified))} carry a "
+                "marker this job's key cannot verify (another checkpoint secret or key, or forged): left in "
+                "place, never deleted; remove them yourself once they are not needed"))
         for step in self.location.step_dirs():
-            if step in kept:
+            if step in kept or step in unverified:
                 continue
             if step < newest or step in complete:
                 self.location.delete(step_dir_name(step))
@@ -360,7 +372,10 @@ class Checkpointer(SealedSteps):
         """Write a checkpoint of ``step`` and mark it complete once every rank's part is stored
         (with ``async_save``: start doing so in the background, after the previous save ended)."""
         if self.async_save:
-            return self._save_in_background(step, extra)
+            target = self._save_in_background(step, extra)
+            if step == self.preempted_at or runtime.preemption_requested():  # the node is going away: awaited
+                self.wait()
+            return target
         name = step_dir_name(step)
         target = self.fresh_step_folder(name)
         self._save_training_state(target)

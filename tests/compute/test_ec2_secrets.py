@@ -44,7 +44,8 @@ def test_secrets_over_ssms_limit_fail_before_any_instance_is_launched(ec2: EC2En
                      secrets={"CERT": "sgpu-big-cert", "TOKEN": "sgpu-small-token"})(_never_runs)
     job = fn.job()
     # what travels in the same parameter is counted too: the checkpoint location's key
-    with pytest.raises(SGPUConfigError, match=r"secrets=.*CERT: 3887, SGPU_CHECKPOINT_KEY: \d+, TOKEN: 162.*"
+    with pytest.raises(SGPUConfigError, match=r"secrets=.*CERT: 3887, SGPU_CHECKPOINT_FOLDERS_KEY: \d+, "
+                                              r"SGPU_CHECKPOINT_KEY: \d+, TOKEN: 162.*"
                                               r"at most 4096 bytes") as err:
         job.run()
     assert "s3cr3t" not in str(err.value) and "tok-" not in str(err.value), "a secret value in the message"
