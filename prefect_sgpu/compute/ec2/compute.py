@@ -79,6 +79,7 @@ class EC2Request(RemoteRequest):
             "region": self.region,
             "run_instances": self.run_instances[0].params if self.run_instances else {},
             "failover": [{"market": a.market, "subnet_id": a.subnet_id} for a in self.run_instances],
+            **({"image": _image_text(self.run_instances[0].params.get("ImageId", ""))} if self.run_instances else {}),
             "user_data": self.user_data,
             "store": self.store_uri,
             "payload_key": f"SSM SecureString {self.key_parameter} (deleted on release)",
@@ -89,6 +90,14 @@ class EC2Request(RemoteRequest):
             **({"keep_warm": f"a warm lease's instances when one of this shape is idle; else new ones for lease "
                              f"{self.lease_id}, kept {self.keep_warm:g}s between jobs"} if self.lease_id else {}),
         }
+
+
+def _image_text(image_id: str) -> str:
+    """How the job's AMI is chosen, for the plan: one id for every launch of the job."""
+    if image_id.startswith("resolve:ssm:"):
+        return (f"the AMI SSM parameter {image_id[len('resolve:ssm:'):]} names at the job's first launch, "
+                "pinned for its every gang and replacement")
+    return f"{image_id}, for every launch of the job"
 
 
 @dataclass
