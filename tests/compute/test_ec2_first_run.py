@@ -177,6 +177,7 @@ def test_the_ami_is_resolved_once_per_job_and_a_replacement_and_a_new_gang_boot_
     run_id = f"r-ami-{uuid.uuid4().hex[:6]}"
     request = compute.plan(spec.JobSpec(gpus=2, gpu_type="A10", remote=True), run_id)
     assert request.run_instances[0].params["ImageId"] == f"resolve:ssm:{parameter}"
+    assert parameter in request.describe()["image"] and "pinned" in request.describe()["image"]
     messages: list[str] = []
 
     def allocation_for(req: Any, gang: int) -> EC2Allocation:
