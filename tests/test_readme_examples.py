@@ -113,3 +113,30 @@ def test_the_readmes_first_job_runs_as_written(prefect_server: None, tmp_path: P
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     promised = re.search(r"print\(hello\(\)\)\s*#\s*(\[.*\])", code).group(1)
     assert done.stdout.strip().splitlines()[-1] == promised, done.stdout[-2000:]
+
+
+def _ec2_section_blocks() -> list[tuple[str, str]]:
+    """The README's "A first EC2 job" code blocks, (language, dedented text)."""
+    import textwrap
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## A first EC2 job")
+    end = text.index("\n## ", start + 1)
+    blocks = re.findall(r"^( *)```(\w+)\n(.*?)^\1```", text[start:end], re.S | re.M)
+    return [(language, textwrap.dedent(body)) for _, language, body in blocks]
+
+
+def test_the_readmes_ec2_section_is_aws_setups_path_with_the_same_commands() -> None:
+    """setup aws -> block -> doctor -> first job: every command and code block of the README's EC2
+    section is written, verbatim, in docs/aws-setup.md's steps, in the same order."""
+    guide = (ROOT / "docs" / "aws-setup.md").read_text()
+    blocks = _ec2_section_blocks()
+    assert [language for language, _ in blocks] == ["bash", "python", "bash", "python"], blocks
+    at = 0
+    for language, body in blocks:
+        pieces = [line for line in body.splitlines() if line.strip()] if language == "bash" else [body]
+        for piece in pieces:
+            found = guide.find(piece, at)
+            assert found >= 0, f"not in docs/aws-setup.md after offset {at}: {piece!r}"
+            at = found
+    assert "prefect-sgpu setup aws" in blocks[0][1] and "prefect-sgpu doctor" in blocks[2][1]

@@ -65,6 +65,7 @@ def test_cli_registers_the_blocks_and_saved_documents_load(prefect_server: None)
 EC2_BLOCK_FIELDS = [
     "region", "subnet_ids", "security_group_id", "instance_profile", "job_roles", "node_permissions_boundary",
     "ami_id", "ami_ssm_parameter", "instance_types", "market", "capacity_reservation_id", "fallback_to_on_demand",
+    "placement_group",
     "volume_size_gb", "store_uri", "ttl_minutes", "tags", "owner", "python", "setup_commands", "pack_environments",
     "agent_timeout_s", "reservation_slot_wait_s",
     "node_silence_s", "replace_lost", "rendezvous_port", "kms_key_id", "bucket_owner", "keep_warm", "endpoint_url", "environment",

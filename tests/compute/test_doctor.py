@@ -60,7 +60,7 @@ def test_an_account_ready_for_a_first_job_passes_every_check(
     assert {name: c["status"] for name, c in checks.items()} == {
         "credentials": "ok", "region": "ok", "store": "ok", "image": "ok", "instances": "ok", "GPU quota": "ok",
         "driver policy": "ok", "security group": "skip", "EBS key": "ok", "subnet addresses": "skip",
-        "shared profile": "skip", "job role key": "skip", "launch (dry run)": "ok"}, checks
+        "subnet egress": "skip", "shared profile": "skip", "job role key": "skip", "launch (dry run)": "ok"}, checks
     assert code == 0
     assert "need 8 of 64 vCPUs" in checks["GPU quota"]["detail"] and G_ON_DEMAND in checks["GPU quota"]["detail"]
     assert "g5.xlarge" in checks["instances"]["detail"]

@@ -31,7 +31,7 @@ def _settings(aws_env: Any, aws_network: Any) -> dict[str, Any]:
     return {"region": aws_env.region, "subnet_ids": aws_network.subnet_ids,
             "instance_profile": aws_env.instance_profile(), "ami_id": aws_env.image_id(),
             "endpoint_url": aws_env.endpoint_url, "max_attempts": 2, "waiter_delay_s": 0.2,
-            "running_timeout_s": 30}
+            "running_timeout_s": 30, "placement_group": "cluster"}  # g5.xlarge gets a group only when forced
 
 
 def _groups(aws_env: Any, run_id: str) -> dict[str, list[str]]:

@@ -183,7 +183,7 @@ def test_instance_type_override_and_request_shape() -> None:
     assert request["MetadataOptions"]["HttpTokens"] == "required"
     assert request["IamInstanceProfile"] == {"Arn": "arn:aws:iam::123456789012:instance-profile/nodes"}
     assert request["InstanceMarketOptions"]["MarketType"] == "spot"
-    assert request["Placement"] == {"GroupName": "sgpu-r-shape"}
+    assert "Placement" not in request  # no EFA: no cluster placement group (placement_group="auto")
     assert "KeyName" not in request
     assert "NetworkInterfaces" not in request  # g5.12xlarge has no EFA
     # one token per (run, attempt): stable on retry, distinct across attempts
@@ -254,7 +254,7 @@ def test_provision_and_terminate(
     market: str, settings: dict[str, Any], aws_env: Any, aws_faults: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("PREFECT_SGPU_SKIP_RESERVATION", raising=False)
-    extra: dict[str, Any] = {"market": market}
+    extra: dict[str, Any] = {"market": market, "placement_group": "cluster"}  # forced: g5.xlarge gets none
     if market == "reserved":
         extra["capacity_reservation_id"] = aws_faults.add_capacity_reservation("g5.xlarge", "us-east-1a", 2)
     prov = provisioner(settings, **extra)
@@ -599,7 +599,7 @@ def test_throttling_is_retried_by_botocore(settings: dict[str, Any], aws_env: An
     for action in ("DescribeSubnets", "CreateSecurityGroup", "CreatePlacementGroup"):
         aws_faults.fail(action, "RequestLimitExceeded", message="Request limit exceeded.", times=1)
     aws_faults.fail("RunInstances", "RequestLimitExceeded", message="Request limit exceeded.", times=2)
-    prov = provisioner(settings, max_attempts=4)
+    prov = provisioner(settings, max_attempts=4, placement_group="cluster")
     try:
         instances = prov.provision("r-throttle", make_plan(2, "A10"), USER_DATA)
         assert len(instances) == 2

@@ -212,8 +212,9 @@ def network_octet() -> int:
     return 64 + index % count + count * (uuid.uuid4().int % slots)
 
 
-def create_network(aws: MotoAWS) -> Network:
-    """A fresh VPC (in 127.0.0.0/8: see above) with one subnet in each of two availability zones."""
+def create_network(aws: MotoAWS, egress: str = "nat") -> Network:
+    """A fresh VPC (in 127.0.0.0/8: see above) with one subnet in each of two availability zones, and
+    a way out for its instances (``egress``: see :func:`give_egress`)."""
     ec2 = aws.client("ec2")
     octet = network_octet()
     vpc_id = ec2.create_vpc(CidrBlock=f"127.{octet}.0.0/16")["Vpc"]["VpcId"]
@@ -224,7 +225,28 @@ def create_network(aws: MotoAWS) -> Network:
         ]
         for i, az in enumerate(zones)
     ]
+    give_egress(aws, vpc_id, subnets[0], egress)
     return Network(vpc_id=vpc_id, subnet_ids=subnets, availability_zones=zones)
+
+
+def give_egress(aws: MotoAWS, vpc_id: str, nat_subnet: str, egress: str) -> None:
+    """The VPC's main route table's way out: ``"nat"`` (0.0.0.0/0 to a NAT gateway, what an instance
+    with no public IPv4, such as a multi-NIC p4d, needs: AWS docs "Assign a public IPv4 address during
+    instance launch"), ``"igw"`` (0.0.0.0/0 to an internet gateway only, a default VPC's), or ``"none"``."""
+    if egress == "none":
+        return
+    ec2 = aws.client("ec2")
+    (table,) = ec2.describe_route_tables(Filters=[{"Name": "vpc-id", "Values": [vpc_id]}])["RouteTables"]
+    if egress == "nat":
+        allocation = ec2.allocate_address(Domain="vpc")["AllocationId"]
+        nat = ec2.create_nat_gateway(SubnetId=nat_subnet, AllocationId=allocation)["NatGateway"]["NatGatewayId"]
+        ec2.create_route(RouteTableId=table["RouteTableId"], DestinationCidrBlock="0.0.0.0/0", NatGatewayId=nat)
+    elif egress == "igw":
+        igw = ec2.create_internet_gateway()["InternetGateway"]["InternetGatewayId"]
+        ec2.attach_internet_gateway(InternetGatewayId=igw, VpcId=vpc_id)
+        ec2.create_route(RouteTableId=table["RouteTableId"], DestinationCidrBlock="0.0.0.0/0", GatewayId=igw)
+    else:
+        raise ValueError(f"egress={egress!r}: one of nat, igw, none")
 
 
 @pytest.fixture

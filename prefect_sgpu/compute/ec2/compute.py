@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from prefect_sgpu.compute.remote.sweep import Sweeper
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.compute")
+#: how many jobs' pinned AMIs a compute remembers (a job's recoveries come long before 256 newer jobs)
+PINNED_IMAGES_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class EC2Request(RemoteRequest):
             "region": self.region,
             "run_instances": self.run_instances[0].params if self.run_instances else {},
             "failover": [{"market": a.market, "subnet_id": a.subnet_id} for a in self.run_instances],
+            **({"image": _image_text(self.run_instances[0].params.get("ImageId", ""))} if self.run_instances else {}),
             "user_data": self.user_data,
             "store": self.store_uri,
             "payload_key": f"SSM SecureString {self.key_parameter} (deleted on release)",
@@ -100,6 +103,12 @@ class EC2Request(RemoteRequest):
             f"{target['CapacityReservationId']}: launched into its zone and, when it has one, its placement "
             "group; a Capacity Block as MarketType=capacity-block; one that ends before the job's deadline "
             "is warned of when the job launches")}
+def _image_text(image_id: str) -> str:
+    """How the job's AMI is chosen, for the plan: one id for every launch of the job."""
+    if image_id.startswith("resolve:ssm:"):
+        return (f"the AMI SSM parameter {image_id[len('resolve:ssm:'):]} names at the job's first launch, "
+                "pinned for its every gang and replacement")
+    return f"{image_id}, for every launch of the job"
 
 
 @dataclass
@@ -141,6 +150,9 @@ class EC2InstanceCompute(RemoteNodeCompute):
         self.python, self.setup_commands = settings.python, settings.setup_commands  # what the nodes boot with
         self.packs_environments = settings.pack_environments
         self._account: str | None = None
+        #: each job's AMI (id, root device), resolved at its first launch: its later gangs, lone nodes and
+        #: warm leases boot the same image even when the SSM parameter moved on (the newest jobs kept)
+        self._pinned_images: dict[str, tuple[str, str]] = {}
 
     def __repr__(self) -> str:
         return f"EC2InstanceCompute(region={self.region!r}, store={self.store.root_uri!r})"
@@ -365,7 +377,10 @@ class EC2InstanceCompute(RemoteNodeCompute):
                                    gang=0 if lease else gang, node_index=node,  # a lease's assignment names the gang
                                    timeout_s=request.spec.timeout)
         one = replace(request.plan, nodes=1)
-        attempts = tuple(replace(a, params={**a.params, "UserData": user_data,
+        # the lone node joins its gang's placement group when the gang has one (rendered for one node, it would not)
+        group = request.run_instances[0].params.get("Placement") if request.run_instances else None
+        attempts = tuple(replace(a, params={**{k: v for k, v in a.params.items() if k != "Placement"},
+                                            **({"Placement": group} if group else {}), "UserData": user_data,
                                             "ClientToken": rq.client_token(launch_id, i, gang, node)})
                          for i, a in enumerate(self.provisioner.attempts(launch_id, one, user_data)))
         # the run's cluster placement group is bound to its machines' zone: only subnets there are tried
@@ -384,10 +399,19 @@ class EC2InstanceCompute(RemoteNodeCompute):
         request = allocation.request
         assert isinstance(allocation, EC2Allocation)
         try:
+            image = self._pinned_images.get(request.run_id)
+            if image is None:  # once per job: every later gang, node and warm lease of it boots this AMI
+                self.settings.require_launchable()
+                image = self._pinned_images[request.run_id] = self.provisioner.image()
+                while len(self._pinned_images) > PINNED_IMAGES_KEPT:
+                    self._pinned_images.pop(next(iter(self._pinned_images)))
+                if allocation.progress is not None:
+                    allocation.progress("provisioning", f"AMI {image[0]}, pinned for every launch of the job")
             return self.provisioner.provision(
                 launch_id, plan, user_data,
                 progress=lambda text: allocation.progress("provisioning", label + text), should_stop=cancel.is_set,
-                attempts=attempts, deadline=deadline, sent=allocation.sent, zone=zone, alone=alone,
+                attempts=attempts, deadline=deadline, sent=allocation.sent, zone=zone, alone=alone, image=image,
+                needs_index=environment_ship.builds_on_node(request.spec.environment),
             )
         except LaunchTimeout:
             if time.monotonic() >= deadline:

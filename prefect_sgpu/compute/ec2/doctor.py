@@ -89,7 +89,7 @@ class Doctor(AccountChecks):
         checks = [self.credentials()]
         if self.identity is None:
             rest = ("region", "store", "image", "instances", "GPU quota", "driver policy", "security group",
-                    "EBS key", "subnet addresses", "shared profile", "job role key", "launch (dry run)")
+                    "EBS key", "subnet addresses", "subnet egress", "shared profile", "job role key", "launch (dry run)")
             return checks + [Check(name, "skip", "needs credentials") for name in rest]
         checks += [self.region(), self.store(), self.image(), *self.instances(wanted), self.driver_policy()]
         checks += self.launch_checks(wanted.instance_type, wanted.nodes)

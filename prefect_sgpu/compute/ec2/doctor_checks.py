@@ -87,7 +87,8 @@ class AccountChecks:
 
     def launch_checks(self, instance_type: catalog.InstanceType | None, nodes: int) -> list[Check]:
         return [self.security_group(), self.ebs_key(), self.subnet_addresses(instance_type, nodes),
-                self.shared_profile(), self.job_role_key(), self.dry_run_launch(instance_type, nodes)]
+                self.subnet_egress(instance_type), self.shared_profile(), self.job_role_key(),
+                self.dry_run_launch(instance_type, nodes)]
 
     def simulate(self, actions: list[str], resource: str, context: dict[str, str]) -> list[str]:
         """The actions of ``actions`` on ``resource`` the driver's own policies refuse (as IAM's policy
@@ -185,6 +186,36 @@ class AccountChecks:
             return Check("subnet addresses", "warn", f"{shape}; {counts}: the launch skips "
                          + ", ".join(short), "a larger subnet, or drop it from subnet_ids")
         return Check("subnet addresses", "ok", f"{shape}; {counts}")
+
+    def subnet_egress(self, instance_type: catalog.InstanceType | None) -> Check:
+        """A multi-NIC type gets no public IPv4: its subnets need NAT, or S3 and SSM endpoints
+        (:mod:`prefect_sgpu.compute.ec2.egress`)."""
+        from prefect_sgpu.compute.ec2 import egress
+
+        if instance_type is None or not self.settings.subnet_ids:
+            return Check("subnet egress", "skip", "needs --gpu-type and subnet_ids")
+        interfaces = addresses_per_node(instance_type.name)
+        if interfaces <= 1:
+            return Check("subnet egress", "ok", f"{instance_type.name} has one network interface: a public IPv4 "
+                         "address where the subnet assigns one")
+        try:
+            found = {n["SubnetId"]: egress.way_out(self.client("ec2"), self.settings.region, n["SubnetId"],
+                                                   n["VpcId"], self._nodes_build()) for n in self.subnets()}
+        except Exception as exc:  # noqa: BLE001
+            return Check("subnet egress", "fail", f"could not read the subnets' routes: {error_text(exc)}",
+                         "ec2:DescribeRouteTables and ec2:DescribeVpcEndpoints (doctor-policy.json)")
+        shape = f"{instance_type.name} has {interfaces} network interfaces, so no public IPv4"
+        detail = f"{shape}; " + "; ".join(f"{sid}: {what}" for sid, (_, what) in found.items())
+        bad = [sid for sid, (ok, _) in found.items() if not ok]
+        if len(bad) == len(found):
+            return Check("subnet egress", "fail", detail, egress.fixes(self.settings.region))
+        if bad:
+            return Check("subnet egress", "warn", detail, f"the launch skips {', '.join(bad)}: "
+                         + egress.fixes(self.settings.region))
+        return Check("subnet egress", "ok", detail)
+
+    def _nodes_build(self) -> bool:  # pragma: no cover - the Doctor's
+        raise NotImplementedError
 
     def shared_profile(self) -> Check:
         profile = self.settings.instance_profile

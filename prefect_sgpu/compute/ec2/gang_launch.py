@@ -33,6 +33,7 @@ from botocore.exceptions import ClientError, WaiterError
 
 from prefect_sgpu import retry
 from prefect_sgpu.aws import error_of
+from prefect_sgpu.compute.ec2 import egress
 from prefect_sgpu.compute.ec2 import launch_outcomes as outcomes
 from prefect_sgpu.compute.ec2.describe import Instance, described, launched_instances
 from prefect_sgpu.compute.ec2.launch_outcomes import PROFILE_PROPAGATION_S, QUOTA_ERRORS, DiedPending
@@ -115,7 +116,8 @@ class GangLaunch:
                   should_stop: Callable[[], bool] | None = None, *,
                   attempts: tuple[LaunchAttempt, ...] | None = None,
                   deadline: float | None = None, sent: list[dict[str, Any]] | None = None,
-                  zone: str | None = None, alone: bool = False) -> list[Instance]:
+                  zone: str | None = None, alone: bool = False,
+                  image: tuple[str, str] | None = None, needs_index: bool = True) -> list[Instance]:
         """Launch ``plan.nodes`` instances as one gang, failing over as configured.
 
         ``attempts`` are the requests rendered when the job was planned (what dry_run
@@ -134,6 +136,11 @@ class GangLaunch:
         ``reservation_slot_wait_s``. A reserved try goes into the reservation's own placement group
         when it has one, as a ``capacity-block`` launch into a Capacity Block, and a reservation
         that ends before ``deadline`` is warned of (logged and said through ``progress``).
+        ``image``: the (AMI id, root device) the job pinned (:meth:`image` when None), so every
+        gang and replacement of a job boots the same image. A launch of several network
+        interfaces per node (which EC2 gives no public IPv4) is tried only in subnets with a
+        way out to S3 and SSM (:mod:`prefect_sgpu.compute.ec2.egress`; ``needs_index``: the nodes
+        also reach a package index), and refused before anything is spent when none has one.
         """
         stop = should_stop or (lambda: False)
         say = progress or (lambda message: None)
@@ -162,11 +169,18 @@ class GangLaunch:
                     f"{self.settings.capacity_reservation_id}",
                 )
             self._warn_reservation_end(run_id, reservation, deadline, say)
+        if todo:
+            interfaces = egress.interfaces_of(todo[0].params)
+            usable = egress.subnets_with_way_out(
+                self.client("ec2"), self.settings.region, itype, interfaces,
+                {a.subnet_id: subnets[a.subnet_id] for a in todo if a.subnet_id in subnets}, needs_index)
+            todo = [a for a in todo if a.subnet_id not in subnets or a.subnet_id in usable]
         mine: list[str] = []  # what this call launched (``alone``: all a failure may end)
-        image_id, root_device = self.image()
+        image_id, root_device = image or self.image()
         try:
             sg = self.settings.security_group_id or self._create_security_group(run_id, subnets)
-            self._create_placement_group(run_id)
+            if any("Placement" in a.params for a in todo):
+                self._create_placement_group(run_id)
             tried: list[Attempt] = []
             over_quota: set[str] = set()  # markets whose regional vCPU quota this launch would pass
             for launch in todo:

@@ -137,6 +137,17 @@ def instance_type_for(settings: EC2Settings, plan: Plan) -> str:
     return itype.name
 
 
+def uses_placement_group(settings: EC2Settings, instance_type: str, nodes: int) -> bool:
+    """Whether a launch goes into the run's cluster placement group: ``placement_group='auto'`` (the
+    default) only for more than one node of an EFA type, where low-latency networking between the
+    nodes pays for the group's higher odds of ``InsufficientInstanceCapacity`` (AWS docs, "Placement
+    strategies for your placement groups"); 'cluster' always, 'none' never."""
+    choice = settings.placement_group
+    if choice != "auto":
+        return choice == "cluster"
+    return nodes > 1 and efa_interfaces(instance_type) > 0
+
+
 def efa_interfaces(instance_type: str) -> int:
     known = catalog.instance_type_by_name(instance_type)
     return known.efa_interfaces if known else 0
@@ -180,7 +191,6 @@ def run_instances_request(
         "MaxCount": plan.nodes,
         "ClientToken": client_token(run_id, attempt),
         "UserData": user_data,
-        "Placement": {"GroupName": placement_group_name(run_id)},
         "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 2},
         "BlockDeviceMappings": [{
             "DeviceName": root_device,
@@ -190,6 +200,8 @@ def run_instances_request(
         "InstanceInitiatedShutdownBehavior": "terminate",
         "TagSpecifications": [{"ResourceType": rt, "Tags": resource_tags} for rt in resource_types],
     }
+    if uses_placement_group(s, itype, plan.nodes):
+        request["Placement"] = {"GroupName": placement_group_name(run_id)}
     if s.job_roles:  # created by acquire just before launching (prefect_sgpu.compute.ec2.roles)
         request["IamInstanceProfile"] = {"Name": f"sgpu-{run_id}"}
     elif s.instance_profile:

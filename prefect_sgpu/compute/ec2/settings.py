@@ -112,6 +112,12 @@ class EC2ComputeFields(BaseModel):
     fallback_to_on_demand: bool = Field(
         default=False, description="After spot capacity errors in every subnet, try on-demand."
     )
+    placement_group: Literal["auto", "cluster", "none"] = Field(
+        default="auto", description=(
+            "A cluster placement group for the job's nodes: 'auto' uses one for multi-node jobs of EFA "
+            "instance types only (low-latency networking is what it is for, and it raises the odds of "
+            "InsufficientInstanceCapacity); 'cluster' always; 'none' never.")
+    )
     volume_size_gb: int = Field(default=200, ge=8, le=16384, description="Root volume size in GiB.")
     store_uri: str = Field(default="", description="s3://bucket/prefix the driver and nodes exchange files through.")
     ttl_minutes: int = Field(
