@@ -150,3 +150,36 @@ def test_a_512_mib_log_without_a_newline_does_not_grow_the_driver_by_its_size(tm
     assert growth_kib < 64 * 1024, f"peak RSS grew by {growth_kib / 1024:.0f} MiB"
     assert "line too long" in done.stderr
     assert "LINES [" in done.stdout and len(done.stdout.split("LINES [")[1].split(",")) == 1
+
+
+def test_an_oversized_control_document_is_refused_before_it_is_read(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import tracemalloc
+
+    from prefect_sgpu.protocol import jobfolder
+    from prefect_sgpu.protocol.jobfolder import JobFolder, NodeStatus, status_key
+    from prefect_sgpu.protocol.limits import CONTROL_LIMIT
+
+    folder = JobFolder(LocalStore(tmp_path), "job-1", jobfolder.new_key())
+    folder.put_status(0, NodeStatus(node=0, host="h", exit_code=0))
+    assert folder.status(0) is not None, "a document within its limit is read"
+    path = tmp_path / "job-1" / status_key(1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:  # a writer of the store planted 200 MiB (sparse) as node 1's status
+        fh.truncate(200 * 1024 * 1024)
+    tracemalloc.start()
+    with caplog.at_level(logging.WARNING, logger="prefect_sgpu"):
+        assert folder.status(1) is None
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 4 * CONTROL_LIMIT, f"{peak} bytes held to refuse it"
+    assert any("larger than the" in r.getMessage() and "status" in r.getMessage() for r in caplog.records)
+
+
+def test_s3_reads_at_most_the_limit_of_a_document(store: S3Store, aws_faults: Any) -> None:
+    store.put("run", "nodes/status-1", b"x" * 5000)
+    assert store.get_at_most("run", "nodes/status-1", 100) == (b"x" * 100, False)
+    assert store.get_at_most("run", "nodes/status-1", 5000) == (b"x" * 5000, True)
+    assert store.get_at_most("run", "nodes/missing", 100) == (None, True)
+    store.put("run", "nodes/empty", b"")
+    assert store.get_at_most("run", "nodes/empty", 100) == (b"", True)

@@ -98,6 +98,15 @@ class Store(ABC):
         from ``offset`` to the end; stores override it with a ranged read."""
         return self.read_from(run_id, listed.key, offset)[:max(limit, 0)]
 
+    def get_at_most(self, run_id: str, key: str, limit: int) -> tuple[bytes | None, bool]:
+        """``(bytes, whole)``: the object's first ``limit`` bytes at most (None when it is not there), and
+        whether that is all of it. No more than ``limit + 1`` bytes are read (a ranged read), so a
+        reader can refuse an object too large for its kind before holding it."""
+        data = self.get(run_id, key)  # this default reads it whole; stores override it
+        if data is None:
+            return None, True
+        return data[:limit], len(data) <= limit
+
     def append(self, run_id: str, key: str, offset: int, data: bytes) -> None:
         """Bytes ``offset .. offset+len(data)`` of an object that grows (a rank log, a metrics file).
 
@@ -314,6 +323,14 @@ class LocalStore(Store):
             key = f"{prefix.rstrip('/')}/{entry.name}"
             found[key] = Listed(key, st.st_size, f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}")
         return found
+
+    def get_at_most(self, run_id: str, key: str, limit: int) -> tuple[bytes | None, bool]:
+        try:
+            with open(self._path(run_id, key), "rb") as fh:
+                data = fh.read(max(limit, 0) + 1)
+        except (FileNotFoundError, IsADirectoryError):
+            return None, True
+        return data[:limit], len(data) <= limit
 
     def read_range(self, run_id: str, listed: Listed, offset: int, limit: int) -> bytes:
         try:

@@ -317,6 +317,24 @@ class S3Store(Store):
             found[key] = Listed(key, end, f"{PARTS}-{len(parts)}-{end}", tuple(parts))
         return found
 
+    def get_at_most(self, run_id: str, key: str, limit: int) -> tuple[bytes | None, bool]:
+        """A ranged GET of the first ``limit + 1`` bytes (an object still appended to: its pieces)."""
+        from botocore.exceptions import ClientError
+
+        def whole() -> bytes:
+            try:
+                response, data = self._read(Key=self._key(run_id, key), Range=f"bytes=0-{max(limit, 0)}")
+            except ClientError as exc:
+                if _error_code(exc) in ("InvalidRange", "416"):  # an empty object
+                    return b""
+                raise
+            return data
+
+        data = self._whole_or_parts(whole, lambda: self._read_parts(run_id, key, 0))
+        if data is None:
+            return None, True
+        return data[:limit], len(data) <= limit
+
     def read_range(self, run_id: str, listed: Listed, offset: int, limit: int) -> bytes:
         """At most ``limit`` bytes from ``offset``: ranged GETs of the listed pieces that hold them (no
         listing), or of the whole object; a piece gone since the listing means the object was sealed."""
