@@ -204,6 +204,7 @@ def test_a_node_ships_a_growing_log_in_at_most_twice_its_size(store: S3Store, tm
             fh.write(f"step {tick} ".encode() + b"x" * 2000 + b"\n")
             fh.flush()
             node.sync_up()
+    node.sync_up(final=True)  # what waited to be coalesced with later lines goes at the end
     size = log.stat().st_size
     assert Counting.sent == size, "while it runs each byte goes once (a whole upload per sync: ~30x)"
     node.seal_appended()

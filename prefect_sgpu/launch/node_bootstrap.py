@@ -91,6 +91,8 @@ class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):
         self._progress_sent = 0.0
         #: growing files shipped as appended pieces: key -> (local path, bytes shipped so far)
         self._appended: dict[str, tuple[Path, int]] = {}
+        #: when each rank log last shipped a piece (monotonic seconds): log appends are coalesced
+        self._log_shipped: dict[str, float] = {}
         self._beat_seq = -1
         self._beat_seen = time.monotonic()
         self._alive_seq = 0
@@ -145,7 +147,7 @@ class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):
         self.use_key(key)
         self._beat_seq = self._beat_seqs.get(run_id, -1)
         self._beat_seen = time.monotonic()
-        self._uploaded, self._appended = {}, {}
+        self._uploaded, self._appended, self._log_shipped = {}, {}, {}
         self._agent = None
         self._notice_published = False
         self._rebalance_published = False

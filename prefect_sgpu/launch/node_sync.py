@@ -17,11 +17,17 @@ from typing import Any
 
 from prefect_sgpu.protocol.jobfolder import HEARTBEAT_STOP, LOGS, RESULTS, NodeStatus, agent_output_key
 from prefect_sgpu.observe.mlflow_relay import METRICS
+from prefect_sgpu import retry
 from prefect_sgpu.runtime import PROGRESS_DIR
 
 #: seconds between uploads of the other ranks' steps (rank 0's follows every sync): what the driver's
 #: straggler watch reads; the ranks' own times are in the files, so a late upload skews no rate
 PROGRESS_UPLOAD_S = 3.0
+#: a rank log's new bytes ship when this many seconds passed since its last piece ...
+LOG_COALESCE_S = 5.0
+#: ... or when this many bytes wait, and always at the end: a rank printing a line a second costs
+#: a PUT (and the driver a GET) every few seconds, not every second
+LOG_COALESCE_BYTES = 32 * 1024
 
 
 class NodeSync:
@@ -37,6 +43,7 @@ class NodeSync:
     local: Any
     _uploaded: dict[str, tuple[int, int]]
     _appended: dict[str, tuple[Path, int]]
+    _log_shipped: dict[str, float]
     _progress_sent: float
     _alive_lock: Any
     _alive_quiet: bool
@@ -57,8 +64,10 @@ class NodeSync:
         self.store.put(self.run_id, key, path.read_bytes())
         self._uploaded[key] = mark
 
-    def _append_new_bytes(self, path: Path, key: str) -> None:
-        """Ship what ``path`` (a file that only grows) gained since the last call, as one appended piece."""
+    def _append_new_bytes(self, path: Path, key: str, coalesce: bool = False) -> None:
+        """Ship what ``path`` (a file that only grows) gained since the last call, as one appended piece.
+        ``coalesce``: wait until :data:`LOG_COALESCE_S` passed since the last piece or
+        :data:`LOG_COALESCE_BYTES` wait (a log's first bytes go at once)."""
         _, sent = self._appended.get(key, (path, 0))
         try:
             size = path.stat().st_size
@@ -70,11 +79,17 @@ class NodeSync:
         if size == sent:
             self._appended[key] = (path, sent)
             return
+        now = retry.CLOCK.monotonic()
+        if (coalesce and sent and size - sent < LOG_COALESCE_BYTES
+                and now - self._log_shipped.get(key, 0.0) < LOG_COALESCE_S):
+            self._appended[key] = (path, sent)
+            return
         with open(path, "rb") as fh:
             fh.seek(sent)
             data = fh.read(size - sent)
         self.store.append(self.run_id, key, sent, data)
         self._appended[key] = (path, sent + len(data))
+        self._log_shipped[key] = now
 
     def seal_appended(self) -> None:
         """Every growing file written whole, once, and its pieces dropped: at most twice its size shipped."""
@@ -95,7 +110,7 @@ class NodeSync:
             folder = self.job_dir / kind
             if folder.is_dir():
                 for path in sorted(folder.glob(pattern)):
-                    self._append_new_bytes(path, f"{kind}/{path.name}")
+                    self._append_new_bytes(path, f"{kind}/{path.name}", coalesce=kind == LOGS and not final)
         folder = self.job_dir / RESULTS
         if folder.is_dir():
             for path in sorted(folder.glob("rank-*.bin")):

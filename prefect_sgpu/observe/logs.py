@@ -8,6 +8,13 @@ character but the tab (escape sequences, carriage returns, bidirectional overrid
 shown as its escape (``\\x1b``), in the printed line and in Prefect's log alike. A log
 object whose name is not ``logs/rank-N.log`` is skipped with one log line; the other
 ranks' logs go on.
+
+What the driver asks of the store is budgeted: one listing per poll for every rank's log (sizes and
+appended pieces from the listing), then ranged reads of only the logs that grew, at most
+:data:`READ_CAP` bytes of each per poll. Polls come every :data:`FAST_S` seconds while logs grow and
+back off to :data:`SLOW_S` while nothing changes. A line longer than :data:`MAX_LINE` bytes is cut there
+(one "line too long" warning per log; the rest of that line is skipped), so a log without newlines
+never holds more than that in the driver's memory.
 """
 
 from __future__ import annotations
@@ -19,11 +26,22 @@ import threading
 from typing import Any, Callable
 
 from prefect_sgpu.protocol.jobfolder import LOGS
-from prefect_sgpu.store import Store
+from prefect_sgpu.store import Listed, Store
 
 logger = logging.getLogger("prefect_sgpu")
 
 LineSink = Callable[[int, int, str], None]
+
+#: seconds between polls while some log grows
+FAST_S = 1.0
+#: the longest wait between polls while nothing changes (each quiet poll waits 1.5x the last)
+SLOW_S = 10.0
+#: the most bytes of one log read in one request (and held at once)
+READ_CAP = 1024 * 1024
+#: the most bytes of one log read per poll (the rest comes on the next, which is not delayed)
+POLL_CAP = 4 * READ_CAP
+#: the longest line handed on; the rest of a longer one is skipped
+MAX_LINE = 64 * 1024
 
 #: C0 controls but the tab, DEL, C1 controls, and the Unicode format controls that reorder or hide text
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
@@ -80,14 +98,18 @@ class LogTailer:
     """Follow ``logs/rank-*.log`` of a job and hand complete lines to a sink."""
 
     def __init__(self, store: Store, run_id: str, procs_per_node: int, sink: LineSink,
-                 interval: float = 0.2) -> None:
+                 interval: float = FAST_S, slowest: float = SLOW_S) -> None:
         self.store = store
         self.run_id = run_id
         self.procs_per_node = max(procs_per_node, 1)
         self.sink = sink
         self.interval = interval
+        self.slowest = max(slowest, interval)
         self._offsets: dict[str, int] = {}
         self._partial: dict[str, bytes] = {}
+        #: logs inside a line too long to show: its rest is skipped up to the next newline
+        self._cutting: set[str] = set()
+        self._warned_long: set[str] = set()
         self._skipped: set[str] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -100,39 +122,91 @@ class LogTailer:
         self._thread.start()
         return self
 
+    def next_delay(self, delay: float, changed: bool) -> float:
+        """The wait before the next poll: fast after a change, 1.5x longer (up to ``slowest``) after none."""
+        return self.interval if changed else min(max(delay, self.interval) * 1.5, self.slowest)
+
     def _loop(self) -> None:
         failures = 0
-        while not self._stop.wait(self.interval * min(2 ** failures, 50)):
+        delay = self.interval
+        while not self._stop.wait(delay * min(2 ** failures, 50) if failures else delay):
             try:
-                self.poll()
+                delay = self.next_delay(delay, self.poll())
                 failures = 0
             except Exception:  # noqa: BLE001 - a store hiccup (S3 5xx) must not end live logs
                 failures += 1
                 logger.debug("reading rank logs failed (%d in a row); retrying", failures, exc_info=True)
 
-    def poll(self, final: bool = False) -> None:
+    def poll(self, final: bool = False) -> bool:
+        """One listing of the job's logs, then ranged reads of those that grew (all of them when
+        ``final``, else at most :data:`POLL_CAP` bytes each). True when any log had new bytes."""
+        changed = False
         with self._lock:
-            for key in self.store.list(self.run_id, LOGS):
+            for key, listed in sorted(self.store.listing(self.run_id, LOGS).items()):
                 if key in self._skipped:
+                    continue
+                offset = self._offsets.get(key, 0)
+                if listed.size < offset:  # written anew, shorter: follow it from its start
+                    offset = 0
+                    self._partial.pop(key, None)
+                    self._cutting.discard(key)
+                if listed.size == offset and not (final and self._partial.get(key)):
                     continue
                 place = self._place(key)
                 if place is None:
                     continue
-                data = self.store.read_from(self.run_id, key, self._offsets.get(key, 0))
-                if not data and not (final and self._partial.get(key)):
-                    continue
-                self._offsets[key] = self._offsets.get(key, 0) + len(data)
-                buf = self._partial.get(key, b"") + data
-                *lines, rest = buf.split(b"\n")
-                if final and rest:
-                    lines.append(rest)
-                    rest = b""
-                self._partial[key] = rest
-                for raw in lines:
-                    try:
-                        self.sink(*place, printable(raw.decode("utf-8", "replace").rstrip("\r")))
-                    except Exception:  # noqa: BLE001 - a broken sink must not kill the job
-                        logger.debug("log sink failed", exc_info=True)
+                changed |= listed.size > offset
+                self._read(key, listed, offset, place, final)
+        return changed
+
+    def _read(self, key: str, listed: Listed, offset: int, place: tuple[int, int], final: bool) -> None:
+        budget = listed.size - offset if final else min(listed.size - offset, POLL_CAP)
+        while budget > 0:
+            data = self.store.read_range(self.run_id, listed, offset, min(budget, READ_CAP))
+            if not data:
+                break
+            offset += len(data)
+            budget -= len(data)
+            self._offsets[key] = offset
+            self._lines(key, data, place)
+        self._offsets.setdefault(key, offset)
+        rest = self._partial.get(key, b"")
+        if final and offset >= listed.size and rest:
+            self._partial[key] = b""
+            self._emit(place, rest)
+
+    def _lines(self, key: str, data: bytes, place: tuple[int, int]) -> None:
+        """Hand on the complete lines of ``partial + data``; keep (at most :data:`MAX_LINE` of) the rest."""
+        *lines, rest = data.split(b"\n")
+        if lines and key in self._cutting:  # the end of a line already shown cut short
+            self._cutting.discard(key)
+            lines = lines[1:]
+        elif lines:
+            lines[0] = self._partial.get(key, b"") + lines[0]
+        elif key in self._cutting:
+            return
+        else:
+            rest = self._partial.get(key, b"") + rest
+        for raw in lines:
+            self._emit(place, raw[:MAX_LINE] if len(raw) <= MAX_LINE else self._cut(key, raw))
+        if len(rest) > MAX_LINE:
+            self._emit(place, self._cut(key, rest))
+            self._cutting.add(key)
+            rest = b""
+        self._partial[key] = rest
+
+    def _cut(self, key: str, raw: bytes) -> bytes:
+        if key not in self._warned_long:
+            self._warned_long.add(key)
+            logger.warning("line too long in %s of job %s: shown cut at %d bytes, the rest of it skipped",
+                           printable(key), self.run_id, MAX_LINE)
+        return raw[:MAX_LINE] + " [line too long: cut]".encode()
+
+    def _emit(self, place: tuple[int, int], raw: bytes) -> None:
+        try:
+            self.sink(*place, printable(raw.decode("utf-8", "replace").rstrip("\r")))
+        except Exception:  # noqa: BLE001 - a broken sink must not kill the job
+            logger.debug("log sink failed", exc_info=True)
 
     def _place(self, key: str) -> tuple[int, int] | None:
         """(rank, node) of a rank log; None, once logged, for a name that is not one."""
@@ -155,6 +229,7 @@ class LogTailer:
             move_aside()
             self._offsets.clear()
             self._partial.clear()
+            self._cutting.clear()
 
     def close(self) -> None:
         self._stop.set()

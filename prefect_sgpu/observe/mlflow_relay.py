@@ -51,6 +51,8 @@ RESERVED_TAGS = ("mlflow.", "sgpu.")
 #: a line longer than this is not a record the relay store writes (1000 metrics or 100 params
 #: of MLflow's largest values fit many times over): refused, not held in memory
 MAX_LINE = 4 << 20
+#: the most bytes of one relay file read per poll (the rest on the next)
+READ_CAP = 8 << 20
 #: refusals logged per rank; later ones are counted (``MetricRelay.refused``)
 MAX_LOGGED_REFUSALS = 20
 #: metrics + params + tags per ``log_batch`` of the driver (MLflow splits further as it needs)
@@ -281,25 +283,32 @@ class MetricRelay:
             return
         self._polled = now
         try:
-            self._poll()
+            while self._poll() and not every:  # a last poll reads every file to its end, a bounded read at a time
+                pass
         except Exception:  # noqa: BLE001 - metrics must not fail the job; the files stay in the store
             logger.warning("could not relay rank metrics of job %s", self.run_id, exc_info=True)
 
-    def _poll(self) -> None:
+    def _poll(self) -> bool:
+        """One pass over the relay files; True when some file holds more than was read."""
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.tracking_uri)
-        for key in self.store.list(self.run_id, METRICS):
+        more = False
+        for key, listed in sorted(self.store.listing(self.run_id, METRICS).items()):
             rank = _rank_of(key)
             if rank is None:
                 if key not in self._offsets:
                     self._offsets[key] = 0
                     self._refuse(-1, f"{ascii(key)} is not a rank's relay file: not read")
                 continue
-            data = self.store.read_from(self.run_id, key, self._offsets.get(key, 0))
+            # one listing for every rank's file, then a bounded ranged read of what grew
+            if listed.size <= self._offsets.get(key, 0):
+                continue
+            data = self.store.read_range(self.run_id, listed, self._offsets.get(key, 0), READ_CAP)
             if not data:
                 continue
             self._offsets[key] = self._offsets.get(key, 0) + len(data)
+            more |= listed.size > self._offsets[key]
             *lines, rest = (self._partial.get(key, b"") + data).split(b"\n")
             if len(rest) > MAX_LINE:
                 self._refuse(rank, f"a line of {len(rest)} bytes with no end: dropped")
@@ -315,6 +324,7 @@ class MetricRelay:
                 except RecordRefused as exc:
                     self._refuse(rank, f"line {number}: {exc}")
             self._replay(client, rank, records)
+        return more
 
     def _accept(self, raw: bytes, rank: int) -> Record:
         if len(raw) > MAX_LINE:

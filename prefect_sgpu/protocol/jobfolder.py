@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_sgpu.errors import DocumentRefused
+from prefect_sgpu.protocol.limits import read_document
 
 if TYPE_CHECKING:
     from prefect_sgpu.store import Store
@@ -409,7 +410,7 @@ class JobFolder:
         self.store.put(self.run_id, key, seal(self.key, kind, self.run_id, body, **binding))
 
     def _get(self, key: str, kind: Kind, **binding: Any) -> bytes | None:
-        blob = self.store.get(self.run_id, key)
+        blob = read_document(self.store, self.run_id, key, kind)
         if blob is None:
             return None
         return unseal(blob, self.key, kind, self.run_id, what=key, **binding)
@@ -509,7 +510,7 @@ class JobFolder:
 
     def _bundle_entry(self, key: str, kind: Kind, model: type[D], node: int, instance_id: str | None,
                       what: str) -> D | None:
-        bundle = self.store.get(self.run_id, key)
+        bundle = read_document(self.store, self.run_id, key, kind)
         blob = None if bundle is None else launch_entry(bundle, node, self.run_id)
         if blob is None:
             return None

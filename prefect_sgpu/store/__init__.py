@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,18 @@ def store_scope(store_uri: str) -> str:
     ``/``). The policies rendered for one store name only paths under its scope, so a driver or a
     job role of store X is refused store Y's keys, secrets and roles (docs/security.md)."""
     return hashlib.sha256(store_uri.rstrip("/").encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One object as a listing shows it: its size (an object still appended to: the end of its last
+    piece), a token that changes whenever it is written, and, for such an object, its pieces as
+    ``(offset, size, store key)`` so a reader fetches only those it lacks without listing again."""
+
+    key: str
+    size: int
+    token: str
+    pieces: tuple[tuple[int, int, str], ...] = ()
 
 
 class Store(ABC):
@@ -69,6 +82,30 @@ class Store(ABC):
 
     @abstractmethod
     def delete(self, run_id: str, key: str) -> None: ...
+
+    def listing(self, run_id: str, prefix: str) -> dict[str, Listed]:
+        """The objects directly under ``prefix`` with their sizes (:class:`Listed`), in as few
+        requests as the store allows (S3: one listing for every object and every appended piece).
+        This default reads each object; stores override it."""
+        found: dict[str, Listed] = {}
+        for key, token in self.versions(run_id, prefix).items():
+            found[key] = Listed(key, len(self.get(run_id, key) or b""), token)
+        return found
+
+    def read_range(self, run_id: str, listed: Listed, offset: int, limit: int) -> bytes:
+        """At most ``limit`` bytes of a listed object from ``offset`` (a bounded read: a reader's memory
+        never holds more than ``limit`` of an object however large it grew). This default reads
+        from ``offset`` to the end; stores override it with a ranged read."""
+        return self.read_from(run_id, listed.key, offset)[:max(limit, 0)]
+
+    def get_at_most(self, run_id: str, key: str, limit: int) -> tuple[bytes | None, bool]:
+        """``(bytes, whole)``: the object's first ``limit`` bytes at most (None when it is not there), and
+        whether that is all of it. No more than ``limit + 1`` bytes are read (a ranged read), so a
+        reader can refuse an object too large for its kind before holding it."""
+        data = self.get(run_id, key)  # this default reads it whole; stores override it
+        if data is None:
+            return None, True
+        return data[:limit], len(data) <= limit
 
     def append(self, run_id: str, key: str, offset: int, data: bytes) -> None:
         """Bytes ``offset .. offset+len(data)`` of an object that grows (a rank log, a metrics file).
@@ -266,6 +303,42 @@ class LocalStore(Store):
                 continue
             found[f"{prefix.rstrip('/')}/{entry.name}"] = f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
         return found
+
+    def listing(self, run_id: str, prefix: str) -> dict[str, Listed]:
+        base = self._path(run_id, prefix)
+        found: dict[str, Listed] = {}
+        try:
+            entries = list(os.scandir(base))
+        except (FileNotFoundError, NotADirectoryError):
+            return found
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            try:
+                if not entry.is_file():
+                    continue
+                st = entry.stat()
+            except FileNotFoundError:  # replaced or deleted while listed
+                continue
+            key = f"{prefix.rstrip('/')}/{entry.name}"
+            found[key] = Listed(key, st.st_size, f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}")
+        return found
+
+    def get_at_most(self, run_id: str, key: str, limit: int) -> tuple[bytes | None, bool]:
+        try:
+            with open(self._path(run_id, key), "rb") as fh:
+                data = fh.read(max(limit, 0) + 1)
+        except (FileNotFoundError, IsADirectoryError):
+            return None, True
+        return data[:limit], len(data) <= limit
+
+    def read_range(self, run_id: str, listed: Listed, offset: int, limit: int) -> bytes:
+        try:
+            with open(self._path(run_id, listed.key), "rb") as fh:
+                fh.seek(max(offset, 0))
+                return fh.read(max(limit, 0))
+        except FileNotFoundError:
+            return b""
 
     def delete(self, run_id: str, key: str) -> None:
         path = self._path(run_id, key)

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 from prefect_sgpu import aws
 from prefect_sgpu.aws import error_code as _error_code
 from prefect_sgpu.errors import SGPUConfigError, SGPUError
-from prefect_sgpu.store import Objects, Store
+from prefect_sgpu.store import Listed, Objects, Store
 
 BODY_ATTEMPTS = 3
 #: the folder beside an object that holds its appended pieces (``logs/rank-00000.log.parts/...``)
@@ -286,6 +286,87 @@ class S3Store(Store):
                 if rel.endswith(PARTS) and not rel.rsplit("/", 1)[-1].startswith("."):
                     found.setdefault(rel[: -len(PARTS)], PARTS)
         return found
+
+    def listing(self, run_id: str, prefix: str) -> dict[str, Listed]:
+        """One listing (a page per 1000 keys) of everything under ``prefix``: each whole object with
+        its size and ETag, and each object still appended to with its pieces, so a reader of many
+        growing logs learns which grew, and by which pieces, without a request per log."""
+        base = self._key(run_id, prefix.rstrip("/")) + "/"
+        rel_base = prefix.rstrip("/") + "/"
+        whole: dict[str, Listed] = {}
+        pieces: dict[str, list[tuple[int, int, str]]] = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base, **self.owner_args()):
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(base):]
+                head, _, tail = name.partition("/")
+                if head.startswith("."):
+                    continue
+                if not tail:
+                    whole[rel_base + name] = Listed(rel_base + name, int(obj.get("Size", 0)),
+                                                    str(obj.get("ETag", "")) + str(obj.get("LastModified", "")))
+                elif head.endswith(PARTS) and tail.isdigit():
+                    pieces.setdefault(rel_base + head[: -len(PARTS)], []).append(
+                        (int(tail), int(obj.get("Size", 0)), obj["Key"]))
+        found = dict(whole)
+        for key, parts in pieces.items():
+            if key in found:  # sealed: the whole object is all of it
+                continue
+            parts.sort()
+            end = max(start + size for start, size, _ in parts)
+            found[key] = Listed(key, end, f"{PARTS}-{len(parts)}-{end}", tuple(parts))
+        return found
+
+    def get_at_most(self, run_id: str, key: str, limit: int) -> tuple[bytes | None, bool]:
+        """A ranged GET of the first ``limit + 1`` bytes (an object still appended to: its pieces)."""
+        from botocore.exceptions import ClientError
+
+        def whole() -> bytes:
+            try:
+                response, data = self._read(Key=self._key(run_id, key), Range=f"bytes=0-{max(limit, 0)}")
+            except ClientError as exc:
+                if _error_code(exc) in ("InvalidRange", "416"):  # an empty object
+                    return b""
+                raise
+            return data
+
+        data = self._whole_or_parts(whole, lambda: self._read_parts(run_id, key, 0))
+        if data is None:
+            return None, True
+        return data[:limit], len(data) <= limit
+
+    def read_range(self, run_id: str, listed: Listed, offset: int, limit: int) -> bytes:
+        """At most ``limit`` bytes from ``offset``: ranged GETs of the listed pieces that hold them (no
+        listing), or of the whole object; a piece gone since the listing means the object was sealed."""
+        from botocore.exceptions import ClientError
+
+        offset, stop = max(offset, 0), max(offset, 0) + max(limit, 0)
+        if stop <= offset:
+            return b""
+        if listed.pieces:
+            chunks: list[bytes] = []
+            try:
+                for start, size, full in listed.pieces:
+                    if start + size <= offset or start >= stop:
+                        continue
+                    first, last = max(offset - start, 0), min(stop - start, size) - 1
+                    response, data = self._read(Key=full, Range=f"bytes={first}-{last}")
+                    if response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200:
+                        data = data[first:last + 1]  # a store that ignores Range
+                    chunks.append(data)
+                return b"".join(chunks)
+            except ClientError as exc:
+                if _error_code(exc) not in NOT_FOUND:
+                    raise
+        try:
+            response, data = self._read(Key=self._key(run_id, listed.key), Range=f"bytes={offset}-{stop - 1}")
+        except ClientError as exc:
+            if _error_code(exc) in ("InvalidRange", "416", *NOT_FOUND):
+                return b""
+            raise
+        if response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200:
+            data = data[offset:stop]
+        return data
 
     def delete(self, run_id: str, key: str) -> None:
         """Delete one object (with its appended pieces), or every object under ``key/`` (a "folder")."""

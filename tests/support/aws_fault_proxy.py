@@ -187,6 +187,9 @@ class Recorded:
     params: Params
     status: int = 0
     error: str | None = None
+    #: the HTTP method and path (with its query) of the request: what tells S3's REST calls apart
+    method: str = ""
+    path: str = ""
 
 
 @dataclass
@@ -438,6 +441,21 @@ class AWSFaultProxy:
 
     # -- request handling ----------------------------------------------------------
 
+    def s3_requests(self) -> dict[str, int]:
+        """S3's REST requests so far by kind (LIST, GET, PUT, HEAD, DELETE, POST): the request meter.
+        A GET whose query asks for a listing (``list-type``, ``delimiter``, ``prefix``) is a LIST,
+        billed at the PUT/LIST tier (https://aws.amazon.com/s3/pricing/, "Requests & data retrievals")."""
+        counts: dict[str, int] = {}
+        with self._lock:
+            records = [r for r in self.requests if r.service == "rest" and r.method]
+        for r in records:
+            query = r.path.partition("?")[2]
+            kind = r.method
+            if r.method == "GET" and any(q in query for q in ("list-type", "delimiter=", "prefix=")):
+                kind = "LIST"
+            counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
 
@@ -505,7 +523,7 @@ class AWSFaultProxy:
         self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, list, bytes]:
         service, action, params = _identify(headers, body)
-        record = Recorded(service, action, params)
+        record = Recorded(service, action, params, method=method, path=path)
         with self._lock:
             self.requests.append(record)
             agent = next((v for k, v in headers.items() if k.lower() == "user-agent"), "")
