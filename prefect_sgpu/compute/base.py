@@ -48,7 +48,7 @@ SECRET_ENV = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_CLOUD_API_K
 MASKED_ENV = ("SGPU_PAYLOAD_KEY", "SGPU_CHECKPOINT_KEY")
 
 
-#: the secret settings of Prefect's schema (below) as of Prefect 3.4, for a driver that never imported
+#: the secret settings of Prefect's schema (below) as of Prefect 3.8, for a driver that never imported
 #: Prefect: reading the schema costs Prefect's import (about a second), which a call outside a flow
 #: run does not otherwise pay. A test checks that the installed Prefect's schema names no other.
 KNOWN_PREFECT_SECRETS = ("PREFECT_API_AUTH_STRING", "PREFECT_API_DATABASE_CONNECTION_URL",
