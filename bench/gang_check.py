@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=16)
     args = parser.parse_args()
     env = {"SGPU_GANG_CHECK_BYTES": str(args.mib << 20)}
+    os.environ["PREFECT_SGPU_GANG_CHECK_REUSE_S"] = "0"  # the check's own cost on every job, warm set or not
     print(f"# gang check, {platform.node()} ({os.cpu_count()} cores), {dt.date.today()}: 2 nodes x 2 CPU ranks, "
           f"{args.mib} MiB per link exchange")
     walls: dict[bool, list[float]] = {True: [], False: []}

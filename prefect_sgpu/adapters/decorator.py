@@ -14,6 +14,7 @@ import contextvars
 import functools
 import inspect
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Generic, ParamSpec, TypeVar, overload
@@ -175,9 +176,10 @@ class DistributedFunction(Generic[P, R]):
     def job(self, *args: Any, cancel_event: threading.Event | None = None,
             sink: RankLogSink | None = None, **kwargs: Any) -> Job:
         """The job a call would run (validated, nothing started)."""
-        from prefect_sgpu.adapters import run_logs
+        if "prefect" in sys.modules:  # else no flow or task run can be current here: Prefect's import is not paid
+            from prefect_sgpu.adapters import run_logs
 
-        run_logs.attach()
+            run_logs.attach()
         self._bind(args, kwargs)
         compute, store = resolve(self.spec, self.compute, self.store)
         spec = spec_mod.for_compute(compute, self.layer)  # the block's environment=, captured for remote nodes

@@ -25,6 +25,7 @@ conformance suite (``tests/compute/test_conformance.py``).
 
 from __future__ import annotations
 
+import sys
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -47,10 +48,27 @@ SECRET_ENV = ("PREFECT_API_KEY", "PREFECT_API_AUTH_STRING", "PREFECT_CLOUD_API_K
 MASKED_ENV = ("SGPU_PAYLOAD_KEY", "SGPU_CHECKPOINT_KEY")
 
 
-@lru_cache(maxsize=1)
+#: the secret settings of Prefect's schema (below) as of Prefect 3.8, for a driver that never imported
+#: Prefect: reading the schema costs Prefect's import (about a second), which a call outside a flow
+#: run does not otherwise pay. A test checks that the installed Prefect's schema names no other.
+KNOWN_PREFECT_SECRETS = ("PREFECT_API_AUTH_STRING", "PREFECT_API_DATABASE_CONNECTION_URL",
+                         "PREFECT_API_DATABASE_PASSWORD", "PREFECT_API_KEY", "PREFECT_CLOUD_API_KEY",
+                         "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+                         "PREFECT_SERVER_DATABASE_PASSWORD")
+
+
 def prefect_secret_settings() -> tuple[str, ...]:
     """The environment variables of every secret Prefect setting (API key, auth strings, database
-    password and URL), read from Prefect's own settings schema so a new one is covered too."""
+    password and URL): read from Prefect's own settings schema where Prefect is imported already,
+    so a new one is covered too; else the known ones, without importing Prefect."""
+    if "prefect.settings" not in sys.modules:
+        return tuple(sorted({*SECRET_ENV, *KNOWN_PREFECT_SECRETS}))
+    return tuple(sorted({*KNOWN_PREFECT_SECRETS, *schema_secret_settings()}))
+
+
+@lru_cache(maxsize=1)
+def schema_secret_settings() -> tuple[str, ...]:
+    """The secret settings of the installed Prefect's settings schema (and ``SECRET_ENV``); imports Prefect."""
     names = set(SECRET_ENV)
     try:
         from prefect.settings.models.root import Settings
@@ -373,6 +391,12 @@ class Compute(ABC):
         """Which node ``rank`` runs on, for tagging its log lines. Node computes place ranks in
         order; a job compute whose scheduler places them (Ray) knows better and overrides this."""
         return rank // max(allocation.plan.procs_per_node, 1)
+
+    def warm_set(self, allocation: Allocation) -> Any:
+        """The warm set (a :class:`~prefect_sgpu.compute.warm_pool.Pooled`) this allocation's nodes were
+        kept in between jobs, or None (the default: nodes of this job alone). The driver notes on it
+        when the set passed the gang check, so an unchanged set is not checked again at every job."""
+        return None
 
     def describe(self, allocation: Allocation) -> dict[str, Any]:
         """The allocation for people: nodes, addresses, hosts, instances."""

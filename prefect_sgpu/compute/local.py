@@ -485,6 +485,10 @@ class LocalProcessCompute(Compute):
             gone.append(f"lease on GPU(s) {','.join(allocation.gpus)}")
         return Released(gone=gone)
 
+    def warm_set(self, allocation: Allocation) -> Any:
+        """The warm set the job runs on (None: cold nodes)."""
+        return allocation.warm if isinstance(allocation, LocalAllocation) else None
+
     def close(self) -> None:
         """Close the idle warm nodes this compute used last (a task runner does at flow end);
         ones in a job close when it ends."""

@@ -51,6 +51,9 @@ class Pooled:
     owner: int = 0
     in_use: bool = True
     closed: bool = False
+    #: ``time.monotonic()`` when a job on this set, nodes unchanged since, last passed the gang check
+    #: (None: never, or a job on it failed since)
+    gang_checked_at: float | None = None
 
     def healthy(self) -> bool:
         raise NotImplementedError

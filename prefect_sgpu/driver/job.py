@@ -53,6 +53,25 @@ POLL_INTERVAL_S = 0.05
 RANK_START_ENV = "PREFECT_SGPU_RANK_START"
 
 
+#: seconds a warm set's passed gang check stands for its next jobs while its nodes are unchanged (0: every job)
+GANG_CHECK_REUSE_ENV = "PREFECT_SGPU_GANG_CHECK_REUSE_S"
+DEFAULT_GANG_CHECK_REUSE_S = 300.0
+
+
+def gang_check_reuse_s() -> float:
+    """``PREFECT_SGPU_GANG_CHECK_REUSE_S``, checked: seconds >= 0 (300 by default)."""
+    raw = os.environ.get(GANG_CHECK_REUSE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_GANG_CHECK_REUSE_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # NaN too
+        raise SGPUConfigError(GANG_CHECK_REUSE_ENV, raw, "seconds (a number >= 0; 0: check every job)")
+    return seconds
+
+
 def rank_start() -> str:
     """``PREFECT_SGPU_RANK_START``, checked: ``auto`` (the default), ``spawn`` or ``fork``."""
     raw = os.environ.get(RANK_START_ENV, "").strip().lower() or "auto"
@@ -131,6 +150,8 @@ class Job:
         self.reprovision_started: float | None = None
         self.relay: Any = None
         self.mlflow_parent = active_parent() if spec.mlflow else None
+        #: seconds since the warm set this job runs on passed the gang check, where the job skips it
+        self.gang_check_reused: float | None = None
 
     # -- preparation (nothing spent) ---------------------------------------------
 
@@ -138,6 +159,7 @@ class Job:
         """Request and payload, checked and built once; raises before anything is started."""
         if self._prepared is None:
             rank_start()  # a bad setting fails here, before anything is spent
+            gang_check_reuse_s()
             request = self.compute.plan(self.spec, self.run_id)
             self._prepared = (request, payload_mod.build(self.call), new_key())
         return self._prepared
@@ -153,6 +175,8 @@ class Job:
             **self._tracking_env(),
             **rank_prefect_environment(),  # last: no Prefect credential reaches a rank, not even via env=
         }
+        if self.gang_check_reused is not None:
+            env.pop("SGPU_GANG_CHECK", None)
         commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
                     for i, address in enumerate(addresses)]
         return JobLaunch(env=env, commands=commands, rendezvous=endpoint,
@@ -275,12 +299,15 @@ class Job:
             tailer.poll()
             result = driver_results.collect(self, self.plan, end)
             self._tell_gang_check(result.gang_check)
+            self._note_gang_check(result)
             outcome = "FINISHED"
         except (RankFailedError, LaunchTimeout, JobHung, EnvironmentMismatch):
             outcome = "FAILED"
+            self._forget_gang_check()
             raise
         except BaseException as exc:
             outcome = "FAILED" if getattr(exc, "sgpu_failure", None) is not None else "KILLED"
+            self._forget_gang_check()
             raise
         finally:
             # to its end even when an exception is raised into this thread meanwhile (Prefect's task timeout)
@@ -303,6 +330,34 @@ class Job:
             for line in warnings:
                 self.sink.warning(f"{self.call.name}: {line}")
 
+    def _reuse_gang_check(self, allocation: Allocation) -> float | None:
+        """Seconds since ``allocation``'s warm set passed the gang check, where this gang may skip it: the
+        check is on, this is the job's first gang (no recovery), the set passed within
+        ``PREFECT_SGPU_GANG_CHECK_REUSE_S`` and no job on it failed since. A set whose node died is never
+        reused by the pool, and a new set has not passed, so a replaced node is always checked."""
+        warm = self.compute.warm_set(allocation)
+        checked = getattr(warm, "gang_checked_at", None)
+        if not self.spec.gang_check or self.recoveries or checked is None:
+            return None
+        age = time.monotonic() - checked
+        return age if age <= gang_check_reuse_s() else None
+
+    def _note_gang_check(self, result: JobResult) -> None:
+        """After a job that ended well: a check that passed here stands for the warm set's next jobs."""
+        warm = self.compute.warm_set(self.allocation) if self.allocation is not None else None
+        if self.gang_check_reused is not None:
+            result.gang_check_reused_s = self.gang_check_reused
+            self.sink.info(f"{self.call.name}: gang check skipped: warm set {getattr(warm, 'id', '?')} passed it "
+                           f"{self.gang_check_reused:.0f}s ago and is unchanged")
+        elif result.gang_check and warm is not None:
+            warm.gang_checked_at = time.monotonic()
+
+    def _forget_gang_check(self) -> None:
+        """A job that failed: its warm set is checked again by the next job."""
+        warm = self.compute.warm_set(self.allocation) if self.allocation is not None else None
+        if warm is not None:
+            warm.gang_checked_at = None
+
     def _run_gangs(self, request: Request, folder: JobFolder, deadline: float, tailer: LogTailer) -> GangEnd:
         """Acquire, start and wait; after infrastructure loss, replace what was lost (only the lost nodes
         where the compute can, else the whole gang: :func:`driver_recovery.recover`) and do it again
@@ -313,6 +368,7 @@ class Job:
                 allocation = self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
             tailer.node_of = lambda rank, a=allocation: self.compute.node_of_rank(a, rank)
             self.plan = allocation.plan  # a job compute may refine the device it got
+            self.gang_check_reused = self._reuse_gang_check(allocation)
             endpoint = self.compute.rendezvous_endpoint(allocation)
             launch = self.launch(request, [n.address for n in allocation.nodes], endpoint)
             self.compute.start(allocation, launch)

@@ -55,6 +55,9 @@ class JobResult:
     #: the gang check's report (:mod:`prefect_sgpu.observe.gang_check`): seconds, each node link's bandwidth,
     #: slow links and nodes, GPU warnings; None where it did not run
     gang_check: dict[str, Any] | None = None
+    #: seconds since the warm set this job ran on passed the gang check, where the job skipped it as that
+    #: set was unchanged (:attr:`Job.gang_check_reused`); None where the check ran or is off
+    gang_check_reused_s: float | None = None
 
 
 def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:

@@ -61,7 +61,10 @@ def rank_of_log(key: str) -> int | None:
 
 
 def prefect_run_logger() -> Any | None:
-    """The current Prefect run's logger, or None outside a flow/task run."""
+    """The current Prefect run's logger, or None outside a flow/task run (and without importing Prefect
+    where this process never did: no run can be current there)."""
+    if "prefect.context" not in sys.modules:
+        return None
     try:
         from prefect.context import FlowRunContext, TaskRunContext
         from prefect.logging import get_run_logger
