@@ -36,6 +36,7 @@ def settings(aws_env: Any, aws_network: Any, monkeypatch: pytest.MonkeyPatch) ->
         "region": aws_env.region, "subnet_ids": aws_network.subnet_ids,
         "instance_profile": aws_env.instance_profile(), "ami_id": aws_env.image_id(),
         "endpoint_url": aws_env.endpoint_url, "max_attempts": 2, "waiter_delay_s": 0.2, "running_timeout_s": 30,
+        "placement_group": "cluster",  # the cluster group's zone is the subject (auto leaves g5 without one)
     }
 
 
