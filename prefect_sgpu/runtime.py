@@ -156,28 +156,27 @@ def _job_dir() -> Path | None:
     return Path(value) if value else None
 
 
-def preemption_notice() -> str | None:
-    """The reclaim notice this node received (a spot interruption), or None; a
-    rebalance recommendation is not one (:func:`rebalance_recommendation`)."""
+def _job_file(name: str, empty: str) -> str | None:
+    """The text of the node's file ``name`` in this rank's job folder (``empty`` when it has none), or None."""
     job_dir = _job_dir()
     if job_dir is None:
         return None
     try:
-        return (job_dir / PREEMPT_FILE).read_text().strip() or "reclaim notice"
+        return (job_dir / name).read_text().strip() or empty
     except FileNotFoundError:
         return None
+
+
+def preemption_notice() -> str | None:
+    """The reclaim notice this node received (a spot interruption), or None; a
+    rebalance recommendation is not one (:func:`rebalance_recommendation`)."""
+    return _job_file(PREEMPT_FILE, "reclaim notice")
 
 
 def rebalance_recommendation() -> str | None:
     """The rebalance recommendation this node received, or None. A warning only: the cloud may
     reclaim the node later, or never; the job is not relaunched for it."""
-    job_dir = _job_dir()
-    if job_dir is None:
-        return None
-    try:
-        return (job_dir / REBALANCE_FILE).read_text().strip() or "rebalance recommendation"
-    except FileNotFoundError:
-        return None
+    return _job_file(REBALANCE_FILE, "rebalance recommendation")
 
 
 def preemption_requested() -> bool:

@@ -286,23 +286,7 @@ class LocalStore(Store):
             return b""
 
     def versions(self, run_id: str, prefix: str) -> dict[str, str]:
-        base = self._path(run_id, prefix)
-        found: dict[str, str] = {}
-        try:
-            entries = list(os.scandir(base))
-        except (FileNotFoundError, NotADirectoryError):
-            return found
-        for entry in entries:
-            if entry.name.startswith("."):
-                continue
-            try:
-                if not entry.is_file():
-                    continue
-                st = entry.stat()
-            except FileNotFoundError:  # replaced or deleted while listed
-                continue
-            found[f"{prefix.rstrip('/')}/{entry.name}"] = f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
-        return found
+        return {key: listed.token for key, listed in self.listing(run_id, prefix).items()}
 
     def listing(self, run_id: str, prefix: str) -> dict[str, Listed]:
         base = self._path(run_id, prefix)
