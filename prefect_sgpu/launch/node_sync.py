@@ -18,7 +18,7 @@ from typing import Any
 from prefect_sgpu.protocol.jobfolder import HEARTBEAT_STOP, LOGS, RESULTS, NodeStatus, agent_output_key
 from prefect_sgpu.observe.mlflow_relay import METRICS
 from prefect_sgpu import retry
-from prefect_sgpu.runtime import PROGRESS_DIR
+from prefect_sgpu.runtime import PREEMPT_FILE, PROGRESS_DIR
 
 #: seconds between uploads of the other ranks' steps (rank 0's follows every sync): what the driver's
 #: straggler watch reads; the ranks' own times are in the files, so a late upload skews no rate
@@ -106,11 +106,13 @@ class NodeSync:
 
         Logs, metrics and the agent's output grow while the job runs: each sync ships only their
         new bytes (:meth:`Store.append`); results are written once, whole."""
+        # a node told it will be reclaimed ships every line at once: it may not get another sync
+        coalesce = not final and not (self.job_dir / PREEMPT_FILE).exists()
         for kind, pattern in ((LOGS, "rank-*.log"), (METRICS, "rank-*.jsonl")):
             folder = self.job_dir / kind
             if folder.is_dir():
                 for path in sorted(folder.glob(pattern)):
-                    self._append_new_bytes(path, f"{kind}/{path.name}", coalesce=kind == LOGS and not final)
+                    self._append_new_bytes(path, f"{kind}/{path.name}", coalesce=coalesce and kind == LOGS)
         folder = self.job_dir / RESULTS
         if folder.is_dir():
             for path in sorted(folder.glob("rank-*.bin")):

@@ -180,6 +180,9 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
         "rendezvous_port": free_port(),
         "running_timeout_s": 60.0,
         "waiter_delay_s": 0.5,
+        # the simulated g5 nodes get the run's cluster placement group (auto would give them none): the
+        # end-to-end tests keep the group's life (created, swept, removed) in view
+        "placement_group": "cluster",
         # the jobs' environment is this checkout's venv (6.6 GB with CUDA torch): node 0 of a cold build
         # would pack all of it into moto. tests/compute/test_ec2_environment.py packs a small one, and
         # bench/env.py measures the full size
