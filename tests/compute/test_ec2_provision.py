@@ -232,10 +232,10 @@ def test_request_refuses_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("leak", [
-    "export AWS_ACCESS_KEY_ID=AKIAZZZZZZZZZZZZZZZZ",
+    "export AWS_ACCESS_KEY_ID=AKIA" + "Z" * 16,  # written in two: this file itself must not hold one
     "aws configure set aws_secret_access_key=whatever",
     "echo pnb_abcdefghijklmnopqrstuvwxyz0123456789 > key",
-    "cat <<EOF > id\n-----BEGIN OPENSSH PRIVATE KEY-----\nEOF",
+    "cat <<EOF > id\n-----BEGIN OPENSSH " + "PRIVATE KEY-----\nEOF",
 ])
 def test_a_credential_of_anyone_in_setup_commands_is_refused_before_launch(leak: str) -> None:
     """Not only the caller's own keys: anything shaped like a credential stays out of user-data."""

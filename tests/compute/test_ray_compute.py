@@ -291,6 +291,7 @@ def test_the_driver_drives_ray_through_the_contract(compute: RayCompute) -> None
     job.compute.stop(job.allocation)  # and stop after release is harmless
 
 
+@pytest.mark.own_modules
 def test_the_block_builds_this_compute() -> None:
     block = RayCompute(address="ray://head:10001", runtime_env={"env_vars": {"A": "1"}})
     assert block.get_compute() == RayTrainCompute("ray://head:10001", runtime_env={"env_vars": {"A": "1"}})
