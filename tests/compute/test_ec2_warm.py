@@ -94,7 +94,8 @@ def _warm_nodes(ec2: EC2Env, instances: list[str]) -> list[Any]:
     """The warm node processes of the simulated instances (each instance has a home of its own)."""
     import psutil
 
-    homes = {str(ec2.simulator.workdir / iid / "home") for iid in instances}
+    # HOME as the simulator sets it, or as the user-data sets it from root's passwd entry under cloud-init
+    homes = {str(ec2.simulator.workdir / iid / h) for iid in instances for h in ("home", "root")}
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
