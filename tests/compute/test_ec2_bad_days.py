@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import random
-import threading
 import time
 import uuid
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 
 from prefect_sgpu import distributed
 from support.conformance_ec2 import EC2Env
+from support.threads import drive
 
 pytestmark = pytest.mark.e2e
 
@@ -100,17 +100,8 @@ def test_a_two_node_job_on_a_bad_day_returns_its_values_and_leaves_nothing(
     compute = ec2.compute(instance_profile=_profile_with_a_role(ec2))
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=900)(_steps)
     job = fn.job(3)
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = job.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
     with caplog.at_level(logging.WARNING, logger="prefect_sgpu"):
-        thread.start()
+        thread, outcome = drive(job)
         deadline = time.monotonic() + 600
         running: list[str] = []
         while time.monotonic() < deadline and thread.is_alive():

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import pytest
 
 from support.conformance_ec2 import EC2Env
+from support.threads import drive
 from support.training import STEPS, all_reduce_for_a_minute, train_with_checkpoints as _train
 from prefect_sgpu import distributed
 from prefect_sgpu.errors import JobHung
@@ -37,20 +38,6 @@ def _when(condition: Callable[[], bool], timeout: float, what: str, while_alive:
     if not while_alive.is_alive():
         raise AssertionError(f"the job ended before {what}: {outcome!r}")
     raise AssertionError(f"{what} did not happen within {timeout:g}s")
-
-
-def _drive(job: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = job.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 def _has_checkpoint(ec2: EC2Env, run_id: str, step: int) -> bool:
@@ -91,7 +78,7 @@ def _recovered_exactly_once(ec2: EC2Env, job: Any, outcome: dict[str, Any], lost
 def test_spot_notice_checkpoints_at_once_and_the_job_resumes_on_new_instances(ec2: EC2Env) -> None:
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
     job = fn.job(step_s=0.5)  # 40 steps left after the notice: longer than the 8 s to termination
-    thread, outcome = _drive(job)
+    thread, outcome = drive(job)
     _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
     node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
     ec2.simulator.reclaim(node1, after=8.0)  # two minutes on AWS
@@ -106,7 +93,7 @@ def test_spot_notice_checkpoints_at_once_and_the_job_resumes_on_new_instances(ec
 def test_a_terminated_instance_is_replaced_and_the_job_resumes(ec2: EC2Env) -> None:
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
     job = fn.job()
-    thread, outcome = _drive(job)
+    thread, outcome = drive(job)
     _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
     node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
     ec2.aws.client("ec2").terminate_instances(InstanceIds=[node1])
@@ -125,7 +112,7 @@ def test_a_rebooted_instance_powers_off_and_is_replaced_and_the_job_resumes(ec2:
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(agent_timeout_s=600.0), mlflow=False,
                      timeout=600)(_train)
     job = fn.job()
-    thread, outcome = _drive(job)
+    thread, outcome = drive(job)
     _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
     node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
     for iid in (node0, node1):
@@ -174,7 +161,7 @@ def test_a_lost_gangs_stop_written_back_does_not_stop_the_relaunched_gang(fake_c
     provider, store = fake_case.provider, fake_case.compute.store
     fn = distributed(**fake_case.options(gpus=1, timeout=300, max_recoveries=1))(_gang_of_this_rank)
     job = fn.job()
-    thread, outcome = _drive(job)
+    thread, outcome = drive(job)
     machines = lambda: [m for m in provider.machines.values() if m.launch_id == job.run_id]  # noqa: E731
     _when(lambda: b"gang 0 is up" in (store.get(job.run_id, log_key(0)) or b""), 120, "gang 0's rank", thread, outcome)
     (first,) = machines()
@@ -216,7 +203,7 @@ def test_a_lost_node_alone_is_replaced_and_the_kept_node_refuses_the_lost_gangs_
     provider, store = fake_case.provider, fake_case.compute.store
     fn = distributed(**fake_case.options(gpus=2, timeout=300, max_recoveries=1))(_gang_and_machine)
     job = fn.job()
-    thread, outcome = _drive(job)
+    thread, outcome = drive(job)
     machines = lambda: [m for m in provider.machines.values() if m.launch_id == job.run_id]  # noqa: E731
     up = lambda: all(b"gang 0 is up" in (store.get(job.run_id, log_key(r)) or b"") for r in (0, 1))  # noqa: E731
     _when(up, 120, "gang 0's ranks", thread, outcome)
@@ -259,7 +246,7 @@ def test_a_warm_leases_lost_node_alone_is_replaced_and_the_lease_serves_the_next
     provider, store = fake_warm_case.provider, fake_warm_case.compute.store
     options = fake_warm_case.options(gpus=2, timeout=300, max_recoveries=1)
     job = distributed(**options)(_gang_and_machine).job()
-    thread, outcome = _drive(job)
+    thread, outcome = drive(job)
     lease = lease_id(job.run_id)
     up = lambda: all(b"gang 0 is up" in (store.get(job.run_id, log_key(r)) or b"") for r in (0, 1))  # noqa: E731
     _when(up, 120, "gang 0's ranks", thread, outcome)
@@ -287,7 +274,7 @@ def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path,
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     fn = distributed(gpus=2, nodes=2, timeout=600)(_train)
     job = fn.job()
-    thread, outcome = _drive(job)
+    thread, outcome = drive(job)
     checkpoint = lambda: (job.store.local_dir_root() / job.run_id / "checkpoints" / "step-00000020" / "COMPLETE").exists()  # noqa: E731
     _when(checkpoint, 300, "the step-20 checkpoint", thread, outcome)
     agent = job.allocation.processes[1]
@@ -374,7 +361,7 @@ def test_a_rebalance_recommendation_without_a_reclaim_is_a_warning_and_the_job_e
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
     job = fn.job(step_s=0.5)  # 40 steps after the recommendation: the node's and the driver's polls see it
     with caplog.at_level(logging.WARNING, logger="prefect_sgpu"):
-        thread, outcome = _drive(job)
+        thread, outcome = drive(job)
         _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
         node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
         ec2.simulator.rebalance(node1)  # and no instance-action after it

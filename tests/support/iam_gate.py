@@ -492,24 +492,24 @@ def decode_answer(gate: IAMGate | None, params: dict[str, str]) -> tuple[int, by
                  "</DecodeAuthorizationMessageResponse>").encode()
 
 
-def simulate_custom_policy(params: dict[str, str]) -> bytes:
-    """IAM's ``SimulateCustomPolicy`` answered with :func:`evaluate` (moto 5.2 has none): the request's
-    policies, then its permissions boundary policies, for each action on each resource under the
-    request's context entries."""
+def _members(params: dict[str, str], prefix: str) -> list[str]:
+    """The values of a query list parameter (``prefix.member.N``), in member order."""
+    return [v for k, v in sorted(params.items(), key=lambda kv: _member_order(kv[0]))
+            if re.fullmatch(rf"{re.escape(prefix)}\.member\.\d+", k)]
+
+
+def _simulation(operation: str, params: dict[str, str], docs: list[dict[str, Any]],
+                boundary: list[dict[str, Any]]) -> bytes:
+    """IAM's answer to ``operation`` (SimulateCustomPolicy or SimulatePrincipalPolicy): each action on
+    each resource of the request, under its context entries, through ``docs`` and then ``boundary``."""
     from xml.sax.saxutils import escape
 
-    def members(prefix: str) -> list[str]:
-        return [v for k, v in sorted(params.items(), key=lambda kv: _member_order(kv[0]))
-                if re.fullmatch(rf"{re.escape(prefix)}\.member\.\d+", k)]
-
-    docs = [json.loads(d) for d in members("PolicyInputList")]
-    boundary = [json.loads(d) for d in members("PermissionsBoundaryPolicyInputList")]
     context: dict[str, list[str]] = {}
     for key in [k for k in params if re.fullmatch(r"ContextEntries\.member\.\d+\.ContextKeyName", k)]:
-        context[params[key]] = members(f"{key.rsplit('.', 1)[0]}.ContextKeyValues")
+        context[params[key]] = _members(params, f"{key.rsplit('.', 1)[0]}.ContextKeyValues")
     out = []
-    for action in members("ActionNames"):
-        for resource in members("ResourceArns") or ["*"]:
+    for action in _members(params, "ActionNames"):
+        for resource in _members(params, "ResourceArns") or ["*"]:
             verdict = evaluate(docs, action, resource, context)
             if verdict == "allow" and boundary:
                 verdict = evaluate(boundary, action, resource, context)
@@ -517,19 +517,26 @@ def simulate_custom_policy(params: dict[str, str]) -> bytes:
             out.append(f"<member><EvalActionName>{escape(action)}</EvalActionName><EvalResourceName>"
                        f"{escape(resource)}</EvalResourceName><EvalDecision>{decision}</EvalDecision>"
                        "<MatchedStatements/><MissingContextValues/></member>")
-    return ('<SimulateCustomPolicyResponse xmlns="https://iam.amazonaws.com/doc/2010-05-08/">'
-            "<SimulateCustomPolicyResult><IsTruncated>false</IsTruncated><EvaluationResults>"
-            + "".join(out) + "</EvaluationResults></SimulateCustomPolicyResult><ResponseMetadata>"
+    return (f'<{operation}Response xmlns="https://iam.amazonaws.com/doc/2010-05-08/">'
+            f"<{operation}Result><IsTruncated>false</IsTruncated><EvaluationResults>"
+            + "".join(out) + f"</EvaluationResults></{operation}Result><ResponseMetadata>"
             "<RequestId>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestId></ResponseMetadata>"
-            "</SimulateCustomPolicyResponse>").encode()
+            f"</{operation}Response>").encode()
+
+
+def simulate_custom_policy(params: dict[str, str]) -> bytes:
+    """IAM's ``SimulateCustomPolicy`` answered with :func:`evaluate` (moto 5.2 has none): the request's
+    policies, then its permissions boundary policies, for each action on each resource under the
+    request's context entries."""
+    docs = [json.loads(d) for d in _members(params, "PolicyInputList")]
+    boundary = [json.loads(d) for d in _members(params, "PermissionsBoundaryPolicyInputList")]
+    return _simulation("SimulateCustomPolicy", params, docs, boundary)
 
 
 def simulate_principal_policy(params: dict[str, str], region: str = "us-east-1") -> bytes:
     """IAM's ``SimulatePrincipalPolicy`` answered from moto's IAM state with :func:`evaluate`
     (moto 5.2 has no simulator): each action on each resource, under the request's context
     entries, through the principal's identity policies and its permissions boundary."""
-    from xml.sax.saxutils import escape
-
     from moto.iam.models import iam_backends
 
     iam = iam_backends[ACCOUNT]["aws"]
@@ -542,30 +549,7 @@ def simulate_principal_policy(params: dict[str, str], region: str = "us-east-1")
     boundary_arn = getattr(principal, "permissions_boundary_arn", None) or getattr(
         principal, "permissions_boundary", None)
     boundary = [IAMGate._managed(iam.get_policy(boundary_arn))] if isinstance(boundary_arn, str) else []
-
-    def members(prefix: str) -> list[str]:
-        return [v for k, v in sorted(params.items(), key=lambda kv: _member_order(kv[0]))
-                if re.fullmatch(rf"{re.escape(prefix)}\.member\.\d+", k)]
-
-    context: dict[str, list[str]] = {}
-    for key in [k for k in params if re.fullmatch(r"ContextEntries\.member\.\d+\.ContextKeyName", k)]:
-        base = key.rsplit(".", 1)[0]
-        context[params[key]] = members(f"{base}.ContextKeyValues")
-    out = []
-    for action in members("ActionNames"):
-        for resource in members("ResourceArns") or ["*"]:
-            verdict = evaluate(docs, action, resource, context)
-            if verdict == "allow" and boundary:
-                verdict = evaluate(boundary, action, resource, context)
-            decision = {"allow": "allowed", "deny": "explicitDeny"}.get(verdict, "implicitDeny")
-            out.append(f"<member><EvalActionName>{escape(action)}</EvalActionName><EvalResourceName>"
-                       f"{escape(resource)}</EvalResourceName><EvalDecision>{decision}</EvalDecision>"
-                       "<MatchedStatements/><MissingContextValues/></member>")
-    return ('<SimulatePrincipalPolicyResponse xmlns="https://iam.amazonaws.com/doc/2010-05-08/">'
-            "<SimulatePrincipalPolicyResult><IsTruncated>false</IsTruncated><EvaluationResults>"
-            + "".join(out) + "</EvaluationResults></SimulatePrincipalPolicyResult><ResponseMetadata>"
-            "<RequestId>7a62c49f-347e-4fc4-9331-6e8eEXAMPLE</RequestId></ResponseMetadata>"
-            "</SimulatePrincipalPolicyResponse>").encode()
+    return _simulation("SimulatePrincipalPolicy", params, docs, boundary)
 
 
 def _member_order(key: str) -> list[int | str]:

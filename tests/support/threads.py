@@ -20,3 +20,18 @@ def run_in_thread(job: Any) -> tuple[threading.Thread, list[BaseException | None
     thread = threading.Thread(target=run, name=f"job-{job.run_id}")
     thread.start()
     return thread, outcome
+
+
+def drive(job: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start ``job.run()`` in a daemon thread; the dict receives ``result`` or ``error`` when it ends."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = job.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"job-{job.run_id}", daemon=True)
+    thread.start()
+    return thread, outcome
