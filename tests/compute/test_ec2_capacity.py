@@ -271,7 +271,9 @@ def test_a_lost_node_inside_a_reservation_is_replaced_in_its_zone_once_its_slot_
     placement group is bound to the zone of the kept node: the replacement waits for the slot in that
     zone and the job resumes on the kept node and the new one. (Before: the replacement failed at
     once with ReservationCapacityExceeded and its cleanup terminated the kept node too.)"""
-    from compute.test_recovery import _drive, _has_checkpoint, _node_instance, _recovered_exactly_once, _train
+    from support.recovery import has_checkpoint, node_instance, recovered_exactly_once
+    from support.threads import drive
+    from support.training import train_with_checkpoints as _train
     from prefect_sgpu import distributed
 
     monkeypatch.delenv("PREFECT_SGPU_SKIP_RESERVATION", raising=False)
@@ -281,16 +283,16 @@ def test_a_lost_node_inside_a_reservation_is_replaced_in_its_zone_once_its_slot_
     compute = ec2.compute(capacity_reservation_id=rid)
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False, timeout=600)(_train)
     job = fn.job()
-    thread, outcome = _drive(job)
+    thread, outcome = drive(job)
     deadline = time.monotonic() + 300
-    while not _has_checkpoint(ec2, job.run_id, 20) and thread.is_alive() and time.monotonic() < deadline:
+    while not has_checkpoint(ec2, job.run_id, 20) and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _has_checkpoint(ec2, job.run_id, 20), outcome
-    node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
+    assert has_checkpoint(ec2, job.run_id, 20), outcome
+    node0, node1 = node_instance(ec2, job.run_id, 0), node_instance(ec2, job.run_id, 1)
     ec2.aws.client("ec2").terminate_instances(InstanceIds=[node1])
     thread.join(timeout=400)
     assert not thread.is_alive(), "the job did not finish"
-    result = _recovered_exactly_once(ec2, job, outcome, node1, node0)
+    result = recovered_exactly_once(ec2, job, outcome, node1, node0)
     answers = [(c.params.get("SubnetId"), c.error) for c in aws_faults.calls("RunInstances")]
     assert {subnet for subnet, _ in answers} == {answers[0][0]}, "every launch went to the kept node's zone"
     assert ("ReservationCapacityExceeded" in {e for _, e in answers}) and answers[-1][1] is None, answers

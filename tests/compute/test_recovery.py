@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 from support.conformance_ec2 import EC2Env
+from support.recovery import has_checkpoint, node_instance, recovered_exactly_once, when
 from support.threads import drive
 from support.training import STEPS, all_reduce_for_a_minute, train_with_checkpoints as _train
 from prefect_sgpu import distributed
@@ -28,63 +28,16 @@ from prefect_sgpu.protocol.jobfolder import LOGS
 
 pytestmark = pytest.mark.e2e
 
-def _when(condition: Callable[[], bool], timeout: float, what: str, while_alive: threading.Thread,
-          outcome: dict[str, Any] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and while_alive.is_alive():
-        if condition():
-            return
-        time.sleep(0.5)
-    if not while_alive.is_alive():
-        raise AssertionError(f"the job ended before {what}: {outcome!r}")
-    raise AssertionError(f"{what} did not happen within {timeout:g}s")
-
-
-def _has_checkpoint(ec2: EC2Env, run_id: str, step: int) -> bool:
-    key = f"jobs/{run_id}/checkpoints/step-{step:08d}/COMPLETE"
-    return ec2.aws.client("s3").list_objects_v2(Bucket=ec2.bucket, Prefix=key).get("KeyCount", 0) > 0
-
-
-def _node_instance(ec2: EC2Env, run_id: str, index: int) -> str:
-    live = [i for i in ec2.instances(run_id, live=True) if i["AmiLaunchIndex"] == index]
-    return live[0]["InstanceId"]
-
-
-def _recovered_exactly_once(ec2: EC2Env, job: Any, outcome: dict[str, Any], lost: str, kept: str) -> Any:
-    """One recovery that replaced the lost node 1 alone: node 0 ran both gangs on the same instance."""
-    assert "error" not in outcome, repr(outcome.get("error"))
-    result = outcome["result"]
-    rank0 = result.values[0]
-    assert rank0["optimizer_steps"] == STEPS, "the model saw exactly 60 optimizer steps over both gangs"
-    assert rank0["start"] >= 20 and rank0["start"] + rank0["ran"] == STEPS, rank0
-    (recovery,) = result.recoveries
-    assert recovery.gang == 1 and recovery.nodes == {1: lost}, recovery
-    assert recovery.replaced == "nodes" and recovery.kept == {0: kept}, recovery
-    assert recovery.resumed_from_step == rank0["start"], "the second gang resumed from the newest checkpoint"
-    assert recovery.reprovision_s > 0
-    instances = ec2.instances(job.run_id)
-    assert len(instances) == 3 and all(i["State"]["Name"] == "terminated" for i in instances), \
-        "exactly one new instance was launched, and every instance is gone"
-    tokens = {c.params["ClientToken"] for c in ec2.proxy.calls("RunInstances")} if ec2.proxy else set()
-    assert len(tokens) == 2 or not ec2.proxy, "exactly one replacement provisioning"
-    ran_on = [v["instance"] for v in result.values]
-    assert ran_on[0] == kept, "node 0 ran the second gang on the instance it ran the first"
-    assert ran_on[1] not in (None, lost, kept), "node 1 ran the second gang on the new instance"
-    assert lost in result.released and ran_on[1] in result.released
-    assert ec2.leftovers(job.run_id) == []
-    return result
-
-
 def test_spot_notice_checkpoints_at_once_and_the_job_resumes_on_new_instances(ec2: EC2Env) -> None:
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
     job = fn.job(step_s=0.5)  # 40 steps left after the notice: longer than the 8 s to termination
     thread, outcome = drive(job)
-    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
-    node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
+    when(lambda: has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
+    node0, node1 = node_instance(ec2, job.run_id, 0), node_instance(ec2, job.run_id, 1)
     ec2.simulator.reclaim(node1, after=8.0)  # two minutes on AWS
     thread.join(timeout=400)
     assert not thread.is_alive(), "the job did not finish"
-    _recovered_exactly_once(ec2, job, outcome, node1, node0)
+    recovered_exactly_once(ec2, job, outcome, node1, node0)
     logs = ec2.objects(job.run_id)
     gang1 = b"".join(v for k, v in logs.items() if f"/{LOGS}/gang-1/" in k)
     assert b"reclaim notice: saving a checkpoint at step" in gang1, "the notice made every rank save at once"
@@ -94,12 +47,12 @@ def test_a_terminated_instance_is_replaced_and_the_job_resumes(ec2: EC2Env) -> N
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
     job = fn.job()
     thread, outcome = drive(job)
-    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
-    node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
+    when(lambda: has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
+    node0, node1 = node_instance(ec2, job.run_id, 0), node_instance(ec2, job.run_id, 1)
     ec2.aws.client("ec2").terminate_instances(InstanceIds=[node1])
     thread.join(timeout=400)
     assert not thread.is_alive(), "the job did not finish"
-    _recovered_exactly_once(ec2, job, outcome, node1, node0)
+    recovered_exactly_once(ec2, job, outcome, node1, node0)
 
 
 def test_a_rebooted_instance_powers_off_and_is_replaced_and_the_job_resumes(ec2: EC2Env) -> None:
@@ -113,14 +66,14 @@ def test_a_rebooted_instance_powers_off_and_is_replaced_and_the_job_resumes(ec2:
                      timeout=600)(_train)
     job = fn.job()
     thread, outcome = drive(job)
-    _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
-    node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
+    when(lambda: has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
+    node0, node1 = node_instance(ec2, job.run_id, 0), node_instance(ec2, job.run_id, 1)
     for iid in (node0, node1):
         assert ec2.simulator.scheduled_shutdown(iid) == "+20", ec2.simulator.scheduled_shutdowns(iid)
     ec2.simulator.reboot(node1)
     thread.join(timeout=400)
     assert not thread.is_alive(), "the job did not finish"
-    _recovered_exactly_once(ec2, job, outcome, node1, node0)
+    recovered_exactly_once(ec2, job, outcome, node1, node0)
     assert "shutdown -h now" in ec2.simulator.shutdowns(node1), "the per-boot script powered it off"
     assert "reboot" in ec2.simulator.console(node1)
 
@@ -163,11 +116,11 @@ def test_a_lost_gangs_stop_written_back_does_not_stop_the_relaunched_gang(fake_c
     job = fn.job()
     thread, outcome = drive(job)
     machines = lambda: [m for m in provider.machines.values() if m.launch_id == job.run_id]  # noqa: E731
-    _when(lambda: b"gang 0 is up" in (store.get(job.run_id, log_key(0)) or b""), 120, "gang 0's rank", thread, outcome)
+    when(lambda: b"gang 0 is up" in (store.get(job.run_id, log_key(0)) or b""), 120, "gang 0's rank", thread, outcome)
     (first,) = machines()
     os.killpg(first.proc.pid, signal.SIGKILL)  # the machine is lost
     kept: list[bytes] = []
-    _when(lambda: bool(kept.append(store.get(job.run_id, STOP) or b"") or kept[-1]), 60, "gang 0's stop", thread, outcome)
+    when(lambda: bool(kept.append(store.get(job.run_id, STOP) or b"") or kept[-1]), 60, "gang 0's stop", thread, outcome)
     stop = kept[-1]
     replays = 0
     while thread.is_alive():  # the store writer: gang 0's stop in gang 1's folder, again whenever it goes
@@ -206,7 +159,7 @@ def test_a_lost_node_alone_is_replaced_and_the_kept_node_refuses_the_lost_gangs_
     thread, outcome = drive(job)
     machines = lambda: [m for m in provider.machines.values() if m.launch_id == job.run_id]  # noqa: E731
     up = lambda: all(b"gang 0 is up" in (store.get(job.run_id, log_key(r)) or b"") for r in (0, 1))  # noqa: E731
-    _when(up, 120, "gang 0's ranks", thread, outcome)
+    when(up, 120, "gang 0's ranks", thread, outcome)
     gang0_launch = store.get(job.run_id, LAUNCH_KEY)
     first0, first1 = sorted(machines(), key=lambda m: m.index)
     os.killpg(first1.proc.pid, signal.SIGKILL)  # node 1's machine is lost
@@ -249,7 +202,7 @@ def test_a_warm_leases_lost_node_alone_is_replaced_and_the_lease_serves_the_next
     thread, outcome = drive(job)
     lease = lease_id(job.run_id)
     up = lambda: all(b"gang 0 is up" in (store.get(job.run_id, log_key(r)) or b"") for r in (0, 1))  # noqa: E731
-    _when(up, 120, "gang 0's ranks", thread, outcome)
+    when(up, 120, "gang 0's ranks", thread, outcome)
     first0, first1 = sorted((m for m in provider.machines.values() if m.launch_id == lease), key=lambda m: m.index)
     os.killpg(first1.proc.pid, signal.SIGKILL)  # node 1's machine is lost mid-job
     thread.join(timeout=120)
@@ -276,7 +229,7 @@ def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path,
     job = fn.job()
     thread, outcome = drive(job)
     checkpoint = lambda: (job.store.local_dir_root() / job.run_id / "checkpoints" / "step-00000020" / "COMPLETE").exists()  # noqa: E731
-    _when(checkpoint, 300, "the step-20 checkpoint", thread, outcome)
+    when(checkpoint, 300, "the step-20 checkpoint", thread, outcome)
     agent = job.allocation.processes[1]
     os.killpg(agent.pid, signal.SIGKILL)  # the node is gone: no status, no cleanup of its own
     thread.join(timeout=300)
@@ -362,8 +315,8 @@ def test_a_rebalance_recommendation_without_a_reclaim_is_a_warning_and_the_job_e
     job = fn.job(step_s=0.5)  # 40 steps after the recommendation: the node's and the driver's polls see it
     with caplog.at_level(logging.WARNING, logger="prefect_sgpu"):
         thread, outcome = drive(job)
-        _when(lambda: _has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
-        node0, node1 = _node_instance(ec2, job.run_id, 0), _node_instance(ec2, job.run_id, 1)
+        when(lambda: has_checkpoint(ec2, job.run_id, 20), 300, "the step-20 checkpoint", thread, outcome)
+        node0, node1 = node_instance(ec2, job.run_id, 0), node_instance(ec2, job.run_id, 1)
         ec2.simulator.rebalance(node1)  # and no instance-action after it
         thread.join(timeout=400)
     assert not thread.is_alive(), "the job did not finish"
