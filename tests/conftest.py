@@ -37,12 +37,22 @@ RAY_CLUSTER_GROUP = "ray-cluster"
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_addoption(parser: pytest.Parser) -> None:
+    from support.quick_tier import add_option
+
+    add_option(parser)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put each test that needs the session's Ray cluster in the Ray group.
+    """Put each test that needs the session's Ray cluster in the Ray group (and, under ``--quick``,
+    leave out the long end-to-end tests: tests/support/quick_tier.py).
 
     The conformance cases pick their compute's fixture at run time (``getfixturevalue``), so a
     ``ray`` or ``ray_warm`` case is found by its parameter, not by its fixture names.
     """
+    from support.quick_tier import select
+
+    select(config, items)
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
@@ -66,6 +76,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from support.cpu_use import CpuUse
 
     config.pluginmanager.register(CpuUse(), "sgpu-cpu-use")  # each test's CPU seconds (docs/testing.md)
+    from support.quick_tier import configure
+
+    configure(config)  # --quick: which of the package's modules the tier touched
 
     if config.getoption("dist", "no") != "loadgroup":
         return

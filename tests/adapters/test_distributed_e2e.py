@@ -40,6 +40,7 @@ def _all_reduce_rank_sum(tag: str) -> dict:
             "device": str(runtime.device())}
 
 
+@pytest.mark.quick  # the inner loop's tier: one short job of this kind
 def test_one_node_two_ranks_returns_values_in_rank_order(capfd: pytest.CaptureFixture[str]) -> None:
     fn = distributed(gpus=2, mlflow=False)(_all_reduce_rank_sum)
     result = fn.run("hello")

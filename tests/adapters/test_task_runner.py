@@ -33,6 +33,7 @@ def plain(x: int) -> tuple[int, bool]:
     return x + 1, "SGPU_RUN_ID" in os.environ
 
 
+@pytest.mark.quick  # the inner loop's tier: one short job of this kind
 def test_gpu_task_value_logs_and_artifact(prefect_server: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterTaskRunId, FlowRunFilter,

@@ -70,6 +70,7 @@ def _wait_for(path_prefix: str, count: int, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.quick  # the inner loop's tier: one short job of this kind
 def test_values_come_back_in_rank_order_and_release_is_idempotent(any_case: Any) -> None:
     case = any_case
     fn = distributed(**case.options(mlflow=True))(_rank_and_world)
