@@ -226,7 +226,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
                                    backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
                                    kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner,
                                    lease=lease, environment=environment, gang=gang, node_index=node_index,
-                                   packs=packs, offer_pack=self.packs_environments,
+                                   packs=packs,  # a lone replacement's offer would go unrecorded
+                                   offer_pack=self.packs_environments and node_index is None,
                                    lifetime_s=None if lease or timeout_s is None
                                    else float(timeout_s) + rq.LIFETIME_MARGIN_S)
 
