@@ -100,3 +100,45 @@ def test_an_alias_that_names_no_key_is_refused_naming_it(aws_env: MotoAWS, aws_f
     # a key id or key ARN needs no call
     arn = f"arn:aws:kms:{aws_env.region}:{ACCOUNT}:key/1234abcd-12ab-34cd-56ef-1234567890ab"
     assert roles.resolve_kms_key(None, arn) == arn and roles.resolve_kms_key(None, "1234abcd") == "1234abcd"
+
+
+def test_setup_aws_renders_the_key_an_alias_names_and_refuses_an_unknown_alias_before_writing(
+        aws_env: MotoAWS, aws_faults: Any) -> None:
+    from prefect_sgpu.compute.ec2 import setup
+
+    tag = uuid.uuid4().hex[:8]
+    kms = aws_env.client("kms")
+    key = kms.create_key(Description=f"sgpu store {tag}")["KeyMetadata"]
+    alias = f"alias/sgpu-setup-{tag}"
+    kms.create_alias(AliasName=alias, TargetKeyId=key["KeyId"])
+    store = f"s3://sgpu-kms-setup-{tag}/jobs"
+
+    before = len(aws_faults.requests)
+    dry = setup.AWSSetup(store, aws_env.region, session=aws_env.session(), endpoint_url=aws_env.endpoint_url,
+                         kms_key_id=alias, dry_run=True).run()
+    assert any(c.startswith("kms.describe_key ") and alias in c for c in dry.calls)
+    assert aws_faults.requests[before:] == [], "a dry run asks nothing"
+
+    missing = setup.AWSSetup(store, aws_env.region, session=aws_env.session(), endpoint_url=aws_env.endpoint_url,
+                             kms_key_id=f"alias/sgpu-none-{tag}", name_suffix=f"-n{tag}")
+    with pytest.raises(SGPUConfigError, match="NotFoundException"):
+        missing.run()
+    assert [r.action for r in aws_faults.requests[before:] if r.method in ("PUT", "POST")
+            and r.action not in ("GetCallerIdentity", "DescribeKey")] == [], "nothing written"
+
+    made = setup.AWSSetup(store, aws_env.region, session=aws_env.session(), endpoint_url=aws_env.endpoint_url,
+                          kms_key_id=alias, name_suffix=f"-{tag}")
+    outcome = made.run()
+    iam = aws_env.client("iam")
+    try:
+        for arn in (outcome.block["node_permissions_boundary"], *outcome.attach[:1]):
+            version = iam.get_policy(PolicyArn=arn)["Policy"]["DefaultVersionId"]
+            document = iam.get_policy_version(PolicyArn=arn, VersionId=version)["PolicyVersion"]["Document"]
+            document = json.loads(document) if isinstance(document, str) else document
+            (statement,) = [s for s in document["Statement"] if s["Sid"] == "StoreKey"]
+            assert statement["Resource"] == key["Arn"], statement
+    finally:
+        for arn in (*outcome.attach, outcome.block["node_permissions_boundary"]):
+            outcome_of(lambda: iam.delete_policy(PolicyArn=arn))
+        s3 = aws_env.client("s3")
+        outcome_of(lambda: s3.delete_bucket(Bucket=f"sgpu-kms-setup-{tag}"))
