@@ -242,6 +242,7 @@ def manifest_sha256(environment: "Environment") -> str:
 #: a later ship reads it again only when it was written since (its token changed)
 _VERIFIED: dict[tuple[str, str], str] = {}
 _VERIFIED_LOCK = threading.Lock()
+_VERIFIED_MAX = 100_000
 
 
 def ship(store: "Store", environment: "Environment") -> dict[str, int]:
@@ -278,6 +279,8 @@ def ship(store: "Store", environment: "Environment") -> dict[str, int]:
         if blob is None or hashlib.sha256(blob).hexdigest() != file_sha:
             return False
         with _VERIFIED_LOCK:
+            if len(_VERIFIED) >= _VERIFIED_MAX:  # a long-lived driver of many environments: start over
+                _VERIFIED.clear()
             _VERIFIED[(store.root_uri, key)] = found.token
         return True
 
