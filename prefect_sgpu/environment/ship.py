@@ -28,6 +28,7 @@ import base64
 import hashlib
 import json
 import shlex
+import threading
 import zlib
 from functools import lru_cache
 from pathlib import Path
@@ -237,18 +238,51 @@ def manifest_sha256(environment: "Environment") -> str:
     return _manifest_cached(environment)[1]
 
 
+#: (store root, object key) -> the listing token of a stored file this process checked against its sha256:
+#: a later ship reads it again only when it was written since (its token changed)
+_VERIFIED: dict[tuple[str, str], str] = {}
+_VERIFIED_LOCK = threading.Lock()
+_VERIFIED_MAX = 100_000
+
+
 def ship(store: "Store", environment: "Environment") -> dict[str, int]:
     """Put the environment's files and manifest in ``store`` (files first, manifest last: a manifest
-    in the store means every file it names is there). What was uploaded and skipped."""
+    in the store means every file it names is there). What was uploaded, skipped and repaired.
+
+    What is already there is checked, not trusted: one bad write (a cut or changed object, by anyone
+    who can write the store) would otherwise fail every later job of the environment, since nodes
+    check every file and the manifest against their sha256. The manifest is read and hashed; the
+    files are listed once (sizes), and a file whose size is right is read and hashed unless this
+    process already checked that very version of it (its listing token). A bad one is uploaded again."""
+    import logging
+
     raw = manifest_bytes(environment)
     sha = manifest_sha256(environment)
     folder = environment.digest
     manifest_key = f"{folder}/manifest-{sha}.json"
     data, sources = _manifest(environment)
-    if store.get(STORE_FOLDER, manifest_key) is not None:
-        return {"uploaded": 0, "skipped": len(sources), "bytes": 0}
-    there = {name.rsplit("/", 1)[-1] for name in store.list(STORE_FOLDER, f"{folder}/files")}
-    missing = sorted((sha, path) for sha, path in sources.items() if sha not in there)
+    stored = store.get(STORE_FOLDER, manifest_key)
+    manifest_ok = stored is not None and hashlib.sha256(stored).hexdigest() == sha
+    listed = store.listing(STORE_FOLDER, f"{folder}/files")
+
+    def stored_ok(item: tuple[str, Path]) -> bool:
+        """Whether ``files/<sha>`` is in the store with exactly the bytes of that sha256."""
+        file_sha, path = item
+        key = f"{folder}/files/{file_sha}"
+        found = listed.get(key)
+        if found is None or found.size != path.stat().st_size:
+            return False
+        with _VERIFIED_LOCK:
+            if _VERIFIED.get((store.root_uri, key)) == found.token:
+                return True
+        blob = store.get(STORE_FOLDER, key)
+        if blob is None or hashlib.sha256(blob).hexdigest() != file_sha:
+            return False
+        with _VERIFIED_LOCK:
+            if len(_VERIFIED) >= _VERIFIED_MAX:  # a long-lived driver of many environments: start over
+                _VERIFIED.clear()
+            _VERIFIED[(store.root_uri, key)] = found.token
+        return True
 
     def upload(item: tuple[str, Path]) -> int:
         file_sha, path = item
@@ -261,10 +295,21 @@ def ship(store: "Store", environment: "Environment") -> dict[str, int]:
 
     from concurrent.futures import ThreadPoolExecutor
 
+    items = sorted(sources.items())
     with ThreadPoolExecutor(max_workers=8) as pool:  # many small files: the round trips dominate
+        checked = list(pool.map(stored_ok, items))
+        missing = [item for item, ok in zip(items, checked) if not ok]
+        bad = [file_sha for file_sha, _ in missing if f"{folder}/files/{file_sha}" in listed]
+        if stored is not None and not manifest_ok:
+            bad.append(manifest_key)
+        if bad:
+            logging.getLogger("prefect_sgpu.environment").warning(
+                "environment %s: %d stored object(s) did not match their sha256 (%s): uploading them again",
+                folder[:16], len(bad), ", ".join(b.rsplit("/", 1)[-1][:16] for b in bad[:5]))
         size = sum(pool.map(upload, missing))
-    store.put(STORE_FOLDER, manifest_key, raw)
-    return {"uploaded": len(missing), "skipped": len(sources) - len(missing), "bytes": size}
+    if missing or not manifest_ok:
+        store.put(STORE_FOLDER, manifest_key, raw)
+    return {"uploaded": len(missing), "skipped": len(sources) - len(missing), "bytes": size, "repaired": len(bad)}
 
 
 #: the name the stage's main module has on the node

@@ -3,7 +3,7 @@
 Locally it is started by :class:`~prefect_sgpu.compute.local.LocalProcessCompute` (in its
 own PID and mount namespace when possible); on a VM the bootstrap starts it. It
 joins the c10d rendezvous hosted by node 0 (on node 0's address only, under an id derived
-from the job key: :mod:`prefect_sgpu.launch.rendezvous`), lets torch elastic start and watch the
+from the job key and its gang: :mod:`prefect_sgpu.launch.rendezvous`), lets torch elastic start and watch the
 ranks, writes its sealed ``NodeStatus`` with each failed rank's exit code, and stops
 everything when the driver's heartbeat stops changing (the driver died).
 
@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 #: stands for "no NUMA binding" while a LaunchConfig is built without asking torch about CUDA
 _NO_NUMA_QUERY = object()
@@ -211,6 +211,20 @@ def rank_start_method(requested: str, forked: bool) -> str:
     return "spawn" if ranks_may_use_cuda() else "fork"
 
 
+def rendezvous_run_id(environ: Mapping[str, str]) -> str:
+    """The rendezvous id this agent joins under: its gang's (``SGPU_GANG``, 0 when absent), derived
+    from the job key in ``SGPU_PAYLOAD_KEY``. A late agent of an earlier gang then never meets the
+    agents of a later one, even at the same node 0 address and port."""
+    from prefect_sgpu.launch import rendezvous
+    from prefect_sgpu.protocol.jobfolder import GANG_ENV
+
+    raw = environ.get(GANG_ENV) or "0"
+    gang = int(raw) if raw.isdigit() else -1
+    if gang < 0:
+        raise ValueError(f"{GANG_ENV}={raw!r}: allowed is a gang number >= 0")
+    return rendezvous.rendezvous_id(environ["SGPU_PAYLOAD_KEY"], gang)
+
+
 def job_folder(job_dir: str | Path) -> "JobFolder":
     """This node's job folder, with the job key from the environment."""
     from prefect_sgpu.protocol.jobfolder import JobFolder
@@ -264,7 +278,7 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
         min_nodes=args.nnodes,
         max_nodes=args.nnodes,
         nproc_per_node=args.nproc_per_node,
-        run_id=rendezvous.rendezvous_id(os.environ["SGPU_PAYLOAD_KEY"]),  # on no command line
+        run_id=rendezvous_run_id(os.environ),  # this gang's, on no command line
         role="sgpu",
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_backend=rendezvous.BACKEND,  # torch's c10d, its stores on this node's address only

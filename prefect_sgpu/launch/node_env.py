@@ -511,12 +511,13 @@ def parse_packs(values: list[str]) -> dict[str, tuple[str, int]]:
     return packs
 
 
-def node_index(bootstrap: list[str], transport: Transport) -> int:
-    """This node's index: the bootstrap's ``--node-index`` (a machine launched alone), else its launch index."""
-    for arg in bootstrap:
-        if arg.startswith("--node-index="):
-            return int(arg.split("=", 1)[1])
-    return transport.launch_index()
+def offers_pack(asked: bool, bootstrap: list[str], transport: Transport) -> bool:
+    """Whether this node packs what it builds: node 0 of a gang's launch, when the driver asks. A machine
+    launched alone to replace a lost node (``--node-index``, node 0's too) never does: the driver records
+    only the offers of a gang's launch, so its pack would be uploaded and never used."""
+    if not asked or any(arg.startswith("--node-index=") for arg in bootstrap):
+        return False
+    return transport.launch_index() == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -542,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         # packs of the environment's packages, whatever its files (environment_ship.packages_folder)
         packs_key = f".environments/packages-{packages_digest(manifest)}"
         offer_to = None
-        if args.offer_pack and node_index(bootstrap, store) == 0:
+        if offers_pack(args.offer_pack, bootstrap, store):
             instance = store.instance_id()
             key_parameter = f"/prefect-sgpu/{scope}/{args.run_id}/payload-key"
             offer_key = f"{args.run_id}/setup/pack-{instance}.json"

@@ -11,8 +11,11 @@ it is given, and torch elastic unpickles the rendezvous state the first one hold
   (:func:`host_store`); every agent, node 0's too, joins the rendezvous as a client of that store;
 - the workers' store is made the same way, on the address of the agent that hosts it;
 - the rendezvous id (the key under which the state lives, ``TORCHELASTIC_RUN_ID`` in the ranks)
-  is derived from the job key (:func:`rendezvous_id`): every agent computes it from the key in its
-  environment, so it is on no command line, and no one without the key can name it in advance.
+  is derived from the job key and the gang (:func:`rendezvous_id`): every agent computes it from
+  the key and ``SGPU_GANG`` in its environment, so it is on no command line, no one without the
+  key can name it in advance, and an agent of a lost gang that comes back late (a kept node 0
+  hosts the next gang's rendezvous on the same address and port) looks for its own gang's state
+  and never joins the next gang's.
 
 Both go through torch elastic's own handler registry (backend :data:`BACKEND`): the launcher, the
 c10d backend and the dynamic rendezvous are torch's; only where their two stores listen changes.
@@ -37,11 +40,14 @@ PURPOSE = b"prefect-sgpu c10d rendezvous id"
 STORE_TIMEOUT_S = 300.0
 
 
-def rendezvous_id(job_key: str) -> str:
-    """The job's rendezvous id: the same on every node holding the job key, unguessable without it."""
+def rendezvous_id(job_key: str, gang: int) -> str:
+    """Gang ``gang``'s rendezvous id: the same on every node of that gang holding the job key,
+    another for every other gang of the job, unguessable without the key."""
     from prefect_sgpu.protocol.jobfolder import derive_key
 
-    return derive_key(job_key, PURPOSE)
+    if isinstance(gang, bool) or not isinstance(gang, int) or gang < 0:
+        raise ValueError(f"gang {gang!r}: the rendezvous id needs a gang number >= 0")
+    return derive_key(job_key, PURPOSE + b" gang " + str(gang).encode())
 
 
 #: the listening sockets this process's stores hold (file descriptors)

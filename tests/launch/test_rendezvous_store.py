@@ -118,7 +118,7 @@ def test_the_rendezvous_stores_listen_on_the_nodes_address_under_an_id_on_no_com
 
         # the rendezvous id: derived from the job key, the same on every node, on no command line
         assert job.allocation is not None
-        assert rdzv == rendezvous_id(job.allocation.folder.key) != run_id
+        assert rdzv == rendezvous_id(job.allocation.folder.key, 0) != run_id
         assert (tmp_path / "rank-1").read_text().split("\n")[1] == rdzv
         for proc in procs:
             assert rdzv not in " ".join(proc.cmdline()), f"the rendezvous id is on the command line of {proc.pid}"

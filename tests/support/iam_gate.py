@@ -161,6 +161,13 @@ class IAMGate:
         #: ``sts:DecodeAuthorizationMessage`` (:meth:`decode`) turns back into the refused action, resource
         #: and context; off by default. Source: https://docs.aws.amazon.com/STS/latest/APIReference/API_DecodeAuthorizationMessage.html
         self.encode_ec2_messages = False
+        #: when True, a KMS call naming a key (``KeyId``) is judged on that key's ARN, an alias resolved
+        #: to the key it names, as IAM does: an alias ARN in a policy's Resource never matches a call on
+        #: the key ("Using aliases to control access to KMS keys",
+        #: https://docs.aws.amazon.com/kms/latest/developerguide/alias-authorization.html); an alias
+        #: that names no key goes to KMS, which answers NotFoundException. Off by default (KMS calls are
+        #: judged on ``*``).
+        self.kms_resources = False
         self._encoded: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -252,6 +259,19 @@ class IAMGate:
             key = kms.get_key_id_from_alias(key.split(":")[-1]) or key
         return self._arn("kms", f"key/{key}")
 
+    def _kms_key_arn(self, key: str) -> str | None:
+        """The ARN of the key ``key`` names (a key id or ARN, an alias name or ARN); None for an alias
+        that names no key."""
+        from moto.kms.models import kms_backends
+
+        if key.startswith("arn:") and ":key/" in key:
+            return key
+        if key.startswith("alias/") or ":alias/" in key:
+            found = kms_backends[ACCOUNT][self.region].get_key_id_from_alias("alias/" + key.split(":alias/")[-1]
+                                                                            if ":alias/" in key else key)
+            return self._arn("kms", f"key/{found}") if found else None
+        return self._arn("kms", f"key/{key}")
+
     def _group_tags(self, group_id: str) -> dict[str, str]:
         from moto.ec2.models import ec2_backends
 
@@ -338,6 +358,9 @@ class IAMGate:
                             "kms:ViaService": [f"ssm.{self.region}.amazonaws.com"],
                             "kms:EncryptionContext:PARAMETER_ARN": [arn], "kms:CallerAccount": [ACCOUNT]})]
                 return [(f"ssm:{action}", arn, {})]
+            if prefix == "kms" and self.kms_resources and params.get("KeyId"):
+                key = self._kms_key_arn(str(params["KeyId"]))
+                return [(f"kms:{action}", key, {})] if key else []
             return [(f"{prefix}:{action}", "*", {})]
         if service == "rest":
             return self._s3(method, path, headers, body)

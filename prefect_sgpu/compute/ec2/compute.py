@@ -150,6 +150,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
         self.python, self.setup_commands = settings.python, settings.setup_commands  # what the nodes boot with
         self.packs_environments = settings.pack_environments
         self._account: str | None = None
+        self._policy_kms_key: str | None = None  # resolved once (policy_kms_key)
         #: each job's AMI (id, root device), resolved at its first launch: its later gangs, lone nodes and
         #: warm leases boot the same image even when the SSM parameter moved on (the newest jobs kept)
         self._pinned_images: dict[str, tuple[str, str]] = {}
@@ -225,7 +226,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
                                    backstop_s=max(self.heartbeat_ttl_s, self.agent_timeout_s),
                                    kms_key_id=self.store.kms_key_id, bucket_owner=self.store.bucket_owner,
                                    lease=lease, environment=environment, gang=gang, node_index=node_index,
-                                   packs=packs, offer_pack=self.packs_environments,
+                                   packs=packs,  # a lone replacement's offer would go unrecorded
+                                   offer_pack=self.packs_environments and node_index is None,
                                    lifetime_s=None if lease or timeout_s is None
                                    else float(timeout_s) + rq.LIFETIME_MARGIN_S)
 
@@ -427,6 +429,17 @@ class EC2InstanceCompute(RemoteNodeCompute):
                 self._account = str(self._client("sts").get_caller_identity()["Account"])
             return self._account
 
+    def policy_kms_key(self) -> str | None:
+        """The store's KMS key as policies name it: an alias given as ``kms_key_id`` resolved to its key
+        ARN with one ``kms.describe_key`` (asked once; IAM never matches an alias for KMS's
+        cryptographic calls, :func:`~prefect_sgpu.compute.ec2.roles.kms_key_arn`); a key id or ARN as given."""
+        with self._lock:
+            if self._policy_kms_key is None:
+                key = self.kms_key_id
+                self._policy_kms_key = (roles.resolve_kms_key(self._client("kms"), key, self.region)
+                                        if roles.is_kms_alias(key) else key) or ""
+            return self._policy_kms_key or None
+
     def job_locations(self, request: EC2Request) -> list[str]:
         """The ``s3://`` folders a job's nodes use: its run folder, and its checkpoint location."""
         from prefect_sgpu.checkpoints import DIR_ENV, URI_ENV
@@ -456,7 +469,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
         packs = (self.store.uri(environment_ship.STORE_FOLDER, environment_ship.packages_folder(environment))
                  if builds and self.packs_environments else None)
         policy = roles.node_policy(owner, self.region, self.account(), locations,
-                                   self.store.scope, self.kms_key_id, environment_uri=own, packages_uri=packs)
+                                   self.store.scope, self.policy_kms_key(), environment_uri=own,
+                                   packages_uri=packs)
         tags = {rq.RUN_ID_TAG: owner, **self.provisioner.run_tags}
         roles.create(self._client("iam"), owner, policy, tags, self.store.scope,
                      self.settings.node_permissions_boundary)

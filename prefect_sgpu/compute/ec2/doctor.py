@@ -293,7 +293,11 @@ class Doctor(AccountChecks):
         part = roles.partition(region)
         boundary = s.node_permissions_boundary or f"arn:{part}:iam::{account}:policy/prefect-sgpu-node-boundary"
         shared = self._shared_role_arn()
-        policy = roles.driver_policy(s.store_uri, region, account, boundary, s.kms_key_id, shared)
+        try:  # an alias names no key IAM matches: the policy names the key it resolves to
+            key = roles.resolve_kms_key(self.client("kms"), s.kms_key_id, region)
+        except SGPUConfigError as exc:
+            return Check("driver policy", "fail", str(exc), "set kms_key_id to a key id, key ARN or existing alias")
+        policy = roles.driver_policy(s.store_uri, region, account, boundary, key, shared)
         try:
             principal = self._principal_arn()
         except Exception as exc:  # noqa: BLE001

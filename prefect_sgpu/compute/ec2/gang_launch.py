@@ -39,7 +39,7 @@ from prefect_sgpu.compute.ec2.describe import Instance, described, launched_inst
 from prefect_sgpu.compute.ec2.launch_outcomes import PROFILE_PROPAGATION_S, QUOTA_ERRORS, DiedPending
 from prefect_sgpu.compute.ec2.capacity import (SLOT_ERRORS, SLOT_WAIT_CAP_S, SLOT_WAIT_FLOOR_S, Reservation,
                                                into_reservation, reservation_of)
-from prefect_sgpu.compute.ec2.request import DEFAULT_ROOT_DEVICE, LaunchAttempt
+from prefect_sgpu.compute.ec2.request import DEFAULT_ROOT_DEVICE, LaunchAttempt, refuse_attached_interfaces
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, ProvisioningError, SGPUConfigError
 
 logger = logging.getLogger("prefect_sgpu.compute.ec2.gang_launch")
@@ -296,6 +296,7 @@ class GangLaunch:
         budget = PROFILE_PROPAGATION_S
         if deadline is not None:
             budget = max(0.0, min(budget, deadline - time.monotonic()))
+        refuse_attached_interfaces(request)  # the last look before the call
         profile = request.get("IamInstanceProfile", {})
         name = profile.get("Name") or profile.get("Arn", "")
 

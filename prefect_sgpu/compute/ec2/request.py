@@ -225,7 +225,29 @@ def run_instances_request(
         request["CapacityReservationSpecification"] = {
             "CapacityReservationTarget": {"CapacityReservationId": s.capacity_reservation_id}
         }
+    refuse_attached_interfaces(request)
     return request
+
+
+def refuse_attached_interfaces(request: Mapping[str, Any]) -> None:
+    """Fail if a ``run_instances`` request would attach an existing network interface.
+
+    ``RunInstances`` takes, in a network interface spec, either what EC2 should create or the
+    ``NetworkInterfaceId`` of an interface that exists (AWS EC2 API reference,
+    "InstanceNetworkInterfaceSpecification": "NetworkInterfaceId: The ID of the network interface").
+    An existing interface brings its own subnet, security groups, addresses and whatever trusts
+    them into a job's node, and is not the run's: it carries no ``sgpu:store`` tag and is not
+    deleted with the run. The driver launches only with interfaces EC2 creates for the instance,
+    whatever filled the request in. (The shipped driver policy cannot refuse it: see
+    docs/security.md, "EC2 by tag".)
+    """
+    for index, nic in enumerate(request.get("NetworkInterfaces") or ()):
+        if isinstance(nic, Mapping) and nic.get("NetworkInterfaceId"):
+            raise SGPUConfigError(
+                f"NetworkInterfaces[{index}].NetworkInterfaceId", nic["NetworkInterfaceId"],
+                "no existing network interface: the driver launches only with interfaces EC2 creates for "
+                "the instance (DeviceIndex, NetworkCardIndex, SubnetId, Groups, InterfaceType)",
+            )
 
 
 @dataclass(frozen=True)
@@ -251,6 +273,7 @@ class LaunchAttempt:
         for mapping in params.get("BlockDeviceMappings", []):
             if mapping.get("DeviceName") == DEFAULT_ROOT_DEVICE:
                 mapping["DeviceName"] = root_device
+        refuse_attached_interfaces(params)  # what is sent, whatever filled the attempt in
         return params
 
 

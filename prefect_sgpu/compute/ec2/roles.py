@@ -49,6 +49,7 @@ from importlib import resources
 from typing import Any
 
 from prefect_sgpu import aws
+from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.store import store_scope
 
 logger = logging.getLogger("prefect_sgpu.ec2")
@@ -90,12 +91,47 @@ def role_name(run_id: str) -> str:
     return f"sgpu-{run_id}"
 
 
+def is_kms_alias(key_id: str | None) -> bool:
+    """Whether ``key_id`` names a KMS key by alias (``alias/name`` or an alias ARN)."""
+    return bool(key_id) and (str(key_id).startswith("alias/") or ":alias/" in str(key_id))
+
+
 def kms_key_arn(key_id: str | None, region: str, account: str) -> str | None:
+    """The ARN a policy names the store's key by: a key ARN as given, else the key id's.
+
+    An alias is refused: IAM authorizes KMS's cryptographic calls (``kms:Decrypt``,
+    ``kms:GenerateDataKey``, ...) against the key's own ARN, never an alias ARN (AWS KMS docs, "Using
+    aliases to control access to KMS keys": an alias ARN in a policy's Resource controls the alias
+    operations only), so a policy naming an alias allows nothing with the key. Resolve it first
+    (:func:`resolve_kms_key`)."""
     if not key_id:
         return None
+    if is_kms_alias(key_id):
+        raise SGPUConfigError("kms_key_id", key_id, "the key's id or ARN in a policy: IAM never matches an alias "
+                              "for KMS's cryptographic calls (resolve it with kms.describe_key first)")
     if key_id.startswith("arn:"):
         return key_id
-    return f"arn:{partition(region)}:kms:{region}:{account}:{key_id if key_id.startswith('alias/') else 'key/' + key_id}"
+    return f"arn:{partition(region)}:kms:{region}:{account}:key/{key_id}"
+
+
+def resolve_kms_key(kms: Any, key_id: str | None, region: str = "") -> str | None:
+    """The key ARN of ``key_id`` when it is an alias (one ``kms.describe_key``), else ``key_id``
+    unchanged (a key id or key ARN renders without a call). An alias that does not exist, or that the
+    caller may not describe, is an :class:`SGPUConfigError` naming it."""
+    if not is_kms_alias(key_id):
+        return key_id
+    try:
+        return str(kms.describe_key(KeyId=key_id)["KeyMetadata"]["Arn"])
+    except Exception as exc:  # noqa: BLE001 - AWS's answers are the user's to fix; anything else is raised
+        code, message = aws.error_of(exc)
+        if not code:
+            raise
+        where = f" in {region}" if region else ""
+        if code in ("NotFoundException", "NotFound"):
+            raise SGPUConfigError("kms_key_id", key_id, f"a KMS key id, key ARN or an alias that exists{where} "
+                                  f"(DescribeKey: {code}: {message})") from None
+        raise SGPUConfigError("kms_key_id", key_id, f"an alias the driver may resolve{where} with kms:DescribeKey "
+                              f"(DescribeKey: {code}: {message}), or the key's id or ARN") from None
 
 
 def ssm_managed_keys(kms_key_id: str | None, region: str, account: str) -> str | None:

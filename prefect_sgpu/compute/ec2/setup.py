@@ -140,12 +140,13 @@ class AWSSetup:
         identity = self._call("sts", "get_caller_identity")
         account = identity["Account"] if identity else "<account>"
         part = roles.partition(self.region)
+        key = self.policy_kms_key(account)  # before anything is written: an unknown alias fails here
         self.bucket_steps()
         boundary = self.managed_policy(BOUNDARY_POLICY + self.suffix, account, roles.node_boundary(
-            self.store_uri, self.region, account, self.kms_key_id), "the boundary of prefect-sgpu job roles")
+            self.store_uri, self.region, account, key), "the boundary of prefect-sgpu job roles")
         role_arn = self.shared_profile(account, part) if self.instance_profile else None
         driver = self.managed_policy(DRIVER_POLICY + self.suffix, account, roles.driver_policy(
-            self.store_uri, self.region, account, boundary, self.kms_key_id, role_arn), "prefect-sgpu drivers")
+            self.store_uri, self.region, account, boundary, key, role_arn), "prefect-sgpu drivers")
         doctor = self.managed_policy(DOCTOR_POLICY + self.suffix, account,
                                      roles.doctor_policy(self.store_uri, self.region, account),
                                      "what prefect-sgpu doctor reads besides the driver policy")
@@ -156,6 +157,18 @@ class AWSSetup:
             {"job_roles": True, "node_permissions_boundary": boundary}),
             **({"kms_key_id": self.kms_key_id} if self.kms_key_id else {})}
         return self.outcome
+
+    def policy_kms_key(self, account: str) -> str | None:
+        """The store's key as the policies name it: an alias resolved to its key ARN (one DescribeKey; IAM
+        never matches an alias for KMS's cryptographic calls), a key id or ARN as given. A dry run asks
+        nothing and names the key by a placeholder."""
+        if not roles.is_kms_alias(self.kms_key_id):
+            return self.kms_key_id
+        if self.dry_run:
+            self._call("kms", "describe_key", KeyId=self.kms_key_id)  # recorded only
+            return f"arn:{roles.partition(self.region)}:kms:{self.region}:{account}:key/<{self.kms_key_id}>"
+        self.outcome.calls.append("kms.describe_key")
+        return roles.resolve_kms_key(self._client("kms"), self.kms_key_id, self.region)
 
     def bucket_steps(self) -> None:
         b = self.bucket
