@@ -274,7 +274,8 @@ def _add_cost(total: dict[str, Any], cost: dict[str, Any]) -> None:
             total[key] = dict(total.get(key, {}))
             _add_cost(total[key], value)
         elif isinstance(value, list) and isinstance(total.get(key, []), list):
-            total[key] = [*total.get(key, []), *(v for v in value if v not in total.get(key, []) or isinstance(v, dict))]
+            seen = total.get(key, [])
+            total[key] = [*seen, *(v for v in value if isinstance(v, dict) or v not in seen)]
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(total.get(key, 0), (int, float)):
             total[key] = round(total.get(key, 0) + value, 6)
         else:

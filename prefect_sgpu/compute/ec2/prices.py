@@ -59,6 +59,8 @@ S3_INTERNET_USD_PER_GB = 0.09
 #: S3 requests by price tier: PUT, COPY, POST and LIST at the write tier, GET and HEAD at the read tier
 S3_WRITE_KINDS = ("PUT", "POST", "LIST")
 S3_READ_KINDS = ("GET", "HEAD")
+#: runs whose S3 requests a meter keeps at once (runs it counted but no release took are dropped oldest first)
+METER_RUNS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,8 @@ class PriceBook:
             self._remember_failure(("pricing",), why)
             return _fallback(instance_type, why)
         usd = on_demand_of(answer.get("PriceList") or [])
-        note = "" if usd is not None else f"the Price List API lists no Linux on-demand price for {instance_type} in {region}"
+        note = ("" if usd is not None
+                else f"the Price List API lists no Linux on-demand price for {instance_type} in {region}")
         self.cache.put("on-demand", region, instance_type, {"usd_per_hour": usd, **({"note": note} if note else {})})
         return Price(usd, "price-list", note)
 
@@ -226,7 +229,8 @@ class PriceBook:
         try:
             pages = self.client("ec2", region).get_paginator("describe_spot_price_history").paginate(
                 InstanceTypes=[instance_type], AvailabilityZone=zone, ProductDescriptions=["Linux/UNIX"],
-                StartTime=_dt.datetime.fromtimestamp(start, utc), EndTime=_dt.datetime.fromtimestamp(max(end, start), utc))
+                StartTime=_dt.datetime.fromtimestamp(start, utc),
+                EndTime=_dt.datetime.fromtimestamp(max(end, start), utc))
             found = [(item["Timestamp"].timestamp(), float(item["SpotPrice"]))
                      for page in pages for item in page.get("SpotPriceHistory", [])
                      if item.get("AvailabilityZone", zone) == zone]
@@ -283,6 +287,8 @@ class S3Meter:
 
     def _add(self, run: str, what: str, n: int) -> None:
         with self._lock:
+            if run not in self._counts and len(self._counts) >= METER_RUNS_KEPT:
+                self._counts.pop(next(iter(self._counts)))  # a run nobody took (a sweep's): the oldest goes
             counts = self._counts.setdefault(run, {})
             counts[what] = counts.get(what, 0) + n
 
@@ -292,7 +298,8 @@ class S3Meter:
             return
         method = str(request.method).upper()
         query = urlsplit(str(request.url)).query
-        kind = "LIST" if method == "GET" and ("list-type" in query or "prefix=" in query) else method
+        kind = ("LIST" if method == "GET" and ("list-type" in query or "prefix=" in query)
+                else "DELETE" if method == "POST" and "delete" in query.split("&") else method)
         self._add(run, kind, 1)
         size = _length(getattr(request, "body", None), getattr(request, "headers", {}))
         if size:
