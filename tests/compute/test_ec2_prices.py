@@ -109,6 +109,19 @@ def test_the_shipped_table_stands_in_when_the_price_list_refuses_labelled_as_suc
     assert list(price_cache.glob("*.json")) == [], "a stand-in price is never kept as AWS's"
 
 
+def test_a_throttled_price_read_is_the_table_once_and_read_again_next_time(
+        aws_env: Any, aws_faults: Any, price_cache: Path) -> None:
+    """Prices are read in one try (a release never waits out a retry for one); a throttle, unlike a refusal,
+    is not remembered."""
+    _aws_prices(aws_faults)
+    aws_faults.fail("GetProducts", "ThrottlingException", times=1)
+    prov = _provisioner(aws_env, "eu-west-1")
+    first = prov.cost(_nodes("eu-west-1a", "on-demand", 1), T0, T0 + HOUR)
+    assert first["price_source"] == "fallback-table" and "ThrottlingException" in first["instances"][0]["note"]
+    assert prov.cost(_nodes("eu-west-1a", "on-demand", 1), T0, T0 + HOUR)["price_source"] == "price-list"
+    assert [c.error for c in aws_faults.calls("GetProducts")] == ["ThrottlingException", None]
+
+
 def test_reserved_capacity_at_the_on_demand_rate_and_a_capacity_block_unknown(
         aws_env: Any, aws_faults: Any, price_cache: Path) -> None:
     _aws_prices(aws_faults)

@@ -220,16 +220,16 @@ class EC2Provisioner(GangLaunch, RunCleanup):
             return self._prices
 
     def _price_client(self, service: str, region: str) -> Any:
-        """A client in ``region`` (the Price List API's is us-east-1's). Prices are optional: their own
-        clients try twice, so a release never waits out a long retry for one."""
+        """A client in ``region`` (the Price List API's is us-east-1's). Prices are optional: the Price List
+        API's client tries once, so a release never waits out a retry for a price."""
         if service != "pricing" and region == self.settings.region:
             return self.client(service)
         with self._clients_lock:
             key = f"{service}@{region}"
-            if key not in self._clients:
+            if key not in self._clients:  # botocore's max_attempts counts retries: 0 is one try
                 self._clients[key] = aws.client(service, self.session, region, self.settings.endpoint_url,
                                                 retry_mode=self.settings.retry_mode,
-                                                max_attempts=min(2, self.settings.max_attempts))
+                                                max_attempts=0 if service == "pricing" else self.settings.max_attempts)
             return self._clients[key]
 
     def _price_of(self, inst: Instance, region: str, started: float, ended: float) -> prices.Price:

@@ -19,8 +19,10 @@
 
 Prices read from AWS are kept on disk for a day (:class:`PriceCache`, under the user's cache folder),
 so a job asks the Price List API at most once per instance type and region a day; the cache holds
-prices and dates only, never credentials. A failed read is remembered in the process for an hour, so
-a driver without ``pricing:GetProducts`` asks once, not once per job.
+prices and dates only, never credentials. Prices are optional, so they are read in one try (a release
+never waits out a retry for one; a throttled read is the table this once); a refusal or an unreachable
+endpoint is remembered in the process for an hour, so a driver without ``pricing:GetProducts`` asks
+once, not once per job.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ CACHE_ENV = "PREFECT_SGPU_PRICE_CACHE"
 CACHE_TTL_S = 86400.0
 #: seconds a failed read keeps the process from asking again
 FAILURE_MEMO_S = 3600.0
+#: answers that mean "this identity may not read prices": asked again only after FAILURE_MEMO_S
+REFUSALS = frozenset({"AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "UnrecognizedClientException",
+                      "InvalidClientTokenId", "ExpiredTokenException"})
 #: S3 Standard request prices (USD per 1,000) and internet transfer (USD per GB, first 10 TB a month),
 #: https://aws.amazon.com/s3/pricing/ ("Requests & data retrievals", "Data Transfer"), us-east-1
 S3_WRITE_USD_PER_1000 = 0.005
@@ -195,7 +200,8 @@ class PriceBook:
             code, message = aws.error_of(exc)
             why = f"the Price List API answered {code}" if code else f"the Price List API is unreachable: {message}"
             logger.warning("on-demand price of %s in %s: %s; using the catalog's table", instance_type, region, why)
-            self._remember_failure(("pricing",), why)
+            if not code or code in REFUSALS:  # unreachable or refused stays so for a while; a throttle does not
+                self._remember_failure(("pricing",), why)
             return _fallback(instance_type, why)
         usd = on_demand_of(answer.get("PriceList") or [])
         note = ("" if usd is not None
