@@ -13,6 +13,8 @@ import pytest
 _HOME = Path(tempfile.mkdtemp(prefix="sgpu-tests-"))
 os.environ["PREFECT_SGPU_HOME"] = str(_HOME)
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_HOME / 'mlflow.db'}"
+# prices read from the (simulated) Price List API are kept in this home, never in the user's cache
+os.environ["PREFECT_SGPU_PRICE_CACHE"] = str(_HOME / "prices")
 os.environ.setdefault("PREFECT_SGPU_DEVICE", "cpu")  # CI has no GPU; GPU runs set it to "cuda"
 # DeepSpeed's comm-op build belongs to this venv (./dev builds it there): one folder shared by two
 # checkouts' venvs is rebuilt by each in turn

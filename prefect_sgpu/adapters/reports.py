@@ -274,7 +274,10 @@ def _report(job: Job, result: JobResult) -> None:
     cost = result.cost or {}
     cost_line = (
         f"Compute: {cost.get('instance_hours', 0):.4f} instance-hours, estimated "
-        f"${cost.get('usd', 0):.4f}\n\n" if cost else ""
+        f"${cost.get('usd', 0):.4f}" + (f" ({cost['price_source']})" if cost.get("price_source") else "")
+        + "".join(f"; {name} ${part.get('usd', 0):.4f} ({part.get('source', '')})" for name, part in (
+            ("S3 requests", cost.get("storage")), ("transfer", cost.get("transfer"))) if isinstance(part, dict))
+        + (f"; total ${cost['total_usd']:.4f}" if "total_usd" in cost else "") + "\n\n" if cost else ""
     )
     recoveries = ""
     if result.recoveries:

@@ -258,18 +258,28 @@ class Released:
 
 def total_cost(costs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """Several costs as one (a job's gangs, machines that ran for different times): numbers add up,
-    the rest is the last one's."""
+    parts (dicts: a market's, the storage's) add up part by part, lists join, the rest is the last one's."""
     known = [c for c in costs if c]
     if len(known) <= 1:
         return known[0] if known else None
     total: dict[str, Any] = {}
     for cost in known:
-        for key, value in cost.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(total.get(key, 0), (int, float)):
-                total[key] = round(total.get(key, 0) + value, 6)
-            else:
-                total[key] = value
+        _add_cost(total, cost)
     return total
+
+
+def _add_cost(total: dict[str, Any], cost: dict[str, Any]) -> None:
+    for key, value in cost.items():
+        if isinstance(value, dict) and isinstance(total.get(key, {}), dict):
+            total[key] = dict(total.get(key, {}))
+            _add_cost(total[key], value)
+        elif isinstance(value, list) and isinstance(total.get(key, []), list):
+            seen = total.get(key, [])
+            total[key] = [*seen, *(v for v in value if isinstance(v, dict) or v not in seen)]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(total.get(key, 0), (int, float)):
+            total[key] = round(total.get(key, 0) + value, 6)
+        else:
+            total[key] = value
 
 
 class Compute(ABC):

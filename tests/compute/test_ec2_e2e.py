@@ -52,6 +52,8 @@ def _all_reduce(tag: str) -> dict[str, Any]:
 
 
 def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.CaptureFixture[str]) -> None:
+    assert ec2.proxy is not None
+    ec2.proxy.prices.list_on_demand(ec2.aws.region, "g5.xlarge", 1.006)  # the Price List API (moto has none)
     compute = ec2.compute()
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=compute, mlflow=False,
                      timeout=300)(_all_reduce)
@@ -71,6 +73,13 @@ def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.Cap
     assert len(instances) == 2 and {i["InstanceType"] for i in instances} == {"g5.xlarge"}
     assert all(i["State"]["Name"] == "terminated" for i in instances), "release terminated every instance"
     assert result.cost and result.cost["instance_hours"] > 0 and result.cost["usd"] > 0
+    # each figure says where its price came from: the instances' from the Price List API, the driver's
+    # S3 requests (counted) and transfer priced as estimates
+    assert result.cost["price_source"] == "price-list"
+    assert result.cost["compute"][f"on-demand {ec2.aws.region}"]["source"] == "price-list"
+    assert result.cost["storage"]["source"] == result.cost["transfer"]["source"] == "estimate"
+    assert result.cost["storage"]["requests"]["PUT"] > 0 and result.cost["storage"]["usd"] > 0
+    assert result.cost["total_usd"] >= result.cost["usd"]
 
     # the rendezvous ran on node 0's address as EC2 reports it (DescribeInstances)
     node0 = next(i for i in instances if i["AmiLaunchIndex"] == 0)

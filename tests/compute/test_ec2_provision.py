@@ -647,6 +647,7 @@ def test_cost_counts_instance_hours_at_catalog_prices() -> None:
     assert cost["instance_hours"] == pytest.approx(1.0)
     assert cost["usd"] == pytest.approx(55.040)
     assert cost["usd_per_hour"] == pytest.approx(110.08)
+    assert cost["price_source"] == "fallback-table"  # moto has no Price List API: the table, labelled
     odd = prov.cost([Instance("i-x", "", "", "", 0, "x9.huge", "spot")], 0.0, 3600.0)
     assert odd["unpriced_instance_types"] == ["x9.huge"] and odd["usd"] == 0.0
 

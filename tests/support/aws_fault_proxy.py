@@ -42,6 +42,8 @@ must terminate all instances in the placement group before you can delete the pl
 The proxy records each launch's groups and each termination it forwards, and refuses for the set
 number of seconds after the group's last member instance was terminated, on
 :data:`prefect_sgpu.retry.CLOCK` (a test's virtual clock lets the minutes pass at once).
+Prices (``prices``, :class:`support.aws_prices.PriceFeeds`, off until a test lists one): the Price List
+API's ``GetProducts``, which moto lacks, and ``DescribeSpotPriceHistory`` with real windows and prices.
 Three more, each off by default (a test turns it on):
 
 - ``bind_placement_zones``: a cluster placement group is bound to the Availability Zone of its
@@ -79,6 +81,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 from xml.sax.saxutils import escape
 
+from support.aws_prices import PriceFeeds
 from support.launch_faults import LaunchFaults
 
 EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15/"
@@ -301,6 +304,8 @@ class AWSFaultProxy:
         self.bind_placement_zones = False
         #: seconds after a termination until its reservation slot is free again; None: never
         self.reservation_release_s: float | None = None
+        #: the Price List API and EC2's spot price history, off until a test lists a price (support.aws_prices)
+        self.prices = PriceFeeds()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
@@ -374,6 +379,7 @@ class AWSFaultProxy:
             self.group_hold_s = {"security group": 0.0, "placement group": 0.0}
             self.bind_placement_zones = False
             self.reservation_release_s = None
+            self.prices.reset()
 
     def hold_groups(self, security_group_s: float = 0.0, placement_group_s: float = 0.0) -> None:
         """From now on a security group answers ``DependencyViolation`` and a placement group
@@ -610,6 +616,8 @@ class AWSFaultProxy:
         elif service == "json:ServiceQuotasV20190624" and params.get("ServiceCode") == "ec2" and action in (
                 "GetServiceQuota", "GetAWSDefaultServiceQuota"):
             result = self._ec2_quota(record, params, service)
+        elif self.prices.serves(service, action):
+            result = self.prices.answer(action, params)
         else:
             result = self._forward(method, path, headers, body)
         if service == "ec2" and result[0] < 400:

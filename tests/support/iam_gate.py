@@ -341,7 +341,8 @@ class IAMGate:
                  service: str, action: str, params: dict[str, str]) -> list[tuple[str, str, dict[str, list[str]]]]:
         """(action, resource ARN, condition context) for everything one request needs."""
         if service.startswith("json:"):
-            prefix = {"AmazonSSM": "ssm", "TrentService": "kms", "ServiceQuotasV20190624": "servicequotas"}.get(
+            prefix = {"AmazonSSM": "ssm", "TrentService": "kms", "ServiceQuotasV20190624": "servicequotas",
+                      "AWSPriceListService": "pricing"}.get(
                 service[5:], service[5:].lower())
             name = params.get("Name", "")
             if prefix == "ssm" and not name and params.get("ResourceType") == "Parameter":

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from prefect_sgpu import catalog
 from prefect_sgpu.compute.base import Request
 from prefect_sgpu.compute.ec2 import request as rq
-from prefect_sgpu.compute.ec2 import capacity, efa, roles
+from prefect_sgpu.compute.ec2 import capacity, efa, prices, roles
 from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.remote.lease import WarmLease, lease_id
 from prefect_sgpu.environment import ship as environment_ship
@@ -48,6 +48,7 @@ from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store.s3 import S3Store
 
 if TYPE_CHECKING:
+    from prefect_sgpu.compute.base import Allocation, Released
     from prefect_sgpu.store import Store
     from prefect_sgpu.compute.remote.sweep import Sweeper
 
@@ -154,6 +155,8 @@ class EC2InstanceCompute(RemoteNodeCompute):
         #: each job's AMI (id, root device), resolved at its first launch: its later gangs, lone nodes and
         #: warm leases boot the same image even when the SSM parameter moved on (the newest jobs kept)
         self._pinned_images: dict[str, tuple[str, str]] = {}
+        #: the driver's own S3 requests and bytes, per run, for the job's cost
+        self.s3_meter = prices.S3Meter(store.client, store.bucket, store.prefix)
 
     def __repr__(self) -> str:
         return f"EC2InstanceCompute(region={self.region!r}, store={self.store.root_uri!r})"
@@ -288,6 +291,14 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
     def _describe(self, machine: Any) -> str:
         return f"{machine.id} ({machine.private_ip}, {machine.availability_zone}, {machine.market})"
+
+    def release(self, allocation: "Allocation") -> "Released":
+        """As every remote-node compute releases; the cost adds the driver's S3 requests and transfer of
+        the run since its last gang's release (:func:`~prefect_sgpu.compute.ec2.prices.with_requests`)."""
+        released = super().release(allocation)
+        if released.cost is not None and "storage" not in released.cost:
+            released.cost = prices.with_requests(released.cost, self.s3_meter.take(allocation.run_id))
+        return released
 
     def _cleanup(self, allocation: RemoteAllocation) -> list[str]:
         if not getattr(allocation, "job_role", None):

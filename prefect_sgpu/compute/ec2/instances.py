@@ -8,7 +8,8 @@
 - :mod:`~prefect_sgpu.compute.ec2.describe`: reading instances (states, a run's live ones by tag);
 - :mod:`~prefect_sgpu.compute.ec2.cleanup`: terminating a run's instances and deleting its groups;
 - :mod:`~prefect_sgpu.compute.ec2.leftovers`: what a dead driver's runs left, for the sweeper;
-- this module: the clients, the job secrets (SSM), the request builders and the price.
+- :mod:`~prefect_sgpu.compute.ec2.prices`: what the instances cost, from AWS's price sources;
+- this module: the clients, the job secrets (SSM), the request builders and the cost.
 
 **No secrets reach the instances**: nodes use the instance profile and IMDSv2; the rendered
 request is checked for the caller's AWS keys and the Prefect API key.
@@ -20,8 +21,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from prefect_sgpu import aws, catalog
-from prefect_sgpu.compute.ec2 import leftovers
+from prefect_sgpu import aws
+from prefect_sgpu.compute.ec2 import leftovers, prices
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2.cleanup import SG_DELETE_TIMEOUT_S, RunCleanup
 from prefect_sgpu.compute.ec2.describe import DEAD_STATES, Instance, instance_states
@@ -54,6 +55,7 @@ class EC2Provisioner(GangLaunch, RunCleanup):
         self._clients_lock = threading.Lock()  # boto3 sessions do not create clients thread-safely
         self._launched: dict[str, set[str]] = {}
         self._expiry: dict[str, str] = {}
+        self._prices: prices.PriceBook | None = None
 
     # -- boto3 ---------------------------------------------------------------------
 
@@ -169,38 +171,73 @@ class EC2Provisioner(GangLaunch, RunCleanup):
     # -- money ---------------------------------------------------------------------
 
     def cost(self, instances: list[Instance], started: float, ended: float) -> dict[str, Any]:
-        """Instance-hours and an estimate in USD at the catalog's on-demand list prices.
-
-        Spot usually costs less and a capacity reservation is paid whether used or not,
-        so the USD figure is an upper bound for spot and the marginal cost for reserved.
-        """
+        """Instance-hours and their price in USD, split by market and region, each figure with its
+        source (:mod:`~prefect_sgpu.compute.ec2.prices`): the Price List API's on-demand price, the
+        zone's spot price history over the instances' lifetime, the capacity reservation's rate, or,
+        offline, the catalog's table. One price is read per (market, instance type, zone)."""
         hours = max(0.0, ended - started) / 3600.0
-        per_instance = []
+        region = self.settings.region
+        read: dict[tuple[str, str, str], prices.Price] = {}
+        per_instance, unknown = [], []
+        split: dict[str, dict[str, Any]] = {}
         usd = 0.0
-        unknown = []
         for inst in instances:
-            known = catalog.instance_type_by_name(inst.instance_type)
-            price = known.price_per_hour if known else None
-            if price is None:
+            key = (inst.market, inst.instance_type, inst.availability_zone)
+            if key not in read:
+                read[key] = self._price_of(inst, region, started, ended)
+            price = read[key]
+            part = split.setdefault(f"{inst.market} {region}", {"market": inst.market, "region": region,
+                                                                "instance_hours": 0.0, "usd": 0.0, "sources": []})
+            part["instance_hours"] = round(part["instance_hours"] + hours, 6)
+            if price.source not in part["sources"]:
+                part["sources"].append(price.source)
+            if price.usd_per_hour is None:
                 unknown.append(inst.instance_type)
+                part["unpriced"] = True
             else:
-                usd += price * hours
-            per_instance.append(
-                {
-                    "id": inst.id,
-                    "instance_type": inst.instance_type,
-                    "market": inst.market,
-                    "usd_per_hour": price,
-                }
-            )
+                usd += price.usd_per_hour * hours
+                part["usd"] = round(part["usd"] + price.usd_per_hour * hours, 6)
+            per_instance.append({"id": inst.id, "instance_type": inst.instance_type, "market": inst.market,
+                                 "availability_zone": inst.availability_zone, **price.shown()})
+        for part in split.values():
+            part["source"] = ", ".join(part.pop("sources"))
         return {
             "instance_hours": round(hours * len(instances), 6),
             "usd": round(usd, 6),
             "usd_per_hour": round(sum(p["usd_per_hour"] or 0.0 for p in per_instance), 4),
-            "price_source": "catalog on-demand list price (us-east-1)",
+            "price_source": ", ".join(sorted({p["source"] for p in per_instance})),
             "unpriced_instance_types": sorted(set(unknown)),
             "instances": per_instance,
+            "compute": split,
         }
+
+    @property
+    def prices(self) -> prices.PriceBook:
+        """This account's EC2 prices (one book per provider: its cache and its memory of a refusal)."""
+        with self._clients_lock:
+            if self._prices is None:
+                self._prices = prices.PriceBook(self._price_client)
+            return self._prices
+
+    def _price_client(self, service: str, region: str) -> Any:
+        """A client in ``region`` (the Price List API's is us-east-1's). Prices are optional: the Price List
+        API's client tries once, so a release never waits out a retry for a price."""
+        if service != "pricing" and region == self.settings.region:
+            return self.client(service)
+        with self._clients_lock:
+            key = f"{service}@{region}"
+            if key not in self._clients:  # botocore's max_attempts counts retries: 0 is one try
+                self._clients[key] = aws.client(service, self.session, region, self.settings.endpoint_url,
+                                                retry_mode=self.settings.retry_mode,
+                                                max_attempts=0 if service == "pricing" else self.settings.max_attempts)
+            return self._clients[key]
+
+    def _price_of(self, inst: Instance, region: str, started: float, ended: float) -> prices.Price:
+        if inst.market == "spot":
+            return self.prices.spot(inst.instance_type, inst.availability_zone, region, started, ended)
+        if inst.market == "reserved" and self.settings.capacity_reservation_id:
+            return self.prices.reservation(self.settings.capacity_reservation_id, inst.instance_type, region)
+        return self.prices.on_demand(inst.instance_type, region)
 
 
 __all__ = ["CAPACITY_ERRORS", "DEAD_STATES", "PROFILE_PROPAGATION_S", "SG_DELETE_TIMEOUT_S", "VCPU_QUOTAS",

@@ -82,4 +82,5 @@ def cost_text(cost: dict[str, Any] | None) -> str:
     usd = cost.get("usd", cost.get("estimated_usd"))
     if hours is None or usd is None:
         return str(cost)
-    return f"{hours:.4f} instance-hours, about ${usd:.4f}"
+    source = cost.get("price_source")
+    return f"{hours:.4f} instance-hours, about ${usd:.4f}" + (f" ({source})" if source else "")

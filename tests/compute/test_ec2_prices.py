@@ -1,0 +1,206 @@
+"""What an EC2 job costs, priced from AWS's own sources through real boto3 clients: the Price List API and
+EC2's spot price history as the fault proxy serves them (``support.aws_prices``; moto has neither), the
+capacity reservations the proxy models, and the shipped driver policy judged by the IAM gate."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefect_sgpu.compute.base import total_cost
+from prefect_sgpu.compute.ec2 import prices
+from prefect_sgpu.compute.ec2.instances import EC2Provisioner, EC2Settings, Instance
+from support.aws_fixtures import FAKE_CREDENTIALS
+
+T0 = 1_790_000_000.0  # when the instances of these tests started (epoch seconds)
+HOUR = 3600.0
+
+
+@pytest.fixture
+def price_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "prices"
+    monkeypatch.setenv(prices.CACHE_ENV, str(folder))
+    return folder
+
+
+def _provisioner(aws_env: Any, region: str, session: Any = None, **settings: Any) -> EC2Provisioner:
+    return EC2Provisioner(EC2Settings(region=region, endpoint_url=aws_env.endpoint_url, **settings), session=session)
+
+
+def _nodes(zone: str, market: str, n: int = 2, instance_type: str = "g5.xlarge") -> list[Instance]:
+    return [Instance(f"i-{uuid.uuid4().hex[:8]}", "10.0.0.1", "subnet-1", zone, i, instance_type, market)
+            for i in range(n)]
+
+
+def _aws_prices(faults: Any) -> None:
+    faults.prices.list_on_demand("us-east-1", "g5.xlarge", 1.006)
+    faults.prices.list_on_demand("eu-west-1", "g5.xlarge", 1.123)
+    # eu-west-1a's spot price: 0.40 since before the job, 0.50 from half-way through it; eu-west-1b's differs
+    faults.prices.list_spot("eu-west-1a", "g5.xlarge", [(T0 - 5 * HOUR, 0.30), (T0 - HOUR, 0.40),
+                                                        (T0 + HOUR / 2, 0.50), (T0 + 2 * HOUR, 0.90)])
+    faults.prices.list_spot("eu-west-1b", "g5.xlarge", [(T0 - HOUR, 0.70)])
+
+
+def test_a_spot_job_in_eu_west_1_costs_other_than_on_demand_in_us_east_1_each_figure_sourced(
+        aws_env: Any, aws_faults: Any, price_cache: Path) -> None:
+    _aws_prices(aws_faults)
+    aws_faults.prices.page_size = 1  # the history comes in pages, as the paginator reads it
+
+    home = _provisioner(aws_env, "us-east-1").cost(_nodes("us-east-1a", "on-demand"), T0, T0 + HOUR)
+    away = _provisioner(aws_env, "eu-west-1").cost(_nodes("eu-west-1a", "spot"), T0, T0 + HOUR)
+
+    assert home["usd"] == pytest.approx(2 * 1.006) and home["price_source"] == "price-list"
+    assert home["compute"] == {"on-demand us-east-1": {"market": "on-demand", "region": "us-east-1",
+                                                       "instance_hours": 2.0, "usd": pytest.approx(2.012),
+                                                       "source": "price-list"}}
+    # half an hour at 0.40 and half an hour at 0.50, two instances
+    assert away["usd"] == pytest.approx(2 * 0.45) and away["price_source"] == "spot-history"
+    assert away["compute"]["spot eu-west-1"]["source"] == "spot-history"
+    assert [i["usd_per_hour"] for i in away["instances"]] == [pytest.approx(0.45)] * 2
+    assert away["usd"] != home["usd"]
+
+    # one price read per (market, type, zone), in the zone the instances ran in, over their lifetime
+    spot_calls = aws_faults.calls("DescribeSpotPriceHistory")
+    assert {c.params["AvailabilityZone"] for c in spot_calls} == {"eu-west-1a"}
+    assert spot_calls[0].params["StartTime"].startswith("2026-09-21T") and len(spot_calls) == 2  # two pages
+    products = aws_faults.calls("GetProducts")
+    assert len(products) == 1
+    filters = {f["Field"]: f["Value"] for f in json.loads(products[0].params["Filters"])}
+    assert filters == {"instanceType": "g5.xlarge", "regionCode": "us-east-1", "operatingSystem": "Linux",
+                       "tenancy": "Shared", "preInstalledSw": "NA", "capacitystatus": "Used"}
+
+
+def test_prices_are_kept_a_day_on_disk_without_credentials(aws_env: Any, aws_faults: Any, price_cache: Path) -> None:
+    _aws_prices(aws_faults)
+    first = _provisioner(aws_env, "eu-west-1").cost(_nodes("eu-west-1b", "on-demand", 1), T0, T0 + HOUR)
+    again = _provisioner(aws_env, "eu-west-1").cost(_nodes("eu-west-1b", "on-demand", 1), T0, T0 + HOUR)
+    assert first["usd"] == again["usd"] == pytest.approx(1.123)
+    assert len(aws_faults.calls("GetProducts")) == 1, "the second job read the cache"
+    kept = list(price_cache.glob("*.json"))
+    assert [p.name for p in kept] == ["on-demand_eu-west-1_g5.xlarge.json"]
+    text = kept[0].read_text()
+    assert not any(secret in text for secret in set(FAKE_CREDENTIALS.values())), text
+    assert "endpoint" not in text and "Credential" not in text
+
+    entry = json.loads(text)  # a day later the price is read again
+    entry["read_at"] = (_dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(days=1, minutes=1)).isoformat()
+    kept[0].write_text(json.dumps(entry))
+    aws_faults.prices.list_on_demand("eu-west-1", "g5.xlarge", 1.2)
+    assert _provisioner(aws_env, "eu-west-1").cost(_nodes("eu-west-1b", "on-demand", 1), T0, T0 + HOUR)["usd"] \
+        == pytest.approx(1.2)
+    assert len(aws_faults.calls("GetProducts")) == 2
+
+
+def test_the_shipped_table_stands_in_when_the_price_list_refuses_labelled_as_such(
+        aws_env: Any, aws_faults: Any, price_cache: Path) -> None:
+    aws_faults.fail("GetProducts", "AccessDeniedException", message="not authorized to perform: pricing:GetProducts")
+    prov = _provisioner(aws_env, "eu-west-1")
+    cost = prov.cost(_nodes("eu-west-1a", "on-demand"), T0, T0 + HOUR)
+    assert cost["price_source"] == "fallback-table" and cost["usd"] == pytest.approx(2 * 1.006)
+    note = cost["instances"][0]["note"]
+    assert "us-east-1 on-demand list price" in note and "AccessDeniedException" in note
+    prov.cost(_nodes("eu-west-1a", "on-demand"), T0, T0 + HOUR)
+    assert len(aws_faults.calls("GetProducts")) == 1, "a refusal is asked once, not once per job"
+    assert list(price_cache.glob("*.json")) == [], "a stand-in price is never kept as AWS's"
+
+
+def test_a_throttled_price_read_is_the_table_once_and_read_again_next_time(
+        aws_env: Any, aws_faults: Any, price_cache: Path) -> None:
+    """Prices are read in one try (a release never waits out a retry for one); a throttle, unlike a refusal,
+    is not remembered."""
+    _aws_prices(aws_faults)
+    aws_faults.fail("GetProducts", "ThrottlingException", times=1)
+    prov = _provisioner(aws_env, "eu-west-1")
+    first = prov.cost(_nodes("eu-west-1a", "on-demand", 1), T0, T0 + HOUR)
+    assert first["price_source"] == "fallback-table" and "ThrottlingException" in first["instances"][0]["note"]
+    assert prov.cost(_nodes("eu-west-1a", "on-demand", 1), T0, T0 + HOUR)["price_source"] == "price-list"
+    assert [c.error for c in aws_faults.calls("GetProducts")] == ["ThrottlingException", None]
+
+
+def test_reserved_capacity_at_the_on_demand_rate_and_a_capacity_block_unknown(
+        aws_env: Any, aws_faults: Any, price_cache: Path) -> None:
+    _aws_prices(aws_faults)
+    default = aws_faults.add_capacity_reservation("g5.xlarge", "us-east-1a", 2)
+    block = aws_faults.add_capacity_reservation("g5.xlarge", "us-east-1a", 2, reservation_type="capacity-block")
+    reserved = _provisioner(aws_env, "us-east-1", capacity_reservation_id=default, market="reserved").cost(
+        _nodes("us-east-1a", "reserved"), T0, T0 + HOUR)
+    assert reserved["usd"] == pytest.approx(2.012) and reserved["price_source"] == "price-list"
+    assert "billed at the on-demand rate" in reserved["instances"][0]["note"]
+    blocked = _provisioner(aws_env, "us-east-1", capacity_reservation_id=block, market="reserved").cost(
+        _nodes("us-east-1a", "reserved"), T0, T0 + HOUR)
+    assert blocked["price_source"] == "reservation" and blocked["usd"] == 0.0
+    assert blocked["unpriced_instance_types"] == ["g5.xlarge"] and blocked["compute"]["reserved us-east-1"]["unpriced"]
+    assert blocked["instances"][0]["usd_per_hour"] is None and "unknown" in blocked["instances"][0]["note"]
+
+
+def test_the_shipped_driver_policy_allows_reading_prices(aws_env: Any, aws_faults: Any, price_cache: Path) -> None:
+    """A driver user under ``driver-policy.json``, every call judged by the IAM gate, reads both price sources."""
+    import boto3
+
+    from prefect_sgpu.compute.ec2 import roles
+    from support.iam_gate import ACCOUNT, IAMGate
+
+    _aws_prices(aws_faults)
+    iam, tag = aws_env.client("iam"), uuid.uuid4().hex[:8]
+    user = f"sgpu-driver-prices-{tag}"
+    iam.create_user(UserName=user)
+    iam.put_user_policy(UserName=user, PolicyName="prefect-sgpu-driver", PolicyDocument=json.dumps(
+        roles.driver_policy("s3://sgpu-prices/jobs", "eu-west-1", ACCOUNT, f"arn:aws:iam::{ACCOUNT}:policy/b")))
+    keys = iam.create_access_key(UserName=user)["AccessKey"]
+    driver = boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
+                           region_name="eu-west-1")
+    gate = IAMGate("eu-west-1")
+    gate.watch_user(user)
+    aws_faults.iam_gate = gate
+    try:
+        cost = _provisioner(aws_env, "eu-west-1", session=driver).cost(
+            [*_nodes("eu-west-1a", "spot", 1), *_nodes("eu-west-1b", "on-demand", 1)], T0, T0 + HOUR)
+    finally:
+        aws_faults.iam_gate = None
+    assert gate.denied == [], gate.denied
+    assert {"pricing:GetProducts", "ec2:DescribeSpotPriceHistory"} <= {a for _, a in gate.allowed}
+    assert cost["price_source"] == "price-list, spot-history"
+    assert cost["usd"] == pytest.approx(0.45 + 1.123)
+
+
+def test_the_driver_s_s3_requests_are_counted_per_run_and_priced_as_an_estimate(aws_env: Any, aws_faults: Any) -> None:
+    from prefect_sgpu.store.s3 import S3Store
+
+    bucket = f"sgpu-meter-{uuid.uuid4().hex[:8]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    store = S3Store(f"s3://{bucket}/jobs", region=aws_env.region, endpoint_url=aws_env.endpoint_url)
+    meter = prices.S3Meter(store.client, store.bucket, store.prefix)
+    aws_faults.reset()
+    for n in range(3):
+        store.put("r-one", f"logs/{n}", b"x" * 1000)
+    assert store.get("r-one", "logs/1") == b"x" * 1000
+    store.put("r-two", "payload.bin", b"y")
+    store.client.list_objects_v2(Bucket=bucket, Prefix="jobs/r-one/")
+
+    one = meter.take("r-one")
+    sent = aws_faults.s3_requests()  # what crossed the wire, by kind, for both runs
+    assert one == {"PUT": 3, "GET": 1, "LIST": 1, "bytes_up": 3000, "bytes_down": 1000}
+    assert sent["PUT"] == 4 and sent["GET"] == 1 and sent["LIST"] == 1
+    assert meter.take("r-one") == {}, "taken once: a later gang reports only its own"
+    cost = prices.with_requests({"instance_hours": 1.0, "usd": 1.0}, one)
+    assert cost["storage"]["source"] == cost["transfer"]["source"] == "estimate"
+    assert cost["storage"]["usd"] == pytest.approx(4 / 1000 * 0.005 + 1 / 1000 * 0.0004)
+    assert cost["total_usd"] == pytest.approx(1.0 + cost["storage"]["usd"] + cost["transfer"]["usd"])
+    assert meter.take("r-two")["PUT"] == 1
+
+
+def test_a_job_s_gangs_add_up_part_by_part() -> None:
+    gang = {"usd": 1.0, "price_source": "price-list", "compute": {"spot eu-west-1": {"usd": 1.0, "source": "x"}},
+            "storage": {"usd": 0.1, "requests": {"PUT": 2}, "source": "estimate"}, "instances": [{"id": "i-1"}]}
+    other = {"usd": 2.0, "price_source": "price-list", "compute": {"on-demand eu-west-1": {"usd": 2.0}},
+             "storage": {"usd": 0.2, "requests": {"PUT": 3, "GET": 1}, "source": "estimate"}, "instances": [{"id": "i-2"}]}
+    total = total_cost([gang, other])
+    assert total is not None and total["usd"] == 3.0
+    assert total["compute"] == {"spot eu-west-1": {"usd": 1.0, "source": "x"}, "on-demand eu-west-1": {"usd": 2.0}}
+    assert total["storage"] == {"usd": pytest.approx(0.3), "requests": {"PUT": 5, "GET": 1}, "source": "estimate"}
+    assert [i["id"] for i in total["instances"]] == ["i-1", "i-2"]
