@@ -186,10 +186,12 @@ class _Doc(BaseModel):
 
 
 class Heartbeat(_Doc):
-    """The driver is alive. Nodes watch ``seq`` change on their own clock (no skew)."""
+    """The driver is alive. Nodes watch ``seq`` change on their own clock (no skew). ``checkpoint``:
+    why the driver asks every rank for a final checkpoint now, as a reclaim notice does (a cost cap)."""
 
     seq: int
     time: float
+    checkpoint: str = ""
 
 
 class Stop(_Doc):
@@ -450,10 +452,10 @@ class JobFolder:
 
     # heartbeat and stop (driver -> nodes) --------------------------------------------
 
-    def beat(self) -> Heartbeat:
+    def beat(self, checkpoint: str = "") -> Heartbeat:
         with self._lock:
             self._beat_seq += 1
-            doc = Heartbeat(seq=self._beat_seq, time=time.time())
+            doc = Heartbeat(seq=self._beat_seq, time=time.time(), checkpoint=checkpoint)
         self._put_doc(HEARTBEAT, "heartbeat", doc)
         return doc
 
