@@ -116,7 +116,8 @@ def _usd(value: Any) -> Any:
     return value
 
 
-MaxCost = Annotated[float | None, BeforeValidator(_usd), Field(gt=0, allow_inf_nan=False, description=(
+Usd = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+MaxCost = Annotated[Usd | None, BeforeValidator(_usd), Field(description=(
     "US dollars the job's machines may cost: once the cost so far, projected one check ahead, would pass "
     "it, the ranks are asked for a final checkpoint and the job is stopped (CostCapReached). Only on "
     "priced computes (EC2); None: no cap."))]
