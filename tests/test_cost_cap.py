@@ -149,6 +149,20 @@ def test_max_cost_usd_merges_as_the_other_fields_do(monkeypatch: pytest.MonkeyPa
         spec_mod.build()
 
 
+def test_max_cost_usd_is_a_job_variable_of_the_work_pool() -> None:
+    from prefect_sgpu.adapters import pool_variables as pv
+    from prefect_sgpu.adapters.worker import SGPUWorker
+
+    properties = SGPUWorker.get_default_base_job_template()["variables"]["properties"]
+    assert {"exclusiveMinimum": 0, "type": "number"} in properties["max_cost_usd"]["anyOf"]
+    env = pv.gpu_defaults_env(pv.gpu_defaults({"max_cost_usd": 12.5}))
+    assert env == {"PREFECT_SGPU_MAX_COST_USD": "12.5"}
+    assert spec_mod.build(environ=env).max_cost_usd == 12.5
+    with pytest.raises(SGPUConfigError) as info:
+        pv.gpu_defaults({"max_cost_usd": -1})
+    assert info.value.field == "job variable max_cost_usd" and "positive" in str(info.value)
+
+
 def test_a_cap_on_a_compute_without_a_price_is_refused_before_anything_is_spent(tmp_path: Path) -> None:
     from prefect_sgpu.compute.local import LocalProcessCompute
 
