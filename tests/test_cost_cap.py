@@ -190,6 +190,7 @@ def test_the_heartbeat_carries_the_ask_for_a_final_checkpoint(tmp_path: Path) ->
     beat = DriverHeartbeat(folder, interval=60.0).start()
     try:
         assert folder.heartbeat().checkpoint == ""  # type: ignore[union-attr]
+        assert b"checkpoint" not in LocalStore(tmp_path).get("job-1", "heartbeat"), "unasked: the beat as before"
         beat.ask_checkpoint("cost cap")
         assert folder.heartbeat().checkpoint == "cost cap"  # type: ignore[union-attr]
     finally:

@@ -186,8 +186,8 @@ class _Doc(BaseModel):
 
 
 class Heartbeat(_Doc):
-    """The driver is alive. Nodes watch ``seq`` change on their own clock (no skew). ``checkpoint``:
-    why the driver asks every rank for a final checkpoint now, as a reclaim notice does (a cost cap)."""
+    """The driver is alive: nodes watch ``seq`` change on their own clock. ``checkpoint`` (written only when
+    set): why the ranks must save a final checkpoint now, as on a reclaim notice (a cost cap)."""
 
     seq: int
     time: float
@@ -456,7 +456,7 @@ class JobFolder:
         with self._lock:
             self._beat_seq += 1
             doc = Heartbeat(seq=self._beat_seq, time=time.time(), checkpoint=checkpoint)
-        self._put_doc(HEARTBEAT, "heartbeat", doc)
+        self._put(HEARTBEAT, "heartbeat", doc.model_dump_json(exclude_defaults=True).encode())
         return doc
 
     def heartbeat(self) -> Heartbeat | None:
