@@ -16,9 +16,27 @@ from support.training import STEPS, train_with_checkpoints as _train
 from prefect_sgpu import distributed
 from prefect_sgpu.errors import CostCapReached
 
-pytestmark = pytest.mark.e2e
+
+def test_the_driver_lists_the_checkpoints_in_its_store_under_the_shipped_driver_policy(ec2: EC2Env) -> None:
+    """At the cap the driver waits for the final checkpoint by listing the job's checkpoint folder: the
+    shipped driver policy (``ListStore``: ``s3:ListBucket`` with an ``s3:prefix`` in the store) allows
+    it, judged by the IAM gate on every request."""
+    from prefect_sgpu.driver.cost_cap import marker_steps
+    from prefect_sgpu.store.s3 import S3Store
+
+    ec2.store().put("run-1", "checkpoints/step-00000002/COMPLETE", b"marker")
+    ec2.store().put("run-1", "checkpoints/step-00000003/model.pt", b"half a save")
+    driver, gate, _ = ec2.gated_driver()
+    try:
+        store = S3Store(ec2.settings["store_uri"], session=driver, endpoint_url=ec2.aws.endpoint_url)
+        assert marker_steps(store, store.uri("run-1", "checkpoints")) == [2]
+    finally:
+        assert ec2.proxy is not None
+        ec2.proxy.iam_gate = None
+    assert gate.denied == [] and any(action == "s3:ListBucket" for _, action in gate.allowed), gate.allowed
 
 
+@pytest.mark.e2e
 def test_a_job_past_its_cost_cap_saves_a_final_checkpoint_and_stops_leaving_nothing(ec2: EC2Env) -> None:
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600,
                      max_cost_usd=0.0005)(_train)
