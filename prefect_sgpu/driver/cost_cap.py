@@ -79,8 +79,12 @@ class CostReading:
 
 
 def check(spec: "JobSpec", compute: "Compute", request: "Request") -> None:
-    """SGPUConfigError when ``spec`` has a cap and ``compute`` no price for ``request``. Spends nothing."""
-    if spec.max_cost_usd is None or compute.price_per_hour(request) is not None:
+    """SGPUConfigError when ``spec`` has a cap and ``compute`` no price for ``request``, or the final
+    checkpoint's wait (``PREFECT_SGPU_FINAL_CHECKPOINT_S``) is not a number of seconds. Spends nothing."""
+    if spec.max_cost_usd is None:
+        return
+    final_checkpoint_s()
+    if compute.price_per_hour(request) is not None:
         return
     raise SGPUConfigError("max_cost_usd", spec.max_cost_usd,
                           f"None on compute {compute.name!r}: it has no price for this job, so no cost to cap "

@@ -166,7 +166,6 @@ class Job:
             gang_check_reuse_s()
             request = self.compute.plan(self.spec, self.run_id)
             cost_cap.check(self.spec, self.compute, request)  # a cap on a compute without a price
-            cost_cap.final_checkpoint_s()
             self._prepared = (request, payload_mod.build(self.call), new_key())
         return self._prepared
 
