@@ -265,3 +265,25 @@ class ResultRefused(SGPUError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.rank, self.global_name, self.what))
+
+
+class CostCapReached(SGPUError):
+    """The job's machines would have cost more than its ``max_cost_usd``: the ranks were asked for a
+    final checkpoint (as a reclaim notice asks), and every rank was stopped.
+
+    ``spent_usd`` is what the machines had cost when the driver decided, ``projected_usd`` what they
+    would have cost by its next check; ``checkpoint_step`` the step of the final checkpoint, or None
+    when none was complete within the wait (:mod:`prefect_sgpu.driver.cost_cap`)."""
+
+    def __init__(self, run_id: str, cap_usd: float, spent_usd: float, projected_usd: float,
+                 checkpoint_step: int | None = None) -> None:
+        self.run_id, self.cap_usd, self.spent_usd = run_id, cap_usd, spent_usd
+        self.projected_usd, self.checkpoint_step = projected_usd, checkpoint_step
+        saved = (f"a final checkpoint was saved at step {checkpoint_step}" if checkpoint_step is not None
+                 else "no final checkpoint was complete in time")
+        super().__init__(
+            f"job {run_id} reached its cost cap max_cost_usd={cap_usd:g}: it had cost ${spent_usd:.4f} and "
+            f"would have cost ${projected_usd:.4f} by the next check; {saved}, and every rank was stopped")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.cap_usd, self.spent_usd, self.projected_usd, self.checkpoint_step))

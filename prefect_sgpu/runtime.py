@@ -127,6 +127,9 @@ PREEMPT_FILE = "preempt"
 #: written in the node's job folder by the node when the cloud recommended moving work off it (a
 #: rebalance recommendation: a warning, not a reclaim)
 REBALANCE_FILE = "rebalance"
+#: written in the node's job folder by the node when the driver asks for a final checkpoint before it
+#: stops the job (a cost cap: ``Heartbeat.checkpoint``); a checkpointer saves at once, as on a reclaim notice
+FINAL_CHECKPOINT_FILE = "final-checkpoint"
 #: one file per rank (``progress/rank-N``): what the hang watchdog reads
 PROGRESS_DIR = "progress"
 _PROGRESS_EVERY_S = 1.0
@@ -177,6 +180,12 @@ def rebalance_recommendation() -> str | None:
     """The rebalance recommendation this node received, or None. A warning only: the cloud may
     reclaim the node later, or never; the job is not relaunched for it."""
     return _job_file(REBALANCE_FILE, "rebalance recommendation")
+
+
+def final_checkpoint_requested() -> str | None:
+    """Why the driver asked this node's ranks for a final checkpoint before it stops the job (its cost
+    cap), or None. Not a reclaim: the node stays until the driver stops the job."""
+    return _job_file(FINAL_CHECKPOINT_FILE, "final checkpoint")
 
 
 def preemption_requested() -> bool:

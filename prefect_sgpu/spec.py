@@ -109,6 +109,20 @@ def _trusted_results(value: Any) -> bool:
 TrustedResults = Annotated[bool, BeforeValidator(_trusted_results)]
 
 
+def _usd(value: Any) -> Any:
+    """``max_cost_usd``: a number (or its text), never a bool (pydantic would read True as 1.0)."""
+    if isinstance(value, bool):
+        raise SGPUConfigError("max_cost_usd", value, _ALLOWED["max_cost_usd"])
+    return value
+
+
+Usd = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+MaxCost = Annotated[Usd | None, BeforeValidator(_usd), Field(description=(
+    "US dollars the job's machines may cost: once the cost so far, projected one check ahead, would pass "
+    "it, the ranks are asked for a final checkpoint and the job is stopped (CostCapReached). Only on "
+    "priced computes (EC2); None: no cap."))]
+
+
 class JobArgs(TypedDict, total=False):
     """The keyword arguments of ``@distributed``, ``run_script`` and ``@ray_launch``: a key left
     out is *not given* (the layers below decide), which a default value could not express."""
@@ -129,6 +143,7 @@ class JobArgs(TypedDict, total=False):
     gang_check: bool
     environment: Any
     trusted_results: bool
+    max_cost_usd: float | None
 
 
 class TaskArgs(JobArgs, total=False):
@@ -141,7 +156,7 @@ class TaskArgs(JobArgs, total=False):
 #: every field of a job spec, in the order users meet them
 FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "secrets", "mlflow",
           "max_recoveries", "hang_timeout", "straggler_factor", "straggler_steps", "gang_check", "environment",
-          "strategy", "return_all", "trusted_results")
+          "strategy", "return_all", "trusted_results", "max_cost_usd")
 
 
 def _check_shape(gpus: int | None, nodes: int | None) -> None:
@@ -175,6 +190,7 @@ class SpecLayer(BaseModel):
     strategy: Strategy = None
     return_all: bool | None = None
     trusted_results: TrustedResults | None = None
+    max_cost_usd: MaxCost = None
 
     @model_validator(mode="after")
     def _shape(self) -> "SpecLayer":
@@ -215,6 +231,7 @@ class JobSpec(BaseModel):
         "Load every rank's return value and exception with plain pickle (any class, any code its "
         "__reduce__ names). False (the default) loads only plain data: builtins, containers, numbers, "
         "datetime, numpy arrays, torch tensors, prefect_sgpu's errors. See docs/security.md."))
+    max_cost_usd: MaxCost = None
 
     @model_validator(mode="after")
     def _shape(self) -> "JobSpec":
@@ -236,6 +253,8 @@ _ALLOWED = {
     "straggler_factor": "a number greater than 1 (a rank slower than the median rate divided by it is a "
                         "straggler), or None to turn straggler naming off",
     "straggler_steps": "a whole number of at least 1 (the steps a rank stays that slow before it is named)",
+    "max_cost_usd": "a positive, finite number of US dollars (the most the job's machines may cost), or None "
+                    "for no cap",
 }
 
 
@@ -281,7 +300,7 @@ def environment_layer(environ: Mapping[str, str] | None = None) -> SpecLayer:
                 raise SGPUConfigError(ENV_PREFIX + name.upper(), raw, "a JSON object of strings") from None
         elif name in ("gpu_type", "strategy"):
             given[name] = None if raw.lower() == "none" else raw
-        elif name in ("hang_timeout", "straggler_factor") and raw.lower() in ("none", "off"):
+        elif name in ("hang_timeout", "straggler_factor", "max_cost_usd") and raw.lower() in ("none", "off"):
             given[name] = None
         elif name == "nodes" and raw.lower() in ("none", "auto"):
             given[name] = None

@@ -25,7 +25,7 @@ COMPUTE_SLUGS = ("sgpu-local-compute", "sgpu-ec2-compute", "sgpu-ray-compute")
 STORE_SLUGS = ("sgpu-store",)
 #: job variables that become the flow run's GPU-task defaults (fields of ``JobSpec``)
 GPU_DEFAULTS = ("gpus", "gpu_type", "nodes", "strategy", "max_recoveries", "hang_timeout", "straggler_factor",
-                "straggler_steps", "gang_check", "environment")
+                "straggler_steps", "gang_check", "environment", "max_cost_usd")
 _PLACEHOLDER = re.compile(r"^\{\{\s*prefect\.blocks\.([^.\s]+)\.([^.\s]+)\s*\}\}$")
 
 

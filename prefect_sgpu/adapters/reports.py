@@ -28,7 +28,7 @@ from prefect_sgpu.spec import JobSpec
 
 logger = logging.getLogger("prefect_sgpu.task_runner")
 
-__all__ = ["gpu_quota", "in_prefect_run", "loss_table", "mlflow_reference", "quota_name", "run_reported", "slug"]
+__all__ = ["CostProgress", "gpu_quota", "in_prefect_run", "loss_table", "mlflow_reference", "quota_name", "run_reported", "slug"]
 
 
 def slug(text: str) -> str:
@@ -54,6 +54,8 @@ def run_reported(job: Job, live: bool = True) -> JobResult:
         _emit(job, "started")
         progress = _Progress(job)
         job.straggler_listeners.append(functools.partial(_report_straggler, job))
+        if job.spec.max_cost_usd is not None:
+            job.cost_listeners.append(CostProgress(job).update)
         try:
             with LiveStatus(job) if live else contextlib.nullcontext():
                 result = job.run()
@@ -133,6 +135,45 @@ class _Progress:
         else:
             pct = min(100.0, 100.0 * seen[0] / seen[1]) if seen and seen[1] else 0.0
             self._update(pct, f"prefect-sgpu job {self.job.run_id}: failed at {step}")
+
+
+class CostProgress:
+    """The task run's cost artifact (``sgpu-<task>-cost``) of a job with a ``max_cost_usd``: a progress
+    artifact at the share of the cap spent so far, its description the dollars spent, the hourly rate
+    and the projection. Made at the job's first cost reading, then updated at most every ``every``
+    seconds (a reading at the cap always): the driver reads the cost more often than a person needs."""
+
+    def __init__(self, job: Job, every: float = 30.0, clock: Any = time.monotonic) -> None:
+        self.job = job
+        self.every = every
+        self.clock = clock
+        self.shown_at: float | None = None
+        self.id: Any = None
+
+    def due(self, reached: bool) -> bool:
+        """Whether a reading now is shown: the first, one at the cap, or one ``every`` seconds after the last."""
+        return self.shown_at is None or reached or self.clock() - self.shown_at >= self.every
+
+    def update(self, reading: Any) -> None:
+        if not self.due(reading.reached):
+            return
+        self.shown_at = self.clock()
+        cap = reading.cap_usd or 0.0
+        pct = min(100.0, 100.0 * reading.spent_usd / cap) if cap else 0.0
+        text = (f"prefect-sgpu job {self.job.run_id}: {reading.describe()}"
+                + ("; cap reached: final checkpoint, then stop" if reading.reached else ""))
+        try:
+            if self.id is None:
+                from prefect.artifacts import create_progress_artifact
+
+                self.id = create_progress_artifact(progress=pct, key=f"sgpu-{slug(self.job.call.name)}-cost",
+                                                   description=text)
+            else:
+                from prefect.artifacts import update_progress_artifact
+
+                update_progress_artifact(self.id, progress=pct, description=text)
+        except Exception:  # noqa: BLE001 - a report, never the job's failure
+            logger.debug("could not show the cost of %s", self.job.run_id, exc_info=True)
 
 
 def quota_name(gpu_type: str) -> str:

@@ -54,6 +54,7 @@ class SGPUJobConfiguration(ProcessJobConfiguration):
     straggler_steps: Optional[Any] = Field(default=None, description=_gpu_description("Default straggler steps"))
     gang_check: Optional[Any] = Field(default=None, description=_gpu_description("Default gang check"))
     environment: Optional[Any] = Field(default=None, description=_gpu_description("Default environment"))
+    max_cost_usd: Optional[Any] = Field(default=None, description=_gpu_description("Default cost cap (USD)"))
 
     @classmethod
     async def from_template_and_values(cls, base_job_template: dict[str, Any], values: dict[str, Any],
@@ -138,6 +139,11 @@ class SGPUVariables(ProcessVariables):
                                      "an object of options (working_dir, py_modules, requirements, index_url, "
                                      "extra_index_urls, find_links, excludes, max_bytes) or the path of a "
                                      ".json/.toml file of them"))
+    max_cost_usd: Optional[float] = Field(
+        default=None, gt=0, title="Max Cost (USD)",
+        description=_gpu_description("Default cost cap of a GPU task's job in US dollars: at the cap the "
+                                     "ranks save a final checkpoint and the job stops (priced computes "
+                                     "only: EC2)"))
 
     @classmethod
     def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -385,6 +385,18 @@ class Compute(ABC):
         run or actor (Ray). ``Released.gone`` lists what was removed.
         """
 
+    def price_per_hour(self, request: Request) -> float | None:
+        """US dollars an hour that ``request``'s machines cost together while they run, as
+        :meth:`running_cost` prices them; None (the default): this compute has no price, and a job's
+        ``max_cost_usd`` is refused before anything is spent. Pure."""
+        return None
+
+    def running_cost(self, allocation: Allocation) -> dict[str, Any] | None:
+        """What the allocation's machines have cost from their launch until now, in ``Released.cost``'s
+        shape (``usd``, ``usd_per_hour``, ...); None (the default): no price. The driver reads it to hold
+        a job to its ``max_cost_usd`` (:mod:`prefect_sgpu.driver.cost_cap`). May raise: prices are optional."""
+        return None
+
     def command_line(self, request: Request, command: NodeCommand) -> list[str]:
         """The exact argv a node runs for ``command`` (``dry_run`` prints this)."""
         return list(command.argv)

@@ -35,6 +35,8 @@ class DriverHeartbeat:
         self.folder = folder
         self.interval = HEARTBEAT_INTERVAL_S if interval is None else interval
         self._done = threading.Event()
+        #: why the ranks are asked for a final checkpoint (every beat from then on says so); empty: not asked
+        self.checkpoint = ""
         self._thread = threading.Thread(target=self._loop, name=f"sgpu-beat-{folder.run_id}", daemon=True)
 
     def start(self) -> "DriverHeartbeat":
@@ -45,9 +47,19 @@ class DriverHeartbeat:
     def _loop(self) -> None:
         while not self._done.wait(self.interval):
             try:
-                self.folder.beat()
+                self.folder.beat(self.checkpoint)
             except Exception:  # noqa: BLE001 - the next beat may succeed; the nodes' TTL is the limit
                 logger.debug("job %s: heartbeat failed", self.folder.run_id, exc_info=True)
+
+    def ask_checkpoint(self, reason: str) -> None:
+        """Ask every node's ranks for a final checkpoint now (``reason`` says why): this beat and every
+        later one carry it, so a node that misses one reads it in the next, and a relaunched gang too.
+        A beat that cannot be written now is written again by the thread at the next interval."""
+        self.checkpoint = reason
+        try:
+            self.folder.beat(reason)
+        except Exception:  # noqa: BLE001 - the thread's next beat carries it
+            logger.debug("job %s: heartbeat failed", self.folder.run_id, exc_info=True)
 
     def stop(self) -> None:
         self._done.set()

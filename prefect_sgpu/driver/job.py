@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import Any
 
+from prefect_sgpu.driver import cost_cap
 from prefect_sgpu.driver import recovery as driver_recovery
 from prefect_sgpu.driver import results as driver_results
 from prefect_sgpu.driver import interrupts
@@ -146,6 +147,9 @@ class Job:
         #: called with each straggler as it is named (the task runner's event and artifact)
         self.straggler_listeners: list[Any] = []
         self.straggler_watch: progress_watch.StragglerWatch | None = None
+        #: called with each reading of the job's cost (``max_cost_usd``: the task run's progress artifact)
+        self.cost_listeners: list[Any] = []
+        self.cost_watch: cost_cap.CostWatch | None = None
         self.given_back: list[Released] = []
         self.reprovision_started: float | None = None
         self.relay: Any = None
@@ -161,6 +165,7 @@ class Job:
             rank_start()  # a bad setting fails here, before anything is spent
             gang_check_reuse_s()
             request = self.compute.plan(self.spec, self.run_id)
+            cost_cap.check(self.spec, self.compute, request)  # a cap on a compute without a price
             self._prepared = (request, payload_mod.build(self.call), new_key())
         return self._prepared
 
@@ -267,6 +272,7 @@ class Job:
         self.started_at = time.monotonic()
         deadline = self.started_at + self.spec.timeout
         folder = self.folder = JobFolder(self.store, self.run_id, key)
+        self.cost_watch = cost_cap.CostWatch(self) if self.spec.max_cost_usd is not None else None
         outcome = "KILLED"
         tailer: LogTailer | None = None
         result: JobResult | None = None
@@ -436,6 +442,8 @@ class Job:
                 raise JobCancelled(f"job {self.run_id} was cancelled; every rank was stopped")
             if now > deadline:
                 raise LaunchTimeout(self.run_id, self.spec.timeout)
+            if self.cost_watch is not None:
+                self.cost_watch.poll(now)  # CostCapReached, after a final checkpoint, at the cap
             if self.relay is not None:
                 self.relay.poll(every=RELAY_INTERVAL_S)
             for straggler in watch.poll() if watch is not None else ():

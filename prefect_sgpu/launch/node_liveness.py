@@ -9,6 +9,8 @@ bootstrap: its folder, key, host and identity):
   valid seal); none new for ``heartbeat_ttl`` seconds on this node's monotonic clock means the driver
   is gone: the node stops its agent and terminates its own machine, so a dead driver cannot leak paid VMs;
 - a reclaim notice from the host, told to the ranks (the ``preempt`` file) and the driver;
+- the driver's ask for a final checkpoint (its heartbeat's ``checkpoint``: a cost cap), told to the ranks
+  (the ``final-checkpoint`` file) as a reclaim notice is;
 - a rebalance recommendation from the host: a warning, not a reclaim (the cloud may never take the
   machine): logged, told to the driver (a notice document marked ``reclaim=False``) and to the
   ranks only as the ``rebalance`` file (``runtime.rebalance_recommendation()``), which a
@@ -121,7 +123,20 @@ class NodeLiveness:
             if beat is not None and beat.seq > self._beat_seq:
                 self._beat_seq, self._beat_seen = beat.seq, now
                 atomic_write(self.job_dir / HEARTBEAT, blob)
+                self.tell_final_checkpoint(beat.checkpoint)
         return self.heartbeat_ttl > 0 and now - self._beat_seen > self.heartbeat_ttl
+
+    def tell_final_checkpoint(self, reason: str) -> None:
+        """The driver asks for a final checkpoint before it stops the job (a sealed heartbeat says why):
+        the ranks are told as on a reclaim notice, through a file of their own (``final-checkpoint``), once
+        per job folder. The node is not reclaimed: the driver's stop follows."""
+        from prefect_sgpu.runtime import FINAL_CHECKPOINT_FILE
+        from prefect_sgpu.store import atomic_write
+
+        path = self.job_dir / FINAL_CHECKPOINT_FILE
+        if reason and not path.exists():
+            _log(f"the driver asks for a final checkpoint ({reason}); the ranks are told to checkpoint")
+            atomic_write(path, reason.encode())
 
     def stop_requested(self) -> bool:
         assert self.folder is not None

@@ -24,7 +24,9 @@ a gang on different nodes than the writers restores it by downloading it first.
 
 When the node is about to be reclaimed (a spot interruption notice, see
 ``runtime.preemption_requested()``), ``due`` says so on every rank at the same step,
-so the loop saves at once instead of losing the work since the last regular save.
+so the loop saves at once instead of losing the work since the last regular save. The
+driver's ask for a final checkpoint before it stops a job (its cost cap,
+``runtime.final_checkpoint_requested()``) is answered the same way.
 A rebalance recommendation (``runtime.rebalance_recommendation()``) is only a warning that the
 node may be reclaimed later, or never: ``on_rebalance=True`` makes it one early save too (once),
 by default it changes nothing.
@@ -170,14 +172,24 @@ class SealedSteps:
         self._flags = flag_group()
 
     def reclaim_due(self, step: int) -> bool:
-        """True once, at the first ``step`` where any rank's node has a reclaim notice (collective:
+        """True once, at the first ``step`` where any rank's node has a reclaim notice or the driver's ask
+        for a final checkpoint (collective:
         every rank calls it at every step, so all of them save at the same step); with
         ``on_rebalance``, also once at the first step where any rank's node has a rebalance
         recommendation."""
-        if self.preempted_at is None and self._any_rank(runtime.preemption_requested()):
+        # one collective for both: 2 where a node has a reclaim notice, 1 where the driver asked for a
+        # final checkpoint before it stops the job (its cost cap), 0 where neither
+        asked = 0 if self.preempted_at is not None else self._max_rank(
+            2 if runtime.preemption_requested() else 1 if runtime.final_checkpoint_requested() is not None else 0)
+        if asked == 2:
             self.preempted_at = step
             print(f"[sgpu] reclaim notice: saving a checkpoint at step {step} "
                   f"({runtime.preemption_notice() or 'on another node'})", flush=True)
+            return True
+        if asked == 1:
+            self.preempted_at = step  # the driver stops the job next: saved (and awaited) as on a reclaim
+            print(f"[sgpu] the driver asked for a final checkpoint: saving at step {step} "
+                  f"({runtime.final_checkpoint_requested() or 'on another node'})", flush=True)
             return True
         if (self.on_rebalance and self.rebalanced_at is None and self.preempted_at is None
                 and self._any_rank(runtime.rebalance_recommendation() is not None)):
@@ -189,14 +201,18 @@ class SealedSteps:
 
     def _any_rank(self, flag: bool) -> bool:
         """``flag`` on any rank, over a CPU (gloo) group: no device sync in the training loop."""
+        return bool(self._max_rank(1 if flag else 0))
+
+    def _max_rank(self, value: int) -> int:
+        """The largest ``value`` of any rank, over a CPU (gloo) group (collective)."""
         if not dist_ready():
-            return flag
+            return value
         import torch
         import torch.distributed as dist
 
-        box = torch.tensor([1 if flag else 0])
+        box = torch.tensor([value])
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._flags)
-        return bool(box.item())
+        return int(box.item())
 
     def clears(self) -> bool:
         """Does this rank clear and arrange step folders? One per folder: rank 0 for a shared folder,

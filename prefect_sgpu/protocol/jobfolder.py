@@ -186,10 +186,12 @@ class _Doc(BaseModel):
 
 
 class Heartbeat(_Doc):
-    """The driver is alive. Nodes watch ``seq`` change on their own clock (no skew)."""
+    """The driver is alive: nodes watch ``seq`` change on their own clock. ``checkpoint`` (written only when
+    set): why the ranks must save a final checkpoint now, as on a reclaim notice (a cost cap)."""
 
     seq: int
     time: float
+    checkpoint: str = ""
 
 
 class Stop(_Doc):
@@ -450,11 +452,11 @@ class JobFolder:
 
     # heartbeat and stop (driver -> nodes) --------------------------------------------
 
-    def beat(self) -> Heartbeat:
+    def beat(self, checkpoint: str = "") -> Heartbeat:
         with self._lock:
             self._beat_seq += 1
-            doc = Heartbeat(seq=self._beat_seq, time=time.time())
-        self._put_doc(HEARTBEAT, "heartbeat", doc)
+            doc = Heartbeat(seq=self._beat_seq, time=time.time(), checkpoint=checkpoint)
+        self._put(HEARTBEAT, "heartbeat", doc.model_dump_json(exclude_defaults=True).encode())
         return doc
 
     def heartbeat(self) -> Heartbeat | None:

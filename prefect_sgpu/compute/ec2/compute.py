@@ -252,6 +252,11 @@ class EC2InstanceCompute(RemoteNodeCompute):
                           job_role_path=roles.role_path(self.store.scope),
                           keep_warm=self.keep_warm, lease_id=lease)
 
+    def price_per_hour(self, request: Request) -> float | None:
+        """The plan's: the catalog's on-demand list price of its instance type, times its nodes (None
+        where the catalog has none)."""
+        return request.usd_per_hour if isinstance(request, EC2Request) else None
+
     def boot_timeout_s(self, instance_type: str) -> float:
         """The wait for the agents of ``instance_type`` from ``running``: the block's ``agent_timeout_s``
         when it was changed from its default, else the family's

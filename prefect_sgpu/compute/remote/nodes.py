@@ -539,6 +539,10 @@ class RemoteNodeCompute(Compute):
         # every node that reported (a warm lease needs all of them to serve another job)
         allocation.reported |= {n.index for n in allocation.nodes} - {n.index for n in left}
 
+    def running_cost(self, allocation: Allocation) -> dict[str, Any] | None:
+        """The machines' cost from their launch until now (the provider's ``cost``)."""
+        return allocation.cost(self.provisioner, allocation.instances, time.time())  # type: ignore[attr-defined]
+
     # -- giving back --------------------------------------------------------------------
 
     def release(self, allocation: Allocation) -> Released:
