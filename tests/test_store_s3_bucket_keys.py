@@ -1,6 +1,6 @@
-"""SSE-KMS with S3 Bucket Keys on every write of the store and of the node's stage: moto server behind the
+"""SSE-KMS with S3 Bucket Keys on every write of the store (driver, nodes, ranks): moto server behind the
 fault proxy, whose request record shows the headers each write carried (``AWSFaultProxy.s3_kms_writes``),
-through real boto3 clients and the stage's own signed requests."""
+through real boto3 clients; and the node stage's writes under the bucket's default."""
 
 from __future__ import annotations
 
@@ -66,34 +66,18 @@ def test_a_store_without_a_kms_key_writes_sse_s3_and_no_bucket_key(aws_env: Moto
     assert head["ServerSideEncryption"] == "AES256"
 
 
-def test_the_stage_writes_sse_kms_with_a_bucket_key_under_the_stores_key(aws_env: MotoAWS, aws_faults: AWSFaultProxy,
-                                                                        kms_bucket: tuple[str, str],
-                                                                        virtual_clock: Any) -> None:
+def test_the_stages_writes_take_the_buckets_default_encryption_with_its_bucket_key(
+        aws_env: MotoAWS, aws_faults: AWSFaultProxy, kms_bucket: tuple[str, str], virtual_clock: Any) -> None:
+    """The stage names no encryption (its code travels in the user-data, which has no room to spare): a
+    bucket that ``prefect-sgpu setup aws`` made encrypts its writes under the store's key with a Bucket Key."""
+    from prefect_sgpu.compute.ec2 import setup
+
     bucket, key = kms_bucket
-    transport = ec2_stage.S3StageTransport.from_args(
-        f"s3://{bucket}/jobs", [f"--region={aws_env.region}", f"--endpoint-url={aws_env.endpoint_url}",
-                                f"--store-kms-key={key}"])
+    setup.AWSSetup(f"s3://{bucket}/jobs", aws_env.region, session=aws_env.session(), endpoint_url=aws_env.endpoint_url,
+                   kms_key_id=key).bucket_steps()
+    transport = ec2_stage.S3StageTransport(f"s3://{bucket}/jobs", aws_env.region, aws_env.endpoint_url)
     transport.put("r1/setup/pack-i-1.json", b"{}", content_type="application/json")
-    upload = transport.start_upload(".environments/packages-x/pack.tar.zst")
-    part = transport.put_part(".environments/packages-x/pack.tar.zst", upload, 1, b"p" * 1024)
-    transport.finish_upload(".environments/packages-x/pack.tar.zst", upload, [part])
-
-    writes = aws_faults.s3_kms_writes()
-    assert [(path.rsplit("/", 1)[-1], asked) for path, asked in writes] == \
-        [("pack-i-1.json", True), ("pack.tar.zst", True)], "the PUT and the upload's start; never a part"
+    assert aws_faults.s3_kms_writes() == []  # asked nothing: the bucket's default applies
     head = aws_env.client("s3").head_object(Bucket=bucket, Key="jobs/r1/setup/pack-i-1.json")
-    assert (head["ServerSideEncryption"], head.get("BucketKeyEnabled")) == ("aws:kms", True)
-    assert aws_env.client("s3").get_object(Bucket=bucket, Key="jobs/.environments/packages-x/pack.tar.zst")[
-        "Body"].read() == b"p" * 1024
-
-
-def test_the_user_data_hands_the_stores_kms_key_to_the_stage() -> None:
-    from prefect_sgpu.environment import ship
-
-    _, runs = ship.stage_lines("python3", "a" * 64, "b" * 64, "s3://b/jobs", "r1", "us-east-1", None, None,
-                               transport="ec2_stage", kms_key_id="1234abcd")
-    stage_args = runs.split(" -- ")[0] if " -- " in runs else runs
-    assert "--store-kms-key=1234abcd" in stage_args
-    _, plain = ship.stage_lines("python3", "a" * 64, "b" * 64, "s3://b/jobs", "r1", "us-east-1", None, None,
-                                transport="ec2_stage")
-    assert "--store-kms-key" not in plain
+    assert (head["ServerSideEncryption"], head["SSEKMSKeyId"].endswith(key), head.get("BucketKeyEnabled")) == \
+        ("aws:kms", True, True)

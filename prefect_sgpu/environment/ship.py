@@ -312,11 +312,10 @@ def _stage_source(transport: str) -> str:
 
 def stage_lines(python: str, digest: str, manifest_sha: str, store_uri: str, run_id: str, region: str,
                 endpoint_url: str | None, bucket_owner: str | None, packs: list[str] | tuple[str, ...] = (),
-                offer_pack: bool = False, *, transport: str, kms_key_id: str | None = None) -> tuple[list[str], str]:
+                offer_pack: bool = False, *, transport: str) -> tuple[list[str], str]:
     """User-data lines that write the stage out, and the shell words that run it (the bootstrap's
     own arguments, without its Python, follow them). ``transport``: the module under ``launch/`` of the
-    stage's transport to the store (:class:`prefect_sgpu.launch.node_env.Transport`), carried beside it.
-    ``kms_key_id``: the store's KMS key, which the stage's writes (packs, setup logs) are encrypted under."""
+    stage's transport to the store (:class:`prefect_sgpu.launch.node_env.Transport`), carried beside it."""
     unpack = ("import base64,json,os,sys,zlib;[open(os.path.join(sys.argv[1],n),'w').write(t) for n,t in "
               "json.loads(zlib.decompress(base64.b85decode(sys.argv[2]))).items()]")
     lines = [
@@ -330,8 +329,6 @@ def stage_lines(python: str, digest: str, manifest_sha: str, store_uri: str, run
         args.append(f"--endpoint-url={endpoint_url}")
     if bucket_owner:
         args.append(f"--bucket-owner={bucket_owner}")
-    if kms_key_id:
-        args.append(f"--store-kms-key={kms_key_id}")
     args += [f"--pack={value}" for value in packs]
     if offer_pack:
         args.append("--offer-pack")

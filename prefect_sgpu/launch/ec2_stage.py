@@ -13,8 +13,7 @@ own folder; it imports nothing of prefect-sgpu.
   waited for while IMDS does not serve them yet (an instance profile propagates for up to ~2 minutes
   after launch) and re-read before they expire (a long environment build outlives one set).
 - **Signature V4** (:func:`signed`) for S3's REST API and SSM's JSON API.
-- **S3**: GET, PUT, ranged GET and the steps of a multipart upload of one bucket's objects; with the
-  store's KMS key, every object written is SSE-KMS under it with an S3 Bucket Key, as the driver's are.
+- **S3**: GET, PUT, ranged GET and the steps of a multipart upload of one bucket's objects.
 - **SSM**: a SecureString's value (GetParameter WithDecryption).
 
 Every request to AWS is retried by :func:`prefect_sgpu.retry.retrying` (carried beside this file on a
@@ -312,14 +311,20 @@ class _Fixed(Credentials):
 class S3StageTransport:
     """The stage's transport (:mod:`prefect_sgpu.launch.node_env`) for an ``s3://bucket/prefix`` store:
     its objects (keys relative to the store's root), SSM for secrets, IMDSv2 for the node itself.
-    Every request is signed (SigV4) with the node's credentials."""
+    Every request is signed (SigV4) with the node's credentials. Objects it writes take the bucket's default
+    encryption (``prefect-sgpu setup aws``: SSE-KMS under the store's key, or SSE-S3, with S3 Bucket Keys):
+    naming the key here would cost the user-data's room."""
+
+    #: where the Deep Learning AMIs mount the instance's NVMe instance store (g5, g6, p4d, p5; AWS Deep
+    #: Learning AMI release notes, "AWS Deep Learning Base GPU AMI": "Amazon EC2 instance store ... mounted
+    #: at /opt/dlami/nvme"): the stage builds there when the mount table lists it (node_env.use_disk)
+    DISK_MOUNTS = ("/opt/dlami/nvme",)
 
     def __init__(self, store_uri: str, region: str, endpoint_url: str | None = None,
-                 bucket_owner: str | None = None, kms_key_id: str | None = None) -> None:
+                 bucket_owner: str | None = None) -> None:
         bucket, _, prefix = store_uri[len("s3://"):].partition("/")
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.region, self.endpoint_url, self.owner = region, endpoint_url, bucket_owner
-        self.kms_key_id = kms_key_id or None
         self.bucket_region = region
         self._address(region)
         self.credentials = Credentials()
@@ -352,15 +357,13 @@ class S3StageTransport:
 
     @classmethod
     def from_args(cls, store_uri: str, argv: list[str]) -> "S3StageTransport":
-        """From the stage's own arguments that are AWS's: ``--region``, ``--endpoint-url``, ``--bucket-owner``,
-        ``--store-kms-key``."""
+        """From the stage's own arguments that are AWS's: ``--region``, ``--endpoint-url``, ``--bucket-owner``."""
         p = argparse.ArgumentParser(prog="prefect-sgpu-node-env (s3)")
         p.add_argument("--region", required=True)
         p.add_argument("--endpoint-url", default=None)
         p.add_argument("--bucket-owner", default=None)
-        p.add_argument("--store-kms-key", default=None)
         args = p.parse_args(argv)
-        return cls(store_uri, args.region, args.endpoint_url, args.bucket_owner, args.store_kms_key)
+        return cls(store_uri, args.region, args.endpoint_url, args.bucket_owner)
 
     @property
     def root_uri(self) -> str:
@@ -396,25 +399,13 @@ class S3StageTransport:
         """Bytes ``start .. end`` (inclusive) of an object."""
         return self._send("s3:GetObject", "GET", key, headers={"range": f"bytes={start}-{end}"}, timeout=300)[0]
 
-    def encryption(self) -> dict[str, str]:
-        """The headers of an object's first write (PUT, or a multipart upload's start; never a part's):
-        SSE-KMS under the store's key with an S3 Bucket Key, which spares S3 a KMS request per object
-        (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucket-key.html); without a key, none
-        (the bucket's default encryption applies)."""
-        if not self.kms_key_id:
-            return {}
-        return {"x-amz-server-side-encryption": "aws:kms",
-                "x-amz-server-side-encryption-aws-kms-key-id": self.kms_key_id,
-                "x-amz-server-side-encryption-bucket-key-enabled": "true"}
-
     def put(self, key: str, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-        self._send("s3:PutObject", "PUT", key, body, headers={"content-type": content_type, **self.encryption()})
+        self._send("s3:PutObject", "PUT", key, body, headers={"content-type": content_type})
 
     def start_upload(self, key: str) -> str:
         """A multipart upload of ``key`` (S3 takes at most 5 GB in one PUT): its id."""
         found = re.search(rb"<UploadId>([^<]+)</UploadId>", self._send("s3:PutObject", "POST", key,
-                                                                        query={"uploads": ""},
-                                                                        headers=self.encryption())[0])
+                                                                        query={"uploads": ""})[0])
         if found is None:
             raise TransportError(f"no upload id for {key}")
         return found.group(1).decode()

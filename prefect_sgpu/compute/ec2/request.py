@@ -376,7 +376,7 @@ def render_user_data(
         manifest = environment_ship.manifest_sha256(environment)
         stage, runs = environment_ship.stage_lines(python, environment.digest, manifest, store_uri, run_id, region,
                                                    endpoint_url, bucket_owner, packs, offer_pack,
-                                                   transport="ec2_stage", kms_key_id=kms_key_id)
+                                                   transport="ec2_stage")
         lines += [*stage, f'{runs} {shlex.join(argv[1:])} --backstop-marker="$marker"']
     else:
         lines.append(shlex.join(argv) + ' --backstop-marker="$marker"')
