@@ -220,13 +220,10 @@ ON_DISK = {ENV_ROOT_ENV: "envs", "UV_CACHE_DIR": "uv-cache", "TMPDIR": "tmp"}
 
 
 def use_disk(mount_points, table="/proc/self/mounts"):
-    """Build, cache and scratch on the node's fast local disk when it has one: :data:`DISK_ENV`'s folder
-    when set, else the first of ``mount_points`` (the transport's ``DISK_MOUNTS``: where its cloud's images
-    mount instance store) that the mount table ``table`` lists, so a plain folder of the root volume is never
-    taken for one. What :data:`ON_DISK` names and the image left unset points at a folder under
-    ``<disk>/prefect-sgpu`` in this process's environment, which the bootstrap inherits. No such disk, or
-    one this process may not write: nothing changes (the root volume serves, as before).
-    (Terse: this module travels in the user-data, whose 16 KiB it shares.)"""
+    """Build, cache and scratch on the node's fast disk: :data:`DISK_ENV`'s folder, else the first of
+    ``mount_points`` (the transport's ``DISK_MOUNTS``) the mount table ``table`` lists (a plain folder of the
+    root volume is never one). What :data:`ON_DISK` names and the image left unset goes under
+    ``<disk>/prefect-sgpu``, in the environment the bootstrap inherits. Terse: it travels in the user-data."""
     disk = os.environ.get(DISK_ENV)
     if disk is None:
         table = Path(table).read_text() if os.path.exists(table) else ""
