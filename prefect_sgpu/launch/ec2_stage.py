@@ -311,7 +311,14 @@ class _Fixed(Credentials):
 class S3StageTransport:
     """The stage's transport (:mod:`prefect_sgpu.launch.node_env`) for an ``s3://bucket/prefix`` store:
     its objects (keys relative to the store's root), SSM for secrets, IMDSv2 for the node itself.
-    Every request is signed (SigV4) with the node's credentials."""
+    Every request is signed (SigV4) with the node's credentials. Objects it writes take the bucket's default
+    encryption (``prefect-sgpu setup aws``: SSE-KMS under the store's key, or SSE-S3, with S3 Bucket Keys):
+    naming the key here would cost the user-data's room."""
+
+    #: where the Deep Learning AMIs mount the instance's NVMe instance store (g5, g6, p4d, p5; AWS Deep
+    #: Learning AMI release notes, "AWS Deep Learning Base GPU AMI": "Amazon EC2 instance store ... mounted
+    #: at /opt/dlami/nvme"): the stage builds there when the mount table lists it (node_env.use_disk)
+    DISK_MOUNTS = ("/opt/dlami/nvme",)
 
     def __init__(self, store_uri: str, region: str, endpoint_url: str | None = None,
                  bucket_owner: str | None = None) -> None:

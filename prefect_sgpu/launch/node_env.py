@@ -212,6 +212,27 @@ def run(step: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         raise SetupError(step, "\n".join(done.stdout.strip().splitlines()[-30:]))
 
 
+#: the folder of a fast local disk (an instance store) the node uses as it is; empty: none is looked for
+DISK_ENV = "PREFECT_SGPU_FAST_DISK"
+#: what moves to a fast disk, each only where the image set nothing: the environments' root, uv's cache, and
+#: the temp folder of the stage, uv and (inherited by the bootstrap) every job's scratch
+ON_DISK = {ENV_ROOT_ENV: "envs", "UV_CACHE_DIR": "uv-cache", "TMPDIR": "tmp"}
+
+
+def use_disk(mount_points, table="/proc/self/mounts"):
+    """Build, cache and scratch on the node's fast disk: :data:`DISK_ENV`'s folder, else the first of
+    ``mount_points`` (the transport's ``DISK_MOUNTS``) the mount table ``table`` lists (a plain folder of the
+    root volume is never one). What :data:`ON_DISK` names and the image left unset goes under
+    ``<disk>/prefect-sgpu``, in the environment the bootstrap inherits. Terse: it travels in the user-data."""
+    disk = os.environ.get(DISK_ENV)
+    if disk is None:
+        table = Path(table).read_text() if os.path.exists(table) else ""
+        disk = next((p for p in mount_points if f" {p} " in table), "")
+    if disk and os.access(disk, os.W_OK):
+        for name, sub in ON_DISK.items():
+            os.makedirs(os.environ.setdefault(name, os.path.join(disk, "prefect-sgpu", sub)), exist_ok=True)
+
+
 def env_root() -> Path:
     given = os.environ.get(ENV_ROOT_ENV)
     candidates = [given] if given else list(DEFAULT_ROOTS)
@@ -533,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         store = load_transport(module, args.store, transport_args)
+        use_disk(getattr(store, "DISK_MOUNTS", ()))  # before anything is built, cached or unpacked
         manifest = check_manifest(read(store, f"{base}/manifest-{args.manifest}.json"), args.manifest)
         if manifest["digest"] != args.environment:
             raise SetupError("checking the manifest", f"it describes {manifest['digest']}, the user-data names "

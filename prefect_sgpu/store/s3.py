@@ -32,6 +32,10 @@ MULTIPART_BYTES = 64 * 1024 * 1024
 #: the store's KMS key and expected bucket owner, as nodes and ranks get them (:meth:`S3Store.env`)
 KMS_ENV = "SGPU_STORE_KMS_KEY"
 OWNER_ENV = "SGPU_STORE_BUCKET_OWNER"
+#: the write argument boto3's managed transfers refuse (s3transfer's ALLOWED_UPLOAD_ARGS lacks it:
+#: https://github.com/boto/s3transfer/issues/355 "Support BucketKeyEnabled for upload_file"); they get it
+#: from :func:`with_bucket_keys`' event handler instead
+BUCKET_KEY = "BucketKeyEnabled"
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -55,6 +59,32 @@ def http_date(value: str, whose: str) -> float:
     if not found:
         raise SGPUError(f"{whose} answered without a Date header ({value!r}): its clock cannot be read")
     return min(found)
+
+
+def _bucket_key(params: dict[str, Any], **_: Any) -> None:
+    """An SSE-KMS write without a word on S3 Bucket Keys gets one (botocore's parameter-build event)."""
+    if params.get("ServerSideEncryption") == "aws:kms":
+        params.setdefault(BUCKET_KEY, True)
+
+
+def with_bucket_keys(client: Any) -> None:
+    """Every SSE-KMS ``PutObject`` and ``CreateMultipartUpload`` of ``client`` asks for an S3 Bucket Key,
+    including those of boto3's managed transfers, which refuse ``BucketKeyEnabled`` among their extra
+    arguments. Without a Bucket Key S3 asks KMS for a data key for every object written and read (billed
+    per request, and throttled at the account's KMS request quota); with one, once per bucket key's life
+    (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucket-key.html, "Reducing the cost of SSE-KMS
+    with Amazon S3 Bucket Keys"). Registering again changes nothing."""
+    for operation in ("PutObject", "CreateMultipartUpload"):
+        client.meta.events.register(f"before-parameter-build.s3.{operation}", _bucket_key,
+                                    unique_id=f"prefect-sgpu-bucket-key-{operation}")
+
+
+def transfer_args(client: Any, write_args: dict[str, Any]) -> dict[str, Any]:
+    """``write_args`` as boto3's managed transfers take them: without ``BucketKeyEnabled``, which
+    ``client`` then adds to the transfer's own requests (:func:`with_bucket_keys`)."""
+    if write_args.get(BUCKET_KEY):
+        with_bucket_keys(client)
+    return {k: v for k, v in write_args.items() if k != BUCKET_KEY}
 
 
 def read_object(client: Any, **request: Any) -> tuple[dict[str, Any], bytes]:
@@ -125,10 +155,11 @@ class S3Store(Store):
     def owner_args(self) -> dict[str, str]:
         return {"ExpectedBucketOwner": self.bucket_owner} if self.bucket_owner else {}
 
-    def write_args(self) -> dict[str, str]:
-        """Extra arguments of every write: server-side encryption and the expected bucket owner."""
-        sse = ({"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": self.kms_key_id} if self.kms_key_id
-               else {"ServerSideEncryption": "AES256"})
+    def write_args(self) -> dict[str, Any]:
+        """Extra arguments of every write: server-side encryption (SSE-KMS with an S3 Bucket Key: see
+        :func:`with_bucket_keys`) and the expected bucket owner."""
+        sse: dict[str, Any] = ({"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": self.kms_key_id, BUCKET_KEY: True}
+                               if self.kms_key_id else {"ServerSideEncryption": "AES256"})
         return {**sse, **self.owner_args()}
 
     def runs(self) -> list[str]:
@@ -180,7 +211,7 @@ class S3Store(Store):
             config = TransferConfig(multipart_threshold=MULTIPART_BYTES,
                                     multipart_chunksize=max(MULTIPART_BYTES // 4, 5 * 1024 * 1024))
             self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(run_id, key),
-                                       ExtraArgs=self.write_args(), Config=config)
+                                       ExtraArgs=transfer_args(self.client, self.write_args()), Config=config)
             return
         self.client.put_object(Bucket=self.bucket, Key=self._key(run_id, key), Body=data, **self.write_args())
 
@@ -393,7 +424,7 @@ class S3Objects(Objects):
     """The objects under ``s3://bucket/prefix``, by key relative to it, each call with ``write_args``
     (encryption) or ``owner_args`` (the expected bucket owner) as the store that opened it adds them."""
 
-    def __init__(self, client: Any, bucket: str, prefix: str, write_args: dict[str, str] | None = None,
+    def __init__(self, client: Any, bucket: str, prefix: str, write_args: dict[str, Any] | None = None,
                  owner_args: dict[str, str] | None = None) -> None:
         self.client = client
         self.bucket = bucket
@@ -445,7 +476,8 @@ class S3Objects(Objects):
 
     def upload(self, key: str, path: Path) -> None:
         """boto3's managed transfer: a large file goes up in parts, side by side."""
-        self.client.upload_file(str(path), self.bucket, self._key(key), ExtraArgs=self.write_args or None)
+        self.client.upload_file(str(path), self.bucket, self._key(key),
+                                ExtraArgs=transfer_args(self.client, self.write_args) or None)
 
     def download(self, key: str, path: Path) -> None:
         self.client.download_file(self.bucket, self._key(key), str(path), ExtraArgs=self.owner_args or None)

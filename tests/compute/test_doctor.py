@@ -58,7 +58,7 @@ def test_an_account_ready_for_a_first_job_passes_every_check(
     code, checks = _doctor(capsys, aws_env, "--store", store, "--ami-id", aws_env.image_id(), "--gpu-type", "A10",
                            "--gpus", "2")
     assert {name: c["status"] for name, c in checks.items()} == {
-        "credentials": "ok", "region": "ok", "store": "ok", "image": "ok", "instances": "ok", "GPU quota": "ok",
+        "credentials": "ok", "region": "ok", "store": "ok", "store lifecycle": "warn", "image": "ok", "instances": "ok", "GPU quota": "ok",
         "driver policy": "ok", "security group": "skip", "EBS key": "ok", "subnet addresses": "skip",
         "subnet egress": "skip", "shared profile": "skip", "job role key": "skip", "launch (dry run)": "ok"}, checks
     assert code == 0

@@ -906,8 +906,8 @@ def _write_a_checkpoint_file() -> int:
 
 
 def test_every_store_object_is_kms_encrypted_and_every_s3_call_names_the_bucket_owner(ec2: EC2Env) -> None:
-    """Driver, bootstraps and ranks all write the store with SSE-KMS under the block's key, and
-    every S3 request of the job carries ExpectedBucketOwner."""
+    """Driver, bootstraps and ranks all write the store with SSE-KMS under the block's key and an S3
+    Bucket Key, and every S3 request of the job carries ExpectedBucketOwner."""
     assert ec2.proxy is not None
     kms = ec2.aws.client("kms").create_key(Description="sgpu store")["KeyMetadata"]["KeyId"]
     owner = ec2.aws.client("sts").get_caller_identity()["Account"]
@@ -927,6 +927,8 @@ def test_every_store_object_is_kms_encrypted_and_every_s3_call_names_the_bucket_
     for key in keys:
         head = s3.head_object(Bucket=ec2.bucket, Key=key)
         assert (head.get("ServerSideEncryption"), kms in head.get("SSEKMSKeyId", "")) == ("aws:kms", True), key
+    asked = ec2.proxy.s3_kms_writes()  # each SSE-KMS write of driver, bootstraps and ranks: with a Bucket Key
+    assert asked and [path for path, bucket_key in asked if not bucket_key] == [], asked
     assert rest and all(r.params.get("x-amz-expected-bucket-owner") == owner for r in rest), \
         {tuple(sorted(r.params)) for r in rest if r.params.get("x-amz-expected-bucket-owner") != owner}
     with pytest.raises(SGPUConfigError, match="bucket_owner"):

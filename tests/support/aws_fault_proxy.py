@@ -462,6 +462,24 @@ class AWSFaultProxy:
             counts[kind] = counts.get(kind, 0) + 1
         return counts
 
+    def s3_kms_writes(self) -> list[tuple[str, bool]]:
+        """``(path, bucket key asked)`` of each SSE-KMS object write recorded (a PUT of an object, a multipart
+        upload's start; a part carries no encryption headers). A write without a Bucket Key costs a KMS
+        request for its object, and so does every read of that object; with one, S3 asks KMS once per
+        bucket key's life (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucket-key.html, "Reducing
+        the cost of SSE-KMS with Amazon S3 Bucket Keys"): the meter of what the store's encryption bills."""
+        with self._lock:
+            records = [r for r in self.requests if r.service == "rest" and r.method in ("PUT", "POST")]
+        found = []
+        for r in records:
+            query = r.path.partition("?")[2]
+            first_write = (r.method == "PUT" and "partNumber=" not in query) or \
+                (r.method == "POST" and re.search(r"(^|&)uploads(=|&|$)", query) is not None)
+            if first_write and r.params.get("x-amz-server-side-encryption") == "aws:kms":
+                asked = r.params.get("x-amz-server-side-encryption-bucket-key-enabled", "").lower() == "true"
+                found.append((r.path.partition("?")[0], asked))
+        return found
+
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
 

@@ -259,6 +259,11 @@ class EC2Simulator:
         self.credentials_late_s = 0.0
         #: how much faster than real time the nodes' retry helper and their IMDS count (1: real time)
         self.clock_scale = 1.0
+        #: instance types whose nodes have NVMe instance store, mounted where the Deep Learning AMIs mount it
+        #: (/opt/dlami/nvme on g5, g6, p4d, p5; AWS Deep Learning AMI release notes, "AWS Deep Learning Base
+        #: GPU AMI"): a folder of the node's own stands in for it, named by PREFECT_SGPU_FAST_DISK (this
+        #: machine's /opt is not the node's), and the image names no environments' root. None by default.
+        self.instance_store_types: set[str] = set()
         self._seen: dict[str, float] = {}
 
     # -- lifecycle ----------------------------------------------------------------
@@ -361,6 +366,10 @@ class EC2Simulator:
                 env.pop(name, None)
             else:
                 env[name] = value
+        if inst.get("InstanceType") in self.instance_store_types:
+            (home / "opt-dlami-nvme").mkdir(exist_ok=True)
+            env["PREFECT_SGPU_FAST_DISK"] = str(home / "opt-dlami-nvme")
+            env.pop("PREFECT_SGPU_ENV_ROOT", None)
         if role_credentials:  # the instance profile's role, from IMDS, as on EC2: no keys in the environment
             for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
                 env.pop(name, None)

@@ -39,6 +39,11 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 ACCOUNT = "123456789012"  # moto's default account
+#: a bucket's sub-resources whose IAM action is not ``s3:GetBucket<Name>`` (Service Authorization Reference,
+#: "Actions, resources, and condition keys for Amazon S3": GetBucketLifecycleConfiguration needs
+#: s3:GetLifecycleConfiguration, PutBucketLifecycleConfiguration s3:PutLifecycleConfiguration)
+BUCKET_SUBRESOURCE_ACTIONS = {("GET", "lifecycle"): "s3:GetLifecycleConfiguration",
+                              ("PUT", "lifecycle"): "s3:PutLifecycleConfiguration"}
 
 
 @dataclass
@@ -429,6 +434,9 @@ class IAMGate:
         bucket, _, key = unquote(parts.path).lstrip("/").partition("/")
         bucket_arn = f"arn:aws:s3:::{bucket}"
         if not key:
+            named = BUCKET_SUBRESOURCE_ACTIONS.get((method, next(iter(query), "")))
+            if named:
+                return [(named, bucket_arn, {})]
             if method == "POST" and "delete" in query:
                 keys = [el.text or "" for el in ET.fromstring(body).iter() if el.tag.endswith("Key")]
                 return [("s3:DeleteObject", f"{bucket_arn}/{k}", {}) for k in keys]

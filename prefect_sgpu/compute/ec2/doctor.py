@@ -9,6 +9,8 @@ deleted at once) and says ``ok``, ``warn``, ``fail`` or ``skip`` with the reason
   under the store's prefix; a bucket in another region fails when the nodes build the job's
   environment from the store (``environment`` mode ``driver``, the default: every node downloads the
   packages and files across regions on every cold boot), and warns otherwise;
+- **store lifecycle**: a lifecycle rule of the bucket aborts the store's incomplete multipart uploads
+  (a warning with the fix when none does);
 - **image**: the AMI (``ami_id``, or the one ``ami_ssm_parameter`` names) resolves and is available;
 - **instances**: the instance type of ``--gpu-type``/``--gpus``/``--nodes`` is offered in the region
   (and in the configured subnets' zones);
@@ -88,10 +90,10 @@ class Doctor(AccountChecks):
     def run(self, wanted: Wanted) -> list[Check]:
         checks = [self.credentials()]
         if self.identity is None:
-            rest = ("region", "store", "image", "instances", "GPU quota", "driver policy", "security group",
+            rest = ("region", "store", "store lifecycle", "image", "instances", "GPU quota", "driver policy", "security group",
                     "EBS key", "subnet addresses", "subnet egress", "shared profile", "job role key", "launch (dry run)")
             return checks + [Check(name, "skip", "needs credentials") for name in rest]
-        checks += [self.region(), self.store(), self.image(), *self.instances(wanted), self.driver_policy()]
+        checks += [self.region(), self.store(), self.store_lifecycle(), self.image(), *self.instances(wanted), self.driver_policy()]
         checks += self.launch_checks(wanted.instance_type, wanted.nodes)
         return checks
 

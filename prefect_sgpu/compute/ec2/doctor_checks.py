@@ -16,6 +16,11 @@ fail inside a node: each reads the account, launches nothing, and says what to f
   (``iam:PassRole`` with ``iam:PassedToService``);
 - **job role key** (``job_roles`` without ``kms_key_id``): a job role under the configured boundary may
   decrypt its SSM SecureString through SSM under the account's ``aws/ssm`` key;
+- **store lifecycle**: the store's bucket has an enabled lifecycle rule that aborts incomplete multipart
+  uploads for the store's prefix (or the whole bucket); without one, the parts of an upload a reclaim or a
+  crash cut off (a pack, a checkpoint, a large result) stay billed, unseen by any listing of objects, until
+  someone aborts it (https://docs.aws.amazon.com/AmazonS3/latest/userguide/mpu-abort-incomplete-mpu-lifecycle-config.html,
+  "Configuring a bucket lifecycle configuration to delete incomplete multipart uploads");
 - **launch (dry run)**: the first attempt of a launch as rendered, sent with ``DryRun=True``
   (``DryRunOperation`` is success); an ``UnauthorizedOperation`` is decoded with
   ``sts:DecodeAuthorizationMessage`` where the driver may.
@@ -60,6 +65,27 @@ def addresses_per_node(instance_type: str) -> int:
     """Private addresses one node takes in its subnet: one per network interface the request gives it."""
     known = catalog.instance_type_by_name(instance_type)
     return max(1, known.efa_interfaces if known else 0)
+
+
+def abort_rule_for(rules: list[dict[str, Any]], prefix: str) -> dict[str, Any] | None:
+    """The first enabled rule of a bucket's lifecycle ``rules`` that aborts incomplete multipart uploads
+    of every key under ``prefix`` (a prefix ending in "/", or "" for the whole bucket), else None.
+    A rule covers the prefix when its own prefix (``Filter.Prefix``, ``Filter.And.Prefix`` or the
+    older top-level ``Prefix``; none: the whole bucket) starts it, and it filters by nothing else
+    (a tag or size filter leaves uploads out: an upload has no tags until it completes)."""
+    for rule in rules:
+        if rule.get("Status") != "Enabled" or not rule.get("AbortIncompleteMultipartUpload"):
+            continue
+        found = rule.get("Filter")
+        if found is None:
+            found = {"Prefix": rule.get("Prefix", "")}
+        conditions = dict(found.get("And") or found)
+        rule_prefix = conditions.pop("Prefix", "") or ""
+        if any(v not in (None, "", [], {}) for v in conditions.values()):
+            continue
+        if prefix.startswith(rule_prefix):
+            return rule
+    return None
 
 
 def self_rule(permissions: list[dict[str, Any]], group_id: str) -> bool:
@@ -332,6 +358,41 @@ class AccountChecks:
                              "profile its role")
             return Check("launch (dry run)", "fail", f"{shape}: {code}: {message}", "see docs/troubleshooting.md")
         return Check("launch (dry run)", "warn", f"{shape}: EC2 answered a dry run without DryRunOperation")
+
+    def store_lifecycle(self) -> Check:
+        """A warning, with the fix, when the store's bucket has no rule aborting its incomplete uploads."""
+        from prefect_sgpu.aws import error_code
+        from prefect_sgpu.compute.ec2.roles import s3_location
+        from prefect_sgpu.compute.ec2.setup import LIFECYCLE_RULE_ID
+
+        s = self.settings
+        if not s.store_uri:
+            return Check("store lifecycle", "skip", "needs store_uri")
+        bucket, prefix = s3_location(s.store_uri)
+        where = f"s3://{bucket}/{prefix}"
+        rule = {"ID": LIFECYCLE_RULE_ID, "Status": "Enabled", "Filter": {"Prefix": prefix},
+                "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 7}}
+        fix = (f"prefect-sgpu setup aws --store {s.store_uri.rstrip('/')} --region {s.region} adds the rule and keeps "
+               f"the bucket's others; or add this rule to the bucket's lifecycle configuration ("
+               f"put-bucket-lifecycle-configuration replaces every rule: include the ones it has): "
+               f"{json.dumps(rule)}")
+        try:
+            rules = self.client("s3").get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", [])
+        except Exception as exc:  # noqa: BLE001
+            if error_code(exc) != "NoSuchLifecycleConfiguration":
+                return Check("store lifecycle", "warn", f"s3://{bucket}: the lifecycle rules could not be read: "
+                             f"{error_text(exc)}", "allow s3:GetLifecycleConfiguration on the bucket (the shipped "
+                             "doctor policy grants it)")
+            rules = []
+        found = abort_rule_for(rules, prefix)
+        if found is None:
+            have = f"{len(rules)} lifecycle rule(s), none" if rules else "no lifecycle rule"
+            return Check("store lifecycle", "warn", f"s3://{bucket} has {have} aborting incomplete multipart uploads "
+                         f"under {where}: the parts of an upload a reclaim cut off (a pack, a checkpoint) are "
+                         "billed until someone aborts it", fix)
+        days = found["AbortIncompleteMultipartUpload"].get("DaysAfterInitiation")
+        return Check("store lifecycle", "ok", f"rule {found.get('ID') or '(no ID)'} aborts multipart uploads under "
+                     f"{where} left incomplete {days} day(s)")
 
     def image_of(self) -> tuple[str, str]:  # pragma: no cover - the Doctor's
         raise NotImplementedError

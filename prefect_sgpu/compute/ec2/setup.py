@@ -16,7 +16,8 @@ For one store (``s3://bucket/prefix``) in one region, in the order the later ste
 
 Each step reads first and writes only what differs: a second run makes no write. A managed policy
 whose default version differs from the rendered document gets a new default version (the oldest
-non-default version is deleted when IAM's five are in use). A bucket rule of another ID is kept.
+non-default version is deleted when IAM's five are in use). A bucket rule of another ID is kept, and so is
+the abort rule of another store prefix of the same bucket (each prefix has its own).
 The managed policies' descriptions name their store: a policy of the same name made for another
 store is never replaced (a second store of one account takes ``name_suffix``).
 With ``dry_run`` no call is made: every call a first run on an empty account makes is listed.
@@ -24,6 +25,7 @@ With ``dry_run`` no call is made: every call a first run on an empty account mak
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -193,16 +195,21 @@ class AWSSetup:
                        f"{sse['SSEAlgorithm']} with Bucket Keys")
         found = self._read("s3", "get_bucket_lifecycle_configuration", Bucket=b)
         rules = list((found or {}).get("Rules", []))
-        ours = {"ID": LIFECYCLE_RULE_ID, "Status": "Enabled", "Filter": {"Prefix": self.prefix},
+        # one rule per store prefix: a second store of the bucket gets a rule of its own beside the first's
+        mine = next((r for r in rules if str(r.get("ID", "")).startswith(LIFECYCLE_RULE_ID)
+                     and r.get("Filter", {}).get("Prefix", r.get("Prefix", "")) == self.prefix), None)
+        rule_id = mine["ID"] if mine is not None else LIFECYCLE_RULE_ID if not any(
+            r.get("ID") == LIFECYCLE_RULE_ID for r in rules) else \
+            f"{LIFECYCLE_RULE_ID}-{hashlib.sha256(self.prefix.encode()).hexdigest()[:12]}"
+        ours = {"ID": rule_id, "Status": "Enabled", "Filter": {"Prefix": self.prefix},
                 "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": self.days}}
-        mine = next((r for r in rules if r.get("ID") == LIFECYCLE_RULE_ID), None)
         detail = f"abort multipart uploads under s3://{b}/{self.prefix} left incomplete {self.days} day(s)"
         if mine is not None and mine.get("Status") == "Enabled" and mine.get("Filter", {}).get(
                 "Prefix", "") == self.prefix and mine.get("AbortIncompleteMultipartUpload") == {
                 "DaysAfterInitiation": self.days}:
             self._step("bucket lifecycle", "unchanged", detail)
             return
-        others = [r for r in rules if r.get("ID") != LIFECYCLE_RULE_ID]
+        others = [r for r in rules if r is not mine]
         self._call("s3", "put_bucket_lifecycle_configuration", Bucket=b,
                    LifecycleConfiguration={"Rules": [*others, ours]})
         self._step("bucket lifecycle", "updated" if mine else "created", detail)
