@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 
@@ -149,3 +150,52 @@ def test_a_local_distributed_result_carries_its_phases_in_order() -> None:
     assert all(p.gang == 0 for p in result.timeline) and result.timeline[0].phase == "launch requested"
     assert 0 <= result.timeline[0].seconds < result.timeline[-1].seconds <= result.duration_s + 5
     assert {p.phase for p in result.timeline} <= set(timeline.PHASES)
+
+
+class _Running:
+    """Machines that all run (the provider's part of the wait for agents)."""
+
+    dead_states = ("terminated",)
+
+    def instance_states(self, ids: list[str]) -> dict[str, str]:
+        return {i: "running" for i in ids}
+
+
+def test_environment_ready_is_a_phase_of_machines_booted_for_the_job_only(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from prefect_sgpu.compute.remote.allocation import RemoteRequest
+    from prefect_sgpu.compute.remote.nodes import RemoteNodeCompute
+    from prefect_sgpu.protocol.jobfolder import Alive, JobFolder, new_key
+    from prefect_sgpu.protocol.versions import runtime_versions
+    from prefect_sgpu.spec import Plan
+
+    store = LocalStore(tmp_path)
+    folder = JobFolder(store, "run-e", new_key())
+    class Compute(RemoteNodeCompute):
+        name = "fake"
+
+        def plan(self, spec, run_id):  # type: ignore[no-untyped-def]
+            raise NotImplementedError
+
+    compute = Compute(_Running(), store)
+    spec = spec_mod.merge(spec_mod.layer("call", gpus=2, mlflow=False))
+    request = RemoteRequest(run_id="run-e", compute="fake", plan=Plan(nodes=2, procs_per_node=1, device="cpu"),
+                            spec=spec, heartbeat_ttl_s=60.0)
+    allocation = compute._new_allocation(request, folder)
+    allocation.instances = [SimpleNamespace(id="m-0", private_ip="10.0.0.1"),
+                            SimpleNamespace(id="m-1", private_ip="10.0.0.2")]
+    booted = {0: allocation.started + 1.5, 1: allocation.started - 300.0}  # node 1: a warm lease's, booted before
+    for node, ready in booted.items():
+        folder.put_alive(node, Alive(phase="waiting", seq=1, time=time.time(), versions=runtime_versions(),
+                                     ready=ready), instance_id=f"m-{node}")
+    line = timeline.Timeline(began=allocation.started)
+    timeline.active("run-e", line)
+    try:
+        compute._wait_for_agents(allocation, time.monotonic() + 30, threading.Event())
+    finally:
+        timeline.active("run-e", None)
+    seen = [(p.phase, p.node, p.seconds, p.detail) for p in line.phases()]
+    assert ("environment ready", 0, 1.5, "m-0") in seen, seen
+    assert not any(p == "environment ready" and n == 1 for p, n, _, _ in seen), "not a job's phase: seen before it"
+    assert {(p, n) for p, n, _, _ in seen if p == "agent up"} == {("agent up", 0), ("agent up", 1)}

@@ -80,7 +80,10 @@ def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.Cap
     ids = {i["AmiLaunchIndex"]: i["InstanceId"] for i in instances}
     assert set(ids.values()) <= set(first[("instances running", None)].detail.replace(",", " ").split())
     for node in (0, 1):
-        assert ids[node] in first[("agent up", node)].detail
+        assert ids[node] in first[("agent up", node)].detail and first[("environment ready", node)].detail == ids[node]
+        # the node's own clock (the simulator's nodes share the driver's): booted after the request, before its alive
+        assert first[("launch requested", None)].at <= first[("environment ready", node)].at \
+            <= first[("agent up", node)].at
         steps = [("launch requested", None), ("instances running", None), ("agent up", node), ("acquired", None),
                  ("started", None), ("rendezvous", node), ("ranks done", node), ("release", None)]
         times = [first[s].at for s in steps]

@@ -328,6 +328,8 @@ class RemoteNodeCompute(Compute):
                 if differ:  # before any rank starts: the job fails now, with both sides named
                     raise EnvironmentMismatch(run_id, index, inst.id, differ)
                 up.add(index)
+                if alive.ready >= allocation.started:  # booted for this job (a warm lease's nodes were not)
+                    timeline.record(run_id, "environment ready", index, alive.ready, inst.id)
                 allocation.progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})", index)
             if len(up) == len(instances):
                 break
