@@ -42,7 +42,7 @@ class NodeLiveness:
     key: str | None
     folder: Any
     phase: str
-    ready_at: float
+    ready_at: float = 0.0  # when the environment was ready (the bootstrap sets it; 0: not said)
     interval: float
     heartbeat_ttl: float
     notice: str | None
