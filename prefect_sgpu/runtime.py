@@ -135,6 +135,7 @@ PROGRESS_DIR = "progress"
 _PROGRESS_EVERY_S = 1.0
 _last_progress = [0.0]
 _progress_total: list[int | None] = [None]  # the last total given: later calls without one keep it
+_first_step = [0.0]  # when this rank reported its first step (wall clock; 0: none yet): the job's timeline
 #: where a rank's progress goes besides its node's job folder: a Ray worker has no job folder and
 #: tells the driver through the job's collector instead (``prefect_sgpu.ray.train_worker``)
 _progress_listeners: list[Callable[[int | None], None]] = []
@@ -209,6 +210,8 @@ def progress(step: int | None = None, *, total: int | None = None, force: bool =
     total = _progress_total[0]
     job_dir = _job_dir()
     now = time.time()
+    if step is not None and not _first_step[0]:
+        _first_step[0] = now
     if (job_dir is None and not _progress_listeners) or (not force and now - _last_progress[0] < _PROGRESS_EVERY_S):
         return
     _last_progress[0] = now
@@ -222,6 +225,7 @@ def progress(step: int | None = None, *, total: int | None = None, force: bool =
     if step is None:
         tmp.write_text(f"{os.getpid()}\n")
     else:
-        # "pid step total time" (total 0: not given); the time is what the driver's step rates follow
-        tmp.write_text(f"{os.getpid()} {int(step)} {int(total or 0)} {now:.3f}\n")
+        # "pid step total time first" (total 0: not given); the time is what the driver's step rates follow,
+        # first (when the rank reported its first step) what the job's timeline shows
+        tmp.write_text(f"{os.getpid()} {int(step)} {int(total or 0)} {now:.3f} {_first_step[0]:.3f}\n")
     os.replace(tmp, path)

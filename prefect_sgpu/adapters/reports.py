@@ -28,7 +28,8 @@ from prefect_sgpu.spec import JobSpec
 
 logger = logging.getLogger("prefect_sgpu.task_runner")
 
-__all__ = ["CostProgress", "gpu_quota", "in_prefect_run", "loss_table", "mlflow_reference", "quota_name", "run_reported", "slug"]
+__all__ = ["CostProgress", "gpu_quota", "in_prefect_run", "loss_table", "mlflow_reference", "quota_name", "run_reported",
+           "slug", "timeline_table"]
 
 
 def slug(text: str) -> str:
@@ -285,9 +286,15 @@ def loss_table(tracking_uri: str, run_id: str, rows: int = LOSS_ROWS) -> list[di
     return [{"step": r["step"], **{n: r.get(n) for n in names}} for r in table]
 
 
+def timeline_table(result: JobResult) -> list[dict[str, Any]]:
+    """The job's timeline as the rows of its ``sgpu-<task>-timeline`` table artifact, in time order."""
+    return [phase.as_row() for phase in result.timeline]
+
+
 def _report(job: Job, result: JobResult) -> None:
     """Prefect artifacts for the task run, keyed by task (the latest is the key's newest version):
-    ``sgpu-<task>-job`` (summary), ``sgpu-<task>-ranks`` (table) and ``sgpu-<task>-mlflow``."""
+    ``sgpu-<task>-job`` (summary), ``sgpu-<task>-ranks`` and ``sgpu-<task>-timeline`` (tables) and
+    ``sgpu-<task>-mlflow``."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     key = f"sgpu-{slug(job.call.name)}"
@@ -299,6 +306,10 @@ def _report(job: Job, result: JobResult) -> None:
         table=[{"rank": r.rank, "node": r.node, "host": r.host, "exit code": r.exit_code,
                 "duration (s)": round(r.duration_s, 1), **rates.get(r.rank, {})} for r in result.ranks],
         key=f"{key}-ranks", description=f"ranks of prefect-sgpu job {result.run_id}")
+    if result.timeline:  # where the time went: one row per phase per node
+        create_table_artifact(table=timeline_table(result), key=f"{key}-timeline",
+                              description=f"phases of prefect-sgpu job {result.run_id} per node, "
+                                          "seconds since the job began")
     mlflow_line = "MLflow: off"
     if result.mlflow_run_id and job.tracked and result.mlflow_tracking_uri:
         mlflow_line = mlflow_reference(result.mlflow_tracking_uri, job.tracked.experiment_id, result.mlflow_run_id)

@@ -30,6 +30,7 @@ from prefect_sgpu.driver import results as driver_results
 from prefect_sgpu.driver import interrupts
 from prefect_sgpu.protocol import payload as payload_mod
 from prefect_sgpu.observe import progress_watch
+from prefect_sgpu.observe import timeline as timeline_mod
 from prefect_sgpu.compute.base import (Allocation, Compute, JobLaunch, NodeCommand, NodeExited, NodeLost, NodeNotice,
                                        NodeUp, Released, Request, rank_prefect_environment, total_cost)
 from prefect_sgpu.driver.recovery import GangEnd, Recovery
@@ -151,6 +152,8 @@ class Job:
         self.cost_listeners: list[Any] = []
         self.cost_watch: cost_cap.CostWatch | None = None
         self.given_back: list[Released] = []
+        #: where the job's time went, per phase and node (:mod:`prefect_sgpu.observe.timeline`)
+        self.timeline = timeline_mod.Timeline()
         self.reprovision_started: float | None = None
         self.relay: Any = None
         self.mlflow_parent = active_parent() if spec.mlflow else None
@@ -270,6 +273,8 @@ class Job:
         self.compute.check_secrets({**self.secret_values(), **self._checkpoint_key(), **self._index_secret()})
         plan = self.plan = request.plan
         self.started_at = time.monotonic()
+        self.timeline = timeline_mod.Timeline()
+        timeline_mod.active(self.run_id, self.timeline)  # a remote compute adds what it sees while acquiring
         deadline = self.started_at + self.spec.timeout
         folder = self.folder = JobFolder(self.store, self.run_id, key)
         self.cost_watch = cost_cap.CostWatch(self) if self.spec.max_cost_usd is not None else None
@@ -304,6 +309,7 @@ class Job:
             end = self._run_gangs(request, folder, deadline, tailer)
             tailer.poll()
             result = driver_results.collect(self, self.plan, end)
+            timeline_mod.note_ranks(self.timeline, result.ranks)
             self._tell_gang_check(result.gang_check)
             self._note_gang_check(result)
             outcome = "FINISHED"
@@ -325,6 +331,7 @@ class Job:
         result.recoveries = list(self.recoveries)
         result.stragglers = list(self.stragglers)
         result.step_rates = self.straggler_watch.detector.rates() if self.straggler_watch is not None else {}
+        result.timeline = self.timeline.phases()
         return result
 
     def _tell_gang_check(self, report: dict[str, Any] | None) -> None:
@@ -371,15 +378,19 @@ class Job:
         allocation: Allocation | None = None
         while True:
             if allocation is None:
+                self.timeline.mark("launch requested")
                 allocation = self.allocation = self.compute.acquire(request, folder, deadline, self.cancel_event)
+                self.timeline.mark("acquired")
             tailer.node_of = lambda rank, a=allocation: self.compute.node_of_rank(a, rank)
             self.plan = allocation.plan  # a job compute may refine the device it got
             self.gang_check_reused = self._reuse_gang_check(allocation)
             endpoint = self.compute.rendezvous_endpoint(allocation)
             launch = self.launch(request, [n.address for n in allocation.nodes], endpoint)
             self.compute.start(allocation, launch)
+            self.timeline.mark("started")
             gang_started = time.monotonic()
             end = self._wait(deadline)
+            self._note_first_steps()
             relaunch = driver_recovery.recover(self, allocation, end, request, deadline, gang_started, tailer)
             if relaunch is None:
                 return end
@@ -413,6 +424,7 @@ class Job:
                 outage.failed(exc)
             for event in events:
                 if isinstance(event, NodeExited):
+                    self.timeline.once("ranks done", event.node)
                     end.codes[event.node] = event.exit_code
                     if event.status is not None:
                         end.statuses[event.node] = event.status
@@ -428,6 +440,7 @@ class Job:
                                           "its ranks were told to checkpoint")
                     end.notices[event.node] = event.notice
                 elif isinstance(event, NodeUp):
+                    self.timeline.once("agent up", event.node)  # a remote compute's came while acquiring
                     logger.debug("job %s: node %d up on %s", self.run_id, event.node, event.host)
             now = time.monotonic()
             if len(end.codes) == total:
@@ -450,6 +463,13 @@ class Job:
                 progress_watch.name(self, straggler)
             self.cancel_event.wait(POLL_INTERVAL_S)
 
+    def _note_first_steps(self) -> None:
+        """Each node's first step, as this gang's straggler watch read it (no read of its own)."""
+        watch, allocation = self.straggler_watch, self.allocation
+        if watch is not None and allocation is not None and watch.first_steps:
+            steps, watch.first_steps = watch.first_steps, {}  # noted once, in the gang they belong to
+            timeline_mod.note_first_steps(self.timeline, steps, lambda r: self.compute.node_of_rank(allocation, r))
+
     def _node_ttl(self) -> float:
         return self._prepared[0].heartbeat_ttl_s if self._prepared else 60.0
 
@@ -471,11 +491,14 @@ class Job:
         released = None
         try:
             if self.allocation is not None:
+                self._note_first_steps()
                 try:
                     self.compute.stop(self.allocation)
                 finally:
                     released = self.compute.release(self.allocation)
+                    self.timeline.mark("release")
         finally:
+            timeline_mod.active(self.run_id, None)
             if tailer is not None:
                 tailer.close()
             if self.relay is not None:
@@ -485,6 +508,7 @@ class Job:
                     self.tracked.set_tags({"sgpu.recoveries": str(len(self.recoveries)),
                                            **{f"sgpu.recovery.{r.gang}": json.dumps(r.as_dict())[:5000]
                                               for r in self.recoveries}})
+                timeline_mod.log_to_mlflow(self.timeline, self.tracked.tracking_uri, self.tracked.run_id)
                 self.tracked.end(outcome)
             if self.heartbeat is not None:
                 self.heartbeat.stop()

@@ -118,6 +118,11 @@ def recover(job: Any, allocation: Allocation, end: GangEnd, request: Request, de
     # read once the lost gang is gone: a save it was sealing when the loss was seen may have
     # completed since, and the next gang resumes from that one
     step, lost_work = checkpoint_progress(job, noticed - gang_started, noticed_at)
+    for node, why in sorted(lost.items()):
+        job.timeline.mark("recovery", node, noticed_at, why[:200])
+    if step is not None and lost_work is not None:
+        job.timeline.mark("checkpoint", None, noticed_at - lost_work, f"step {step}, resumed from")
+    job.timeline.gang = gang  # what the next gang's nodes do from here on is its own
     if job.relay is not None:
         job.relay.restart()
     folder = job.folder

@@ -28,6 +28,8 @@ class RankReport:
     host: str
     exit_code: int
     duration_s: float
+    #: when the rank began the payload (wall clock, the rank's own; 0: not known)
+    started: float = 0.0
 
 
 @dataclass
@@ -58,6 +60,9 @@ class JobResult:
     #: seconds since the warm set this job ran on passed the gang check, where the job skipped it as that
     #: set was unchanged (:attr:`Job.gang_check_reused`); None where the check ran or is off
     gang_check_reused_s: float | None = None
+    #: where the job's time went: each phase of each node, in time order (:class:`prefect_sgpu.observe.timeline.Phase`:
+    #: phase, node (None: the whole job), wall time, seconds since the job began, gang, detail)
+    timeline: list[Any] = field(default_factory=list)
 
 
 def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
@@ -78,7 +83,7 @@ def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
         raise failure(job, codes, statuses, lost)
     trusted = bool(getattr(job.spec, "trusted_results", False))
     values = [envelopes[r].value(trusted) for r in expected]
-    ranks = [RankReport(e.rank, e.node, e.host, e.exit_code, e.finished - e.started)
+    ranks = [RankReport(e.rank, e.node, e.host, e.exit_code, e.finished - e.started, e.started)
              for e in (envelopes[r] for r in expected)]
     return JobResult(
         run_id=job.run_id, values=values, plan=plan, ranks=ranks,

@@ -17,6 +17,7 @@ The command line that starts it on a machine is :mod:`prefect_sgpu.launch.bootst
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -27,6 +28,7 @@ from prefect_sgpu.errors import DocumentRefused
 from prefect_sgpu.protocol.jobfolder import JobFolder, ssm_key_parameter
 from prefect_sgpu.launch.job_cgroup import JobCgroup
 from prefect_sgpu.launch.lease_node import LeaseServing
+from prefect_sgpu.launch.node_env import READY_AT_ENV
 from prefect_sgpu.launch.node_host import DEFAULT_HOST, NodeHost, NodeIdentity, open_host
 from prefect_sgpu.launch.node_job import JobServing
 from prefect_sgpu.launch.node_liveness import NodeLiveness
@@ -84,6 +86,8 @@ class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):
         self.interval = interval
         self.grace = grace
         self.phase = "waiting"
+        #: when this machine's environment was ready: the stage's end, else now (the alive documents say it)
+        self.ready_at = float(os.environ.pop(READY_AT_ENV, "") or 0) or time.time()
         self.key: str | None = None
         self.folder: JobFolder | None = None
         self.local: JobFolder | None = None

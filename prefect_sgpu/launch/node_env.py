@@ -119,6 +119,8 @@ def log(message: str) -> None:
 #: the stage transport of each store scheme: a module's name, imported from this stage's own folder (the
 #: user-data carries it beside this file) or, when this stage runs from its package, from the package
 STAGE_TRANSPORTS = {"s3": "ec2_stage"}
+#: when this stage finished (wall clock), for the bootstrap it starts: the node's "environment ready"
+READY_AT_ENV = "SGPU_ENVIRONMENT_READY_AT"
 
 
 class Transport(Protocol):
@@ -589,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         f"in {time.monotonic() - started:.1f}s")
     python = str(venv / "bin" / "python")
     os.environ.pop(UV_INDEX_ENV, None)  # the stage's own (it may hold a mirror's token): not the ranks'
+    os.environ[READY_AT_ENV] = f"{time.time():.3f}"
     os.execv(python, [python, *bootstrap])
     return 0  # not reached
 

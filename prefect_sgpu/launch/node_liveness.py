@@ -44,6 +44,7 @@ class NodeLiveness:
     key: str | None
     folder: Any
     phase: str
+    ready_at: float = 0.0  # when the environment was ready (the bootstrap sets it; 0: not said)
     interval: float
     heartbeat_ttl: float
     notice: str | None
@@ -70,7 +71,7 @@ class NodeLiveness:
             self._alive_at = now
             self._alive_seq += 1
             doc = Alive(phase=self.phase, seq=self._alive_seq, time=time.time(), host=socket.gethostname(),
-                        versions=runtime_versions())
+                        versions=runtime_versions(), ready=self.ready_at)
             self.folder.put_alive(self.index, doc, instance_id=self.identity.instance_id)
 
     def start_alive(self) -> None:

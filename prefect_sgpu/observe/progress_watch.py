@@ -1,8 +1,9 @@
 """The driver's view of every rank's steps: read ``progress/rank-N`` from the job folder, feed the
 straggler detector, name what it finds where the job's user looks.
 
-A rank's progress file holds ``pid step total time`` (:func:`prefect_sgpu.runtime.progress`; older
-ranks wrote ``pid [step [total]]``, then the driver's own clock stands in for the rank's). On EC2
+A rank's progress file holds ``pid step total time first`` (:func:`prefect_sgpu.runtime.progress`;
+``first``: when it reported its first step, for the job's timeline; older ranks wrote
+``pid [step [total [time]]]``, then the driver's own clock stands in for the rank's). On EC2
 each node ships its ranks' files with its logs, so the rates follow their own clocks, not the
 upload's delay.
 """
@@ -35,6 +36,16 @@ def parse_progress(data: bytes | None, read_at: float) -> tuple[int, float] | No
         return None
 
 
+def first_step_time(data: bytes | None, default: float) -> float:
+    """When the rank reported its first step: the file's fifth field (``runtime.progress`` keeps it),
+    else ``default`` (a rank that wrote four fields: the time of the step read)."""
+    try:
+        fields = (data or b"").decode().split()
+        return float(fields[4]) if len(fields) > 4 else default
+    except (UnicodeDecodeError, ValueError):
+        return default
+
+
 class StragglerWatch:
     """One gang's stragglers: ``poll()`` every loop of the driver; reads at most every ``interval`` s."""
 
@@ -47,6 +58,8 @@ class StragglerWatch:
         self.where = where or (lambda rank: {})
         self.detector = StragglerDetector(factor, steps)
         self._last_read = 0.0
+        #: each rank's first step as its progress file says (rank -> wall time), for the job's timeline
+        self.first_steps: dict[int, float] = {}
 
     def poll(self, now: float | None = None) -> list[Straggler]:
         """The stragglers named since the last poll (each with its node, host and instance where known)."""
@@ -57,11 +70,14 @@ class StragglerWatch:
         found: list[Straggler] = []
         for rank in range(self.world_size):
             try:
-                seen = parse_progress(self.store.get(self.run_id, f"{PROGRESS_DIR}/rank-{rank}"), time.time())
+                data = self.store.get(self.run_id, f"{PROGRESS_DIR}/rank-{rank}")
+                seen = parse_progress(data, time.time())
             except Exception:  # noqa: BLE001 - the store will answer next time; the job's outcome matters more
                 logger.debug("could not read the progress of rank %d of job %s", rank, self.run_id, exc_info=True)
                 continue
             if seen is not None:
+                if rank not in self.first_steps:
+                    self.first_steps[rank] = first_step_time(data, seen[1])
                 found.extend(self.detector.observe(rank, *seen))
         return [self._placed(s) for s in found]
 

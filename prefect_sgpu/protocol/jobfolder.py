@@ -244,6 +244,8 @@ class Alive(_Doc):
     host: str = ""
     #: what this node runs calls with (:func:`prefect_sgpu.protocol.versions.runtime_versions`)
     versions: dict[str, str] = Field(default_factory=dict)
+    #: when the machine's environment was ready (node clock: its stage's end, else its bootstrap's start; 0: not said)
+    ready: float = 0.0
 
 
 class Notice(_Doc):

@@ -78,9 +78,22 @@ def test_library_lines_artifacts_and_events_of_a_gpu_task(prefect_server: None) 
         assert sorted((r["from node"], r["to node"]) for r in rows) == [(0, 1), (1, 0)], rows
         assert all(r["GB/s"] > 0 for r in rows), rows
         assert "**Gang check** passed" in by_key["sgpu-two-ranks-job"].data
+        timeline = by_key["sgpu-two-ranks-timeline"]  # where the time went: a row per phase per node
+        assert timeline.type == "table"
+        rows = json.loads(timeline.data) if isinstance(timeline.data, str) else timeline.data
+        seen = [(r["phase"], r["node"]) for r in rows]
+        for phase in ("agent up", "rendezvous", "first step", "ranks done"):
+            assert {(phase, 0), (phase, 1)} <= set(seen), (phase, rows)
+        assert seen[0] == ("launch requested", "all") and seen[-1] == ("release", "all"), rows
+        assert [r["seconds"] for r in rows] == sorted(r["seconds"] for r in rows), rows
         reference = by_key["sgpu-two-ranks-mlflow"].data
         uri = os.environ["MLFLOW_TRACKING_URI"]
         assert f"mlflow ui --backend-store-uri {uri}\n" in reference, reference
+        run_id = reference.split("`")[1]  # the job's MLflow run keeps the same timeline
+        from mlflow.artifacts import load_text
+
+        kept = json.loads(load_text(f"runs:/{run_id}/timeline.json"))
+        assert [(p["phase"], "all" if p["node"] is None else p["node"]) for p in kept["phases"]] == seen
 
         page = _poll(lambda: client.read_events(EventFilter(
             event=EventNameFilter(prefix=["prefect-sgpu.job."])), limit=50).events,

@@ -81,6 +81,23 @@ def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.Cap
     assert result.cost["storage"]["requests"]["PUT"] > 0 and result.cost["storage"]["usd"] > 0
     assert result.cost["total_usd"] >= result.cost["usd"]
 
+    # where the time went: EC2's phases per node, once each, in the order they happen
+    first = {}
+    for p in result.timeline:
+        assert (p.phase, p.node) not in first, f"{p.phase} of node {p.node} twice: {result.timeline}"
+        first[(p.phase, p.node)] = p
+    ids = {i["AmiLaunchIndex"]: i["InstanceId"] for i in instances}
+    assert set(ids.values()) <= set(first[("instances running", None)].detail.replace(",", " ").split())
+    for node in (0, 1):
+        assert ids[node] in first[("agent up", node)].detail and first[("environment ready", node)].detail == ids[node]
+        # the node's own clock (the simulator's nodes share the driver's): booted after the request, before its alive
+        assert first[("launch requested", None)].at <= first[("environment ready", node)].at \
+            <= first[("agent up", node)].at
+        steps = [("launch requested", None), ("instances running", None), ("agent up", node), ("acquired", None),
+                 ("started", None), ("rendezvous", node), ("ranks done", node), ("release", None)]
+        times = [first[s].at for s in steps]
+        assert times == sorted(times), list(zip(steps, times))
+
     # the rendezvous ran on node 0's address as EC2 reports it (DescribeInstances)
     node0 = next(i for i in instances if i["AmiLaunchIndex"] == 0)
     moto_ip, address = ec2.simulator.address_of(node0["InstanceId"])

@@ -240,6 +240,12 @@ def test_local_node_killed_outright_is_relaunched_and_resumes(tmp_path: Path,
     assert rank0["optimizer_steps"] == STEPS and rank0["start"] >= 20, rank0
     (recovery,) = result.recoveries
     assert "killed by SIGKILL" in recovery.reason and recovery.resumed_from_step == rank0["start"]
+    # the timeline: the checkpoint the next gang resumed from, the loss, then the next gang's own phases
+    phases = [(p.phase, p.node, p.gang) for p in result.timeline]
+    (saved,) = [p for p in result.timeline if p.phase == "checkpoint"]
+    assert saved.detail.startswith(f"step {recovery.resumed_from_step},") and saved.gang == 0, saved
+    assert phases.index(("checkpoint", None, 0)) < phases.index(("recovery", 1, 0)) \
+        < phases.index(("launch requested", None, 1)) < phases.index(("rendezvous", 1, 1)), phases
     run = MlflowClient(uri).get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED" and run.data.tags["sgpu.recoveries"] == "1"
     assert '"resumed_from_step": %d' % rank0["start"] in run.data.tags["sgpu.recovery.1"]

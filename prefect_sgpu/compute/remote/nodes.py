@@ -32,6 +32,7 @@ from prefect_sgpu.errors import EnvironmentMismatch, JobCancelled, LaunchTimeout
 from prefect_sgpu.protocol.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
                                     ssm_secrets_parameter, status_key)
 from prefect_sgpu.compute.warm_pool import POOL, check_keep_warm
+from prefect_sgpu.observe import timeline
 from prefect_sgpu.protocol.versions import differences, runtime_versions
 
 if TYPE_CHECKING:
@@ -50,8 +51,10 @@ class Progress:
     def __init__(self, label: str, run_id: str) -> None:
         self.label, self.run_id = label, run_id
 
-    def __call__(self, phase: str, detail: str = "") -> None:
+    def __call__(self, phase: str, detail: str = "", node: int | None = None) -> None:
         logger.info(f"[{self.label} {self.run_id}] {phase}" + (f": {detail}" if detail else ""))
+        if phase in timeline.PROGRESS:  # the job's timeline, where this process drives it
+            timeline.record(self.run_id, timeline.PROGRESS[phase], node, detail=detail[:200])
 
 
 class RemoteNodeCompute(Compute):
@@ -325,7 +328,9 @@ class RemoteNodeCompute(Compute):
                 if differ:  # before any rank starts: the job fails now, with both sides named
                     raise EnvironmentMismatch(run_id, index, inst.id, differ)
                 up.add(index)
-                allocation.progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})")
+                if alive.ready >= allocation.started:  # booted for this job (a warm lease's nodes were not)
+                    timeline.record(run_id, "environment ready", index, alive.ready, inst.id)
+                allocation.progress("agent up", f"node {index} on {inst.id} ({len(up)}/{len(instances)})", index)
             if len(up) == len(instances):
                 break
             if cancel.is_set():
@@ -404,7 +409,7 @@ class RemoteNodeCompute(Compute):
             if allocation.lease is not None:
                 allocation.lease.instances[index] = machine
             allocation.progress("running", f"node {index} on {self._describe(machine)}, in place of {retired[0].id}"
-                                if len(retired) == 1 else f"node {index} on {self._describe(machine)}")
+                                if len(retired) == 1 else f"node {index} on {self._describe(machine)}", index)
         # what the driver tracked of the gang before
         allocation.announced, allocation.reported, allocation.noticed = set(), set(), set()
         allocation.notice_version = {}
