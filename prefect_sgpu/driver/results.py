@@ -70,6 +70,8 @@ def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
         raise failure(job, codes, statuses, lost)
     envelopes = job.envelopes()
     expected = job.launcher.result_ranks(plan)
+    if plan.elastic:
+        expected = final_ranks(envelopes, expected)
     missing = [r for r in expected if r not in envelopes]
     if missing:
         raise RankFailedError(missing[0], None, None, None,
@@ -88,6 +90,14 @@ def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
         duration_s=time.monotonic() - job.started_at,
         gang_check=next((e.gang_check for e in envelopes.values() if e.gang_check), None),
     )
+
+
+def final_ranks(envelopes: dict[int, payload_mod.Envelope], expected: list[int]) -> list[int]:
+    """An elastic job's result ranks: those of the world its last round ran in, as rank 0 tells it. A
+    rank beyond it wrote its envelope in an earlier, larger round; its value is not the job's."""
+    first = envelopes.get(0)
+    world = first.world_size if first is not None and first.world_size else 0
+    return [r for r in expected if r < world] if world else expected
 
 
 def failure(job: Any, codes: dict[int, int], statuses: dict[int, NodeStatus],

@@ -14,6 +14,12 @@ it is given, and torch elastic unpickles the rendezvous state the first one hold
   is derived from the job key (:func:`rendezvous_id`): every agent computes it from the key in its
   environment, so it is on no command line, and no one without the key can name it in advance.
 
+Each round an agent joins is recorded in the rendezvous store (the round's node count, under
+:data:`ROUNDS_KEY`), and the agent tells the ranks it then starts which round they run in and how
+many nodes the job's previous round had (:data:`ROUND_ENV`, :data:`PREVIOUS_NODES_ENV`): an elastic
+job's ranks learn that the world changed since its last start (``prefect_sgpu.runtime``), a node that
+joined late as well as one that was there before.
+
 Both go through torch elastic's own handler registry (backend :data:`BACKEND`): the launcher, the
 c10d backend and the dynamic rendezvous are torch's; only where their two stores listen changes.
 """
@@ -35,6 +41,14 @@ BACKEND = "sgpu-c10d"
 PURPOSE = b"prefect-sgpu c10d rendezvous id"
 #: seconds a store server waits on its own operations (torch's default for the workers' store)
 STORE_TIMEOUT_S = 300.0
+#: the rendezvous round the ranks of this node run in (set by the agent before it starts them)
+ROUND_ENV = "SGPU_MEMBERSHIP_ROUND"
+#: nodes of the job's round before that one; empty in its first round
+PREVIOUS_NODES_ENV = "SGPU_PREVIOUS_NODES"
+#: where each round's node count is kept in the rendezvous store (``<key>/<round>``)
+ROUNDS_KEY = "sgpu/membership/round"
+#: the rounds this agent joined, in order (empty: it ran no rank yet)
+JOINED_ROUNDS: list[int] = []
 
 
 def rendezvous_id(job_key: str) -> str:
@@ -111,7 +125,38 @@ def _create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     # the workers' store: the same server, on this agent's own address (the handler passes its node's, from local_addr)
     handler._create_tcp_store_server = host_store  # type: ignore[attr-defined]
     handler.get_backend = lambda: BACKEND  # type: ignore[method-assign]  # torch checks it is the one asked for
+    _record_rounds(handler, store)
     return handler
+
+
+def _record_rounds(handler: "RendezvousHandler", store: "TCPStore") -> None:
+    """After each round this agent joins: its node count kept in the rendezvous store, and the round and
+    the previous round's node count put where the ranks the agent starts next read them (its environment,
+    which torch elastic's workers inherit, forked or spawned)."""
+    join = handler.next_rendezvous
+
+    def next_rendezvous() -> object:
+        info = join()
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        number = getattr(state, "round", None)
+        if not isinstance(number, int):  # a torch whose handler keeps no round: nothing to tell
+            return info
+        store.set(f"{ROUNDS_KEY}/{number}", str(info.world_size))
+        os.environ[ROUND_ENV] = str(number)
+        os.environ[PREVIOUS_NODES_ENV] = previous_round_nodes(store, number)
+        JOINED_ROUNDS.append(number)
+        return info
+
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def previous_round_nodes(store: "TCPStore", number: int) -> str:
+    """The node count of the latest round before ``number`` that some agent joined ("" when none)."""
+    for earlier in range(number - 1, -1, -1):
+        key = f"{ROUNDS_KEY}/{earlier}"
+        if store.check([key]):
+            return store.get(key).decode()
+    return ""
 
 
 def register() -> None:
