@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 
 #: the rendezvous backend name node agents give ``LaunchConfig``
 BACKEND = "sgpu-c10d"
@@ -130,13 +130,14 @@ def _create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
 
 
 def _record_rounds(handler: "RendezvousHandler", store: "TCPStore") -> None:
-    """After each round this agent joins: its node count kept in the rendezvous store, and the round and
-    the previous round's node count put where the ranks the agent starts next read them (its environment,
-    which torch elastic's workers inherit, forked or spawned)."""
+    """After each round this agent joins: the workers' store told right (:func:`workers_store_of_round`),
+    the round's node count kept in the rendezvous store, and the round and the previous round's node count
+    put where the ranks the agent starts next read them (its environment, which torch elastic's workers
+    inherit, forked or spawned)."""
     join = handler.next_rendezvous
 
     def next_rendezvous() -> object:
-        info = join()
+        info = workers_store_of_round(handler, join())
         state = getattr(getattr(handler, "_state_holder", None), "state", None)
         number = getattr(state, "round", None)
         if not isinstance(number, int):  # a torch whose handler keeps no round: nothing to tell
@@ -148,6 +149,35 @@ def _record_rounds(handler: "RendezvousHandler", store: "TCPStore") -> None:
         return info
 
     handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def workers_store_of_round(handler: "RendezvousHandler", info: "RendezvousInfo") -> "RendezvousInfo":
+    """The round's workers' store, the same on every agent of it, in every round, not only the first.
+
+    torch elastic's dynamic rendezvous (2.14) publishes the workers' store (``MASTER_ADDR``,
+    ``MASTER_PORT``, under the round's prefix of the rendezvous store) only in an agent's first round
+    or where it has just become rank 0 without a store of its own; in a later round it hands back what
+    it cached. When an elastic job grows, the agent that stays rank 0 so never publishes it for the new
+    round, and the joining node waits for ``MASTER_ADDR`` until it times out, while rank 0 waits for the
+    joiner's role (the rank-change case of the same cache: pytorch/pytorch issue #182221, "AssertionError
+    in elastic c10d rendezvous when rank changes"). Here rank 0 publishes its own store in every round
+    and every other agent reads the round's."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+    server = getattr(handler, "_shared_tcp_store_server", None)
+    node = getattr(handler, "_this_node", None)
+    if os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1" or node is None:
+        return info  # torch builds it afresh in every round
+    if info.rank == 0:
+        if server is None:
+            return info
+        boot = RendezvousStoreInfo(master_addr=node.addr, master_port=server.port)
+        info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, boot.master_addr.encode())
+        info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(boot.master_port).encode())
+    else:
+        boot = RendezvousStoreInfo.build(info.rank, info.store, local_addr=node.addr)
+    handler._bootstrap_store_info = boot  # type: ignore[attr-defined]
+    return RendezvousInfo(info.store, info.rank, info.world_size, boot)
 
 
 def previous_round_nodes(store: "TCPStore", number: int) -> str:

@@ -106,7 +106,8 @@ def _grow() -> dict:
 
 
 @pytest.mark.e2e
-def test_a_late_node_joins_an_elastic_job_at_the_next_round(tmp_path) -> None:
+def test_a_late_node_joins_an_elastic_job_at_the_next_round(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PREFECT_SGPU_ELASTIC_WAIT_S", "1")  # node 0 starts alone after 1 s, not torch's 30
     compute = LateNodesCompute(late={1}, keep_warm=0)
     fn = distributed(gpus=2, nodes=(1, 2), mlflow=False, compute=compute, store=LocalStore(tmp_path),
                      timeout=300)(_grow)
