@@ -62,7 +62,7 @@ def _env_strings(value: Any) -> Any:
 
 Gpus = Annotated[int, Field(ge=1, description="Total GPUs (ranks) of the job.")]
 GpuType = Annotated[str | None, AfterValidator(_gpu_type), Field(description="Accelerator name from the catalog.")]
-_NODES_ALLOWED = ("a whole number of at least 1, or (min, max): two whole numbers with 1 <= min <= max "
+_NODES_ALLOWED = ("a whole number greater than or equal to 1, or (min, max): two whole numbers with 1 <= min <= max "
                   "(an elastic job: it starts once min nodes are up and grows to max), or None to derive it")
 
 
