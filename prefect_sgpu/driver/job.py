@@ -443,7 +443,7 @@ class Job:
                 elif isinstance(event, NodeUp):
                     logger.debug("job %s: node %d up on %s", self.run_id, event.node, event.host)
             now = time.monotonic()
-            if len(end.codes) == total:
+            if len(end.codes) == total or driver_results.ended_without_late_nodes(self, end):
                 return end
             if any(end.codes.values()):
                 if end.infrastructure():

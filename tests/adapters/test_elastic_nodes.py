@@ -121,3 +121,21 @@ def test_a_late_node_joins_an_elastic_job_at_the_next_round(tmp_path, monkeypatc
     assert all(v["restarts"] == 0 for v in values), "a membership change is not a failure restart"
     assert compute.started_late[1] > 0
     assert job_processes(result.run_id) == []
+
+
+def _quick() -> dict:
+    return {"rank": runtime.rank(), "world": runtime.world_size()}
+
+
+@pytest.mark.e2e
+def test_an_elastic_job_that_ended_before_a_node_joined_does_not_wait_for_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PREFECT_SGPU_ELASTIC_WAIT_S", "1")
+    # node 1's machine arrives once node 0's rank has already returned its value
+    compute = LateNodesCompute(late={1}, keep_warm=0, ready=lambda a: a.folder.path("results").is_dir()
+                               and any(a.folder.path("results").iterdir()))
+    fn = distributed(gpus=2, nodes=(1, 2), mlflow=False, compute=compute, store=LocalStore(tmp_path),
+                     timeout=300)(_quick)
+    result = fn.run()
+    assert result.values == [{"rank": 0, "world": 1}]
+    assert [r.rank for r in result.ranks] == [0]
+    assert job_processes(result.run_id) == []
