@@ -139,3 +139,16 @@ def test_an_elastic_job_that_ended_before_a_node_joined_does_not_wait_for_it(tmp
     assert result.values == [{"rank": 0, "world": 1}]
     assert [r.rank for r in result.ranks] == [0]
     assert job_processes(result.run_id) == []
+
+
+def test_computes_that_are_not_elastic_yet_refuse_min_max_nodes_before_spending(tmp_path) -> None:
+    from prefect_sgpu import ray_launch
+    from prefect_sgpu.ray.compute import RayTrainCompute
+
+    elastic = spec.merge(spec.layer("call", gpus=2, nodes=(1, 2)))
+    with pytest.raises(SGPUConfigError, match="on RayCompute: elastic jobs"):
+        RayTrainCompute(address="127.0.0.1:1").plan(elastic, "run-1")
+    fn = ray_launch(gpus=2, nodes=(1, 2), mlflow=False, compute=LocalProcessCompute(keep_warm=0),
+                    store=LocalStore(tmp_path))(lambda: None)
+    with pytest.raises(SGPUConfigError, match="on @ray_launch: elastic jobs"):
+        fn.job()
