@@ -152,3 +152,22 @@ def test_computes_that_are_not_elastic_yet_refuse_min_max_nodes_before_spending(
                     store=LocalStore(tmp_path))(lambda: None)
     with pytest.raises(SGPUConfigError, match="on @ray_launch: elastic jobs"):
         fn.job()
+
+
+def _world() -> dict:
+    return {"rank": runtime.rank(), "world": runtime.world_size(), "changed": runtime.world_size_changed(),
+            "previous": runtime.previous_world_size(), "round": runtime.membership_round()}
+
+
+@pytest.mark.e2e
+def test_an_elastic_job_whose_nodes_all_come_at_once_runs_at_max_on_warm_nodes(tmp_path) -> None:
+    compute = LocalProcessCompute(keep_warm=5)
+    try:
+        fn = distributed(gpus=4, nodes=(1, 2), mlflow=False, compute=compute, store=LocalStore(tmp_path),
+                         timeout=300)(_world)
+        values = fn.run().values
+    finally:
+        compute.close()
+    assert [v["rank"] for v in values] == [0, 1, 2, 3]
+    assert all(v["world"] == 4 and v["changed"] is False and v["previous"] is None for v in values), values
+    assert len({v["round"] for v in values}) == 1
