@@ -34,6 +34,39 @@ def local_world_size() -> int:
     return _int("LOCAL_WORLD_SIZE", 1)
 
 
+def restart_count() -> int:
+    """Worker-group restarts after a failure on this node so far (torch elastic's, up to ``max_restarts``).
+    A membership change of an elastic job restarts the ranks too, but is not counted here: see
+    :func:`world_size_changed`."""
+    return _int("TORCHELASTIC_RESTART_COUNT", 0)
+
+
+def membership_round() -> int | None:
+    """The rendezvous round this rank runs in: 0 (or the first this job reached) when the ranks first
+    started; one more at each restart, a node joining an elastic job's next round included. The same
+    on every rank of a round. None outside a prefect-sgpu node."""
+    value = os.environ.get("SGPU_MEMBERSHIP_ROUND", "")
+    return int(value) if value.isdigit() else None
+
+
+def previous_world_size() -> int | None:
+    """The job's world size in its previous round (ranks on every node then), or None in its first round
+    (or outside a prefect-sgpu node). The same on every rank of a round, a node that has just joined
+    included. Nodes run the same number of ranks each, so it is the previous round's node count times
+    :func:`local_world_size`."""
+    nodes = os.environ.get("SGPU_PREVIOUS_NODES", "")
+    return int(nodes) * local_world_size() if nodes.isdigit() else None
+
+
+def world_size_changed() -> bool:
+    """True when this round's world size differs from the previous round's: an elastic job
+    (``nodes=(min, max)``) grew as a node joined. The ranks were restarted for it: restore the last
+    checkpoint and rescale what depends on the world size (per-rank batch, learning rate, data shards).
+    False in a job's first round, after a restart that kept every node, and outside a prefect-sgpu node."""
+    previous = previous_world_size()
+    return previous is not None and previous != world_size()
+
+
 def node_rank() -> int:
     """The node's index in the job (torch elastic calls it GROUP_RANK)."""
     return _int("GROUP_RANK", _int("NODE_RANK", 0))

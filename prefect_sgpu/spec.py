@@ -62,7 +62,41 @@ def _env_strings(value: Any) -> Any:
 
 Gpus = Annotated[int, Field(ge=1, description="Total GPUs (ranks) of the job.")]
 GpuType = Annotated[str | None, AfterValidator(_gpu_type), Field(description="Accelerator name from the catalog.")]
-Nodes = Annotated[int | None, Field(ge=1, description="Nodes; derived when omitted.")]
+_NODES_ALLOWED = ("a whole number greater than or equal to 1, or (min, max): two whole numbers with 1 <= min <= max "
+                  "(an elastic job: it starts once min nodes are up and grows to max), or None to derive it")
+
+
+def _node_count(value: Any, given: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SGPUConfigError("nodes", given, _NODES_ALLOWED)
+    return value
+
+
+def _nodes(value: Any) -> Any:
+    """``nodes``: N, or ``(min, max)`` (an elastic job; ``"min:max"`` from the environment, as torchrun's
+    ``--nnodes``). ``(n, n)`` is ``n``: a job that cannot grow is not elastic."""
+    if value is None:
+        return None
+    pair: Any = value
+    if isinstance(value, str) and ":" in value:
+        pair = value.split(":")
+    if isinstance(pair, (tuple, list)):
+        if len(pair) != 2:
+            raise SGPUConfigError("nodes", value, _NODES_ALLOWED)
+        low, high = (_node_count(v, value) for v in pair)
+        if low > high:
+            raise SGPUConfigError("nodes", value, _NODES_ALLOWED + f" (min {low} is more than max {high})")
+        return low if low == high else (low, high)
+    return _node_count(value, value)
+
+
+Nodes = Annotated[int | tuple[int, int] | None, BeforeValidator(_nodes),
+                  Field(description="Nodes, or (min, max) for an elastic job (local compute only for now); "
+                                    "derived when omitted.")]
 Timeout = Annotated[float, BeforeValidator(_seconds), Field(gt=0, description="Seconds before every rank is stopped.")]
 Restarts = Annotated[int, Field(ge=0, description="Worker-group restarts torch elastic may do.")]
 Env = Annotated[dict[str, str], BeforeValidator(_env_strings), Field(description="Extra environment for every rank.")]
@@ -129,7 +163,7 @@ class JobArgs(TypedDict, total=False):
 
     gpus: int
     gpu_type: str | None
-    nodes: int | None
+    nodes: int | tuple[int, int] | None
     remote: bool
     timeout: float | _dt.timedelta
     max_restarts: int
@@ -159,10 +193,22 @@ FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env
           "strategy", "return_all", "trusted_results", "max_cost_usd")
 
 
-def _check_shape(gpus: int | None, nodes: int | None) -> None:
-    if gpus is not None and nodes is not None and gpus % nodes:
+def max_nodes(nodes: int | tuple[int, int] | None) -> int | None:
+    """The most nodes a ``nodes`` value asks for: N, or an elastic job's max."""
+    return nodes[1] if isinstance(nodes, tuple) else nodes
+
+
+def min_nodes(nodes: int | tuple[int, int] | None) -> int | None:
+    """The fewest nodes a job with this ``nodes`` value runs on: N, or an elastic job's min."""
+    return nodes[0] if isinstance(nodes, tuple) else nodes
+
+
+def _check_shape(gpus: int | None, nodes: int | tuple[int, int] | None) -> None:
+    if gpus is not None and nodes is not None and gpus % max_nodes(nodes):  # type: ignore[operator]
+        most = max_nodes(nodes)
         raise SGPUConfigError(
-            "gpus", gpus, f"a multiple of nodes={nodes} (each node runs the same number of ranks)"
+            "gpus", gpus, f"a multiple of nodes={most} (each node runs the same number of ranks"
+            + (f"; an elastic job's gpus are its ranks on max={most} nodes)" if isinstance(nodes, tuple) else ")")
         )
 
 
@@ -237,6 +283,21 @@ class JobSpec(BaseModel):
     def _shape(self) -> "JobSpec":
         _check_shape(self.gpus, self.nodes)
         return self
+
+    @property
+    def min_nodes(self) -> int | None:
+        """The fewest nodes the job runs on (``nodes``, or an elastic job's min); None: derived."""
+        return min_nodes(self.nodes)
+
+    @property
+    def max_nodes(self) -> int | None:
+        """The most nodes the job runs on (``nodes``, or an elastic job's max); None: derived."""
+        return max_nodes(self.nodes)
+
+    @property
+    def elastic(self) -> bool:
+        """``nodes=(min, max)`` with min < max: the job starts on min nodes and grows to max."""
+        return isinstance(self.nodes, tuple)
 
     def rank_env(self) -> dict[str, str]:
         """What every rank gets from the spec itself."""
@@ -365,20 +426,46 @@ def for_compute(compute: Any, *layers: SpecLayer | None, environ: Mapping[str, s
 
 @dataclass(frozen=True)
 class Plan:
-    """The resolved shape of a job: nodes x procs_per_node ranks on one device kind."""
+    """The resolved shape of a job: nodes x procs_per_node ranks on one device kind.
+
+    ``nodes`` is what the compute allocates, the most the job runs on; an elastic job
+    (``min_nodes < nodes``) starts once ``min_nodes`` of them are up and grows as the rest join."""
 
     nodes: int
     procs_per_node: int
     device: str  # "cuda" or "cpu"
     instance_type: catalog.InstanceType | None = None
+    #: the fewest nodes the job runs on; None: ``nodes`` (a fixed gang)
+    min_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_nodes is None:
+            object.__setattr__(self, "min_nodes", self.nodes)
+
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes
+
+    @property
+    def elastic(self) -> bool:
+        return (self.min_nodes or self.nodes) < self.nodes
 
     @property
     def world_size(self) -> int:
+        """Ranks on every node the job may run on (an elastic job's world at max)."""
         return self.nodes * self.procs_per_node
+
+
+def require_fixed_nodes(spec: JobSpec, compute: str) -> None:
+    """Refuse ``nodes=(min, max)`` on a compute that cannot run an elastic job yet."""
+    if spec.elastic:
+        raise SGPUConfigError("nodes", spec.nodes, f"a whole number of nodes on {compute}: elastic jobs "
+                              "(nodes=(min, max)) run on the local compute only for now")
 
 
 def plan_remote(spec: JobSpec, instance_type: str | None = None) -> Plan:
     """Whole instances of one type: the catalog's for ``gpu_type``, or ``instance_type`` when given."""
+    require_fixed_nodes(spec, "remote compute")
     if spec.gpu_type is None:
         raise SGPUConfigError(
             "gpu_type", None, "remote=True needs a gpu_type: one of " + ", ".join(catalog.known_gpu_types())
@@ -398,10 +485,11 @@ def plan_remote(spec: JobSpec, instance_type: str | None = None) -> Plan:
 
 def plan_local(spec: JobSpec, local_gpus: int) -> Plan:
     """Simulated nodes on this machine: one rank per GPU, or CPU ranks when it has none."""
-    nodes = spec.nodes or 1
+    nodes = spec.max_nodes or 1
+    fewest = spec.min_nodes or 1
     _check_shape(spec.gpus, nodes)
     if local_gpus == 0:
-        return Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cpu")
+        return Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cpu", min_nodes=fewest)
     if spec.gpus > local_gpus:
         raise SGPUConfigError(
             "gpus",
@@ -409,4 +497,4 @@ def plan_local(spec: JobSpec, local_gpus: int) -> Plan:
             f"at most {local_gpus} on this machine (it has {local_gpus} GPU(s)); "
             "use remote=True or set PREFECT_SGPU_DEVICE=cpu to run CPU ranks",
         )
-    return Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cuda")
+    return Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cuda", min_nodes=fewest)

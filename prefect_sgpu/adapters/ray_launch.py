@@ -22,7 +22,7 @@ from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.driver.job import Job, Launcher
 from prefect_sgpu.errors import SGPUConfigError
 from prefect_sgpu.observe.logs import RankLogSink
-from prefect_sgpu.spec import JobArgs, SpecLayer
+from prefect_sgpu.spec import JobArgs, SpecLayer, require_fixed_nodes
 
 if TYPE_CHECKING:
     from prefect_sgpu.compute.base import Request
@@ -123,6 +123,7 @@ class RayLaunchFunction(DistributedFunction[P, R]):
     def job(self, *args: Any, cancel_event: threading.Event | None = None,
             sink: RankLogSink | None = None, **kwargs: Any) -> Job:
         job = super().job(*args, cancel_event=cancel_event, sink=sink, **kwargs)
+        require_fixed_nodes(job.spec, "@ray_launch")
         if not job.compute.runs_node_agents:
             raise SGPUConfigError(
                 "compute", type(job.compute).__name__, "a compute that provides nodes (local or EC2)",

@@ -74,6 +74,22 @@ def gang_check_reuse_s() -> float:
     return seconds
 
 
+#: seconds an elastic job's first nodes wait for the rest once its min nodes joined (torch elastic's last call)
+ELASTIC_WAIT_ENV = "PREFECT_SGPU_ELASTIC_WAIT_S"
+DEFAULT_ELASTIC_WAIT_S = 30
+
+
+def elastic_wait_s() -> int:
+    """``PREFECT_SGPU_ELASTIC_WAIT_S``, checked: whole seconds >= 0 (30 by default, torch elastic's)."""
+    raw = os.environ.get(ELASTIC_WAIT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_ELASTIC_WAIT_S
+    if not raw.isdigit():
+        raise SGPUConfigError(ELASTIC_WAIT_ENV, raw, "whole seconds (a number >= 0) an elastic job's first nodes "
+                              "wait for the rest once its min nodes joined; 0: start at once")
+    return int(raw)
+
+
 def rank_start() -> str:
     """``PREFECT_SGPU_RANK_START``, checked: ``auto`` (the default), ``spawn`` or ``fork``."""
     raw = os.environ.get(RANK_START_ENV, "").strip().lower() or "auto"
@@ -97,6 +113,7 @@ class Launcher:
             f"--local-addr={address}", f"--max-restarts={job.spec.max_restarts}",
             f"--heartbeat-ttl={request.heartbeat_ttl_s:g}", f"--join-timeout={min(job.spec.timeout, 600):g}",
             f"--hang-timeout={job.spec.hang_timeout or 0:g}", f"--rank-start={rank_start()}",
+            *([f"--min-nodes={plan.min_nodes}", f"--elastic-wait={elastic_wait_s()}"] if plan.elastic else []),
         ]
 
     def result_ranks(self, plan: Plan) -> list[int]:
@@ -167,6 +184,7 @@ class Job:
         if self._prepared is None:
             rank_start()  # a bad setting fails here, before anything is spent
             gang_check_reuse_s()
+            elastic_wait_s()
             request = self.compute.plan(self.spec, self.run_id)
             cost_cap.check(self.spec, self.compute, request)  # a cap on a compute without a price
             self._prepared = (request, payload_mod.build(self.call), new_key())
@@ -297,7 +315,8 @@ class Job:
                 )
             self.sink.info(
                 f"{self.call.name}: starting {plan.world_size} rank(s) on {plan.nodes} node(s) "
-                f"[{plan.device}, {request.compute}], job {self.run_id}"
+                + (f"(elastic: from {plan.min_nodes} node(s) on) " if plan.elastic else "")
+                + f"[{plan.device}, {request.compute}], job {self.run_id}"
             )
             tailer = LogTailer(self.store, self.run_id, plan.procs_per_node, self.sink.line).start()
             if self._relays_mlflow():
@@ -443,7 +462,7 @@ class Job:
                     self.timeline.once("agent up", event.node)  # a remote compute's came while acquiring
                     logger.debug("job %s: node %d up on %s", self.run_id, event.node, event.host)
             now = time.monotonic()
-            if len(end.codes) == total:
+            if len(end.codes) == total or driver_results.ended_without_late_nodes(self, end):
                 return end
             if any(end.codes.values()):
                 if end.infrastructure():

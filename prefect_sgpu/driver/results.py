@@ -75,6 +75,8 @@ def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
         raise failure(job, codes, statuses, lost)
     envelopes = job.envelopes()
     expected = job.launcher.result_ranks(plan)
+    if plan.elastic:
+        expected = final_ranks(envelopes, expected)
     missing = [r for r in expected if r not in envelopes]
     if missing:
         raise RankFailedError(missing[0], None, None, None,
@@ -93,6 +95,38 @@ def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
         duration_s=time.monotonic() - job.started_at,
         gang_check=next((e.gang_check for e in envelopes.values() if e.gang_check), None),
     )
+
+
+def final_ranks(envelopes: dict[int, payload_mod.Envelope], expected: list[int]) -> list[int]:
+    """An elastic job's result ranks: those of the world its last round ran in, as rank 0 tells it. A
+    rank beyond it wrote its envelope in an earlier, larger round; its value is not the job's."""
+    first = envelopes.get(0)
+    world = first.world_size if first is not None and first.world_size else 0
+    return [r for r in expected if r < world] if world else expected
+
+
+def ended_without_late_nodes(job: Any, end: GangEnd) -> bool:
+    """An elastic job whose last round ended well while some of its nodes never joined: node 0 (which
+    hosts the rendezvous, and left torch elastic's exit barrier only once every node of the round was
+    done) exited 0, every rank of that round left its result, and as many nodes as that round had
+    exited. The nodes not joined are stopped and counted as ended well: the job does not wait for them,
+    nor fail when they find the rendezvous gone."""
+    if job.plan is None or not job.plan.elastic or end.codes.get(0) != 0 or any(end.codes.values()):
+        return False
+    waiting = [n.index for n in job.allocation.nodes if n.index not in end.codes]
+    if not waiting:
+        return False
+    envelopes = job.envelopes()
+    ranks = final_ranks(envelopes, job.launcher.result_ranks(job.plan))
+    if not envelopes or any(r not in envelopes for r in ranks):
+        return False
+    if len(end.codes) < len(ranks) // job.plan.procs_per_node:
+        return False  # a node of the last round is still on its way out
+    job.compute.stop(job.allocation)
+    for index in waiting:
+        end.codes[index] = 0
+    job.sink.info(f"{job.call.name}: the job ended on {len(ranks)} rank(s); node(s) {waiting} had not joined it")
+    return True
 
 
 def failure(job: Any, codes: dict[int, int], statuses: dict[int, NodeStatus],

@@ -178,7 +178,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="this node's address; also tells simulated nodes on one host apart")
     p.add_argument("--rank-start", choices=RANK_STARTS, default="auto",
                    help="auto: fork on a node whose ranks use no GPU, spawn where they may")
+    p.add_argument("--min-nodes", type=int, default=0,
+                   help="an elastic job: its ranks start once this many nodes joined (0: --nnodes)")
+    p.add_argument("--elastic-wait", type=int, default=-1,
+                   help="an elastic job: seconds its first nodes wait for the rest once min joined (-1: torch's)")
     return p.parse_args(argv)
+
+
+def elastic_options(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+    """The fewest nodes torch elastic starts the ranks with, and the rendezvous options that go with it:
+    an elastic job's (``--min-nodes`` below ``--nnodes``) wait for the rest of its nodes once min joined
+    (``last_call_timeout``); a later node joins at the next round, when the running nodes restart their
+    ranks (a membership change, which torch elastic does not count against ``max_restarts``)."""
+    fewest = args.min_nodes or args.nnodes
+    if not 1 <= fewest <= args.nnodes:
+        raise ValueError(f"--min-nodes={args.min_nodes}: 1 to --nnodes={args.nnodes}")
+    extra = {"last_call_timeout": args.elastic_wait} if fewest < args.nnodes and args.elastic_wait >= 0 else {}
+    return fewest, extra
 
 
 def ranks_may_use_cuda() -> bool:
@@ -274,15 +290,16 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
         # ranks forked from it then cannot use CUDA at all. A placeholder skips the query and
         # is cleared below: forked ranks are not NUMA-bound.
         newer["numa_options"] = _NO_NUMA_QUERY
+    fewest, elastic_configs = elastic_options(args)
     config = LaunchConfig(
-        min_nodes=args.nnodes,
+        min_nodes=fewest,
         max_nodes=args.nnodes,
         nproc_per_node=args.nproc_per_node,
         run_id=rendezvous_run_id(os.environ),  # this gang's, on no command line
         role="sgpu",
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_backend=rendezvous.BACKEND,  # torch's c10d, its stores on this node's address only
-        rdzv_configs={"is_host": False, "join_timeout": args.join_timeout},
+        rdzv_configs={"is_host": False, "join_timeout": args.join_timeout, **elastic_configs},
         max_restarts=args.max_restarts,
         monitor_interval=0.1,
         start_method=start,
@@ -325,7 +342,8 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
     except (StopNode, SignalException, KeyboardInterrupt) as exc:
         status.update(exit_code=143, stopped=f"signal {exc}")
     except Exception as exc:  # noqa: BLE001 - rendezvous or agent errors end the node
-        status.update(exit_code=2, error=f"{type(exc).__name__}: {exc}")
+        if not _left_out(args, exc):
+            status.update(exit_code=2, error=f"{type(exc).__name__}: {exc}")
         print(f"[sgpu-agent] node {args.node_index}: {type(exc).__name__}: {exc}", file=sys.stderr,
               flush=True)
     from prefect_sgpu.runtime import PREEMPT_FILE
@@ -340,6 +358,22 @@ def run(args: argparse.Namespace, forked: bool = False) -> int:
         pass
     folder.put_status(args.node_index, NodeStatus(**status))
     return int(status["exit_code"])
+
+
+def _left_out(args: argparse.Namespace, exc: BaseException) -> bool:
+    """An elastic job's node that never joined a round, whose rendezvous the gang closed (it ended, well
+    or not, without this node): not this node's failure. The nodes that ran the ranks report how it went."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    from prefect_sgpu.launch import rendezvous
+
+    if not isinstance(exc, RendezvousClosedError) or rendezvous.JOINED_ROUNDS:
+        return False
+    if not args.min_nodes or args.min_nodes >= args.nnodes:
+        return False
+    print(f"[sgpu-agent] node {args.node_index}: the job ended before this node joined it "
+          f"(an elastic job runs on {args.min_nodes} to {args.nnodes} nodes)", file=sys.stderr, flush=True)
+    return True
 
 
 def node_main(parse: Callable[[list[str] | None], argparse.Namespace],

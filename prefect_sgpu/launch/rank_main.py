@@ -334,7 +334,8 @@ def main() -> int:
     from prefect_sgpu.launch import nccl_env
 
     nccl_env.apply()  # an EFA node: NCCL told to use EFA, before any communicator exists
-    base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname()}
+    base = {"rank": rank, "node": node, "local_rank": local_rank, "host": socket.gethostname(),
+            "world_size": int(os.environ.get("WORLD_SIZE") or 0)}
     checked = _gang_check(base)
     if isinstance(checked, payload.Envelope):  # the check failed: the function does not run
         envelope, exit_code = checked, checked.exit_code

@@ -17,6 +17,12 @@ it is given, and torch elastic unpickles the rendezvous state the first one hold
   hosts the next gang's rendezvous on the same address and port) looks for its own gang's state
   and never joins the next gang's.
 
+Each round an agent joins is recorded in the rendezvous store (the round's node count, under
+:data:`ROUNDS_KEY`), and the agent tells the ranks it then starts which round they run in and how
+many nodes the job's previous round had (:data:`ROUND_ENV`, :data:`PREVIOUS_NODES_ENV`): an elastic
+job's ranks learn that the world changed since its last start (``prefect_sgpu.runtime``), a node that
+joined late as well as one that was there before.
+
 Both go through torch elastic's own handler registry (backend :data:`BACKEND`): the launcher, the
 c10d backend and the dynamic rendezvous are torch's; only where their two stores listen changes.
 """
@@ -30,7 +36,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 
 #: the rendezvous backend name node agents give ``LaunchConfig``
 BACKEND = "sgpu-c10d"
@@ -38,6 +44,14 @@ BACKEND = "sgpu-c10d"
 PURPOSE = b"prefect-sgpu c10d rendezvous id"
 #: seconds a store server waits on its own operations (torch's default for the workers' store)
 STORE_TIMEOUT_S = 300.0
+#: the rendezvous round the ranks of this node run in (set by the agent before it starts them)
+ROUND_ENV = "SGPU_MEMBERSHIP_ROUND"
+#: nodes of the job's round before that one; empty in its first round
+PREVIOUS_NODES_ENV = "SGPU_PREVIOUS_NODES"
+#: where each round's node count is kept in the rendezvous store (``<key>/<round>``)
+ROUNDS_KEY = "sgpu/membership/round"
+#: the rounds this agent joined, in order (empty: it ran no rank yet)
+JOINED_ROUNDS: list[int] = []
 
 
 def rendezvous_id(job_key: str, gang: int) -> str:
@@ -117,7 +131,68 @@ def _create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     # the workers' store: the same server, on this agent's own address (the handler passes its node's, from local_addr)
     handler._create_tcp_store_server = host_store  # type: ignore[attr-defined]
     handler.get_backend = lambda: BACKEND  # type: ignore[method-assign]  # torch checks it is the one asked for
+    _record_rounds(handler, store)
     return handler
+
+
+def _record_rounds(handler: "RendezvousHandler", store: "TCPStore") -> None:
+    """After each round this agent joins: the workers' store told right (:func:`workers_store_of_round`),
+    the round's node count kept in the rendezvous store, and the round and the previous round's node count
+    put where the ranks the agent starts next read them (its environment, which torch elastic's workers
+    inherit, forked or spawned)."""
+    join = handler.next_rendezvous
+
+    def next_rendezvous() -> object:
+        info = workers_store_of_round(handler, join())
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        number = getattr(state, "round", None)
+        if not isinstance(number, int):  # a torch whose handler keeps no round: nothing to tell
+            return info
+        store.set(f"{ROUNDS_KEY}/{number}", str(info.world_size))
+        os.environ[ROUND_ENV] = str(number)
+        os.environ[PREVIOUS_NODES_ENV] = previous_round_nodes(store, number)
+        JOINED_ROUNDS.append(number)
+        return info
+
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def workers_store_of_round(handler: "RendezvousHandler", info: "RendezvousInfo") -> "RendezvousInfo":
+    """The round's workers' store, the same on every agent of it, in every round, not only the first.
+
+    torch elastic's dynamic rendezvous (2.14) publishes the workers' store (``MASTER_ADDR``,
+    ``MASTER_PORT``, under the round's prefix of the rendezvous store) only in an agent's first round
+    or where it has just become rank 0 without a store of its own; in a later round it hands back what
+    it cached. When an elastic job grows, the agent that stays rank 0 so never publishes it for the new
+    round, and the joining node waits for ``MASTER_ADDR`` until it times out, while rank 0 waits for the
+    joiner's role (the rank-change case of the same cache: pytorch/pytorch issue #182221, "AssertionError
+    in elastic c10d rendezvous when rank changes"). Here rank 0 publishes its own store in every round
+    and every other agent reads the round's."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+    server = getattr(handler, "_shared_tcp_store_server", None)
+    node = getattr(handler, "_this_node", None)
+    if os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1" or node is None:
+        return info  # torch builds it afresh in every round
+    if info.rank == 0:
+        if server is None:
+            return info
+        boot = RendezvousStoreInfo(master_addr=node.addr, master_port=server.port)
+        info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, boot.master_addr.encode())
+        info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(boot.master_port).encode())
+    else:
+        boot = RendezvousStoreInfo.build(info.rank, info.store, local_addr=node.addr)
+    handler._bootstrap_store_info = boot  # type: ignore[attr-defined]
+    return RendezvousInfo(info.store, info.rank, info.world_size, boot)
+
+
+def previous_round_nodes(store: "TCPStore", number: int) -> str:
+    """The node count of the latest round before ``number`` that some agent joined ("" when none)."""
+    for earlier in range(number - 1, -1, -1):
+        key = f"{ROUNDS_KEY}/{earlier}"
+        if store.check([key]):
+            return store.get(key).decode()
+    return ""
 
 
 def register() -> None:

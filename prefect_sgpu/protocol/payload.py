@@ -252,6 +252,8 @@ class Envelope:
     finished: float = 0.0
     #: rank 0's report of the gang check (:mod:`prefect_sgpu.observe.gang_check`), where it ran
     gang_check: dict[str, Any] | None = None
+    #: the world size the rank ran in (an elastic job's changes between rounds); 0: not told
+    world_size: int = 0
 
     def value(self, trusted: bool = False) -> Any:
         """The rank's return value: plain data only (:mod:`prefect_sgpu.protocol.safe_pickle`), unless the

@@ -30,7 +30,7 @@ from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, SGPUConfigError
 from prefect_sgpu.protocol.jobfolder import HungRank, NodeStatus
 from prefect_sgpu.ray.placement import alive_node_resources, ask_autoscaler, fits, scaling_options
-from prefect_sgpu.spec import JobSpec, Plan
+from prefect_sgpu.spec import JobSpec, Plan, require_fixed_nodes
 
 if TYPE_CHECKING:
     from prefect_sgpu.protocol.jobfolder import JobFolder
@@ -164,6 +164,7 @@ class RayTrainCompute(Compute):
     # -- planning (nothing spent) -------------------------------------------------
 
     def plan(self, spec: JobSpec, run_id: str) -> RayRequest:
+        require_fixed_nodes(spec, "RayCompute")
         nodes = spec.nodes or 1
         # GPUs only when asked for by type; confirmed against the cluster in acquire
         plan = Plan(nodes=nodes, procs_per_node=spec.gpus // nodes, device="cuda" if spec.gpu_type else "cpu")
