@@ -410,8 +410,7 @@ class RemoteNodeCompute(Compute):
                 allocation.lease.instances[index] = machine
             allocation.progress("running", f"node {index} on {self._describe(machine)}, in place of {retired[0].id}"
                                 if len(retired) == 1 else f"node {index} on {self._describe(machine)}", index)
-        # what the driver tracked of the gang before
-        allocation.announced, allocation.reported, allocation.noticed = set(), set(), set()
+        allocation.announced, allocation.reported, allocation.noticed = set(), set(), set()  # of the gang before
         allocation.notice_version = {}
         allocation.alive_version, allocation.alive_changed, allocation.states = {}, {}, {}
         allocation.launched, allocation.lost, allocation.polled, allocation.states_checked = False, False, 0.0, 0.0
@@ -544,8 +543,7 @@ class RemoteNodeCompute(Compute):
         # every node that reported (a warm lease needs all of them to serve another job)
         allocation.reported |= {n.index for n in allocation.nodes} - {n.index for n in left}
 
-    def running_cost(self, allocation: Allocation) -> dict[str, Any] | None:
-        """The machines' cost from their launch until now (the provider's ``cost``)."""
+    def running_cost(self, allocation: Allocation) -> dict[str, Any] | None:  # launch until now
         return allocation.cost(self.provisioner, allocation.instances, time.time())  # type: ignore[attr-defined]
 
     # -- giving back --------------------------------------------------------------------
