@@ -289,6 +289,9 @@ class NodeStatus(_Doc):
     hung: dict[str, HungRank] = Field(default_factory=dict)
     #: the reclaim notice this node had received, if any
     notice: str | None = None
+    #: why the node's machine may serve no later job (a job's cgroup it could not empty), if so:
+    #: a warm lease with such a node is not offered to the next job, and its machines end
+    unfit: str | None = None
 
 
 D = TypeVar("D", bound=_Doc)
