@@ -129,6 +129,7 @@ class JobArgs(TypedDict, total=False):
     gang_check: bool
     environment: Any
     trusted_results: bool
+    fresh_machines: bool
 
 
 class TaskArgs(JobArgs, total=False):
@@ -141,7 +142,7 @@ class TaskArgs(JobArgs, total=False):
 #: every field of a job spec, in the order users meet them
 FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "secrets", "mlflow",
           "max_recoveries", "hang_timeout", "straggler_factor", "straggler_steps", "gang_check", "environment",
-          "strategy", "return_all", "trusted_results")
+          "strategy", "return_all", "trusted_results", "fresh_machines")
 
 
 def _check_shape(gpus: int | None, nodes: int | None) -> None:
@@ -175,6 +176,7 @@ class SpecLayer(BaseModel):
     strategy: Strategy = None
     return_all: bool | None = None
     trusted_results: TrustedResults | None = None
+    fresh_machines: bool | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> "SpecLayer":
@@ -215,6 +217,10 @@ class JobSpec(BaseModel):
         "Load every rank's return value and exception with plain pickle (any class, any code its "
         "__reduce__ names). False (the default) loads only plain data: builtins, containers, numbers, "
         "datetime, numpy arrays, torch tensors, prefect_sgpu's errors. See docs/security.md."))
+    fresh_machines: bool = Field(False, description=(
+        "Run on machines launched for this job alone and ended after it, even where the compute keeps "
+        "machines warm (keep_warm): the jobs one warm lease serves are one principal, and a job that "
+        "must not share its machines with another job's code asks for fresh ones. See docs/security.md."))
 
     @model_validator(mode="after")
     def _shape(self) -> "JobSpec":
