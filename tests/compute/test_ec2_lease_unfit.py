@@ -53,14 +53,14 @@ def test_a_lease_whose_jobs_cgroup_could_not_be_emptied_is_not_offered_to_the_ne
         left = root / one["cgroup"].lstrip("/")
         assert left.exists(), "the job's cgroup stays: it holds a cgroup of the job's making"
         lease = lease_id(first.run_id)
-        console = ec2.simulator.console(one["instance"])
-        # said before the node's status, which tells the driver
-        assert "could not be emptied and removed" in console and "serves no later job" in console, console[-3000:]
 
         second = fn.job(False)
         two = second.run().values[0]
         assert two["instance"] != one["instance"], "the next job ran on a machine of its own"
         assert len(ec2.sent_run_instances()) == 2, "the unfit lease was not offered: a second RunInstances"
+        console = ec2.simulator.console(one["instance"])
+        # said before the node's status, which tells the driver
+        assert "could not be emptied and removed" in console and "serves no later job" in console, console[-3000:]
         deadline = time.monotonic() + 60
         while ec2.instances(lease, live=True) and time.monotonic() < deadline:
             time.sleep(0.5)
