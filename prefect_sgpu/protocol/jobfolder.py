@@ -40,9 +40,7 @@ Layout of one job (``<store root>/<run_id>/...``)::
     metrics/rank-<r>.jsonl      relayed MLflow records (remote ranks),    rank r -> driver
                                 one sealed record a line
                                 (:mod:`prefect_sgpu.observe.mlflow_relay`)
-    progress/rank-<r>           rank r's step line, and under it the line rank r -> driver
-                                sealed with the job's progress key, bound
-                                to rank and gang (:mod:`.rank_progress`)
+    progress/rank-<r>           rank r's step, sealed (:mod:`.rank_progress`) rank r -> driver
     logs/rank-<r>.log           rank r's stdout+stderr (kept after the job)
     logs/gang-<n>/rank-<r>.log  the logs of a gang relaunched after infrastructure loss
     agent/node-<i>.out          node i's agent output
@@ -289,8 +287,7 @@ class NodeStatus(_Doc):
     hung: dict[str, HungRank] = Field(default_factory=dict)
     #: the reclaim notice this node had received, if any
     notice: str | None = None
-    #: why the node's machine may serve no later job (a job's cgroup it could not empty), if so:
-    #: a warm lease with such a node is not offered to the next job, and its machines end
+    #: why the machine may serve no later job (a job's cgroup it could not empty): its lease ends
     unfit: str | None = None
 
 
