@@ -255,10 +255,20 @@ def progress(step: int | None = None, *, total: int | None = None, force: bool =
     path = job_dir / PROGRESS_DIR / f"rank-{rank()}"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    if step is None:
-        tmp.write_text(f"{os.getpid()}\n")
-    else:
-        # "pid step total time first" (total 0: not given); the time is what the driver's step rates follow,
-        # first (when the rank reported its first step) what the job's timeline shows
-        tmp.write_text(f"{os.getpid()} {int(step)} {int(total or 0)} {now:.3f} {_first_step[0]:.3f}\n")
+    # "pid step total time first" (total 0: not given); the time is what the driver's step rates follow,
+    # first (when the rank reported its first step) what the job's timeline shows
+    line = (f"{os.getpid()}" if step is None
+            else f"{os.getpid()} {int(step)} {int(total or 0)} {now:.3f} {_first_step[0]:.3f}")
+    tmp.write_bytes(_sealed_progress(job_dir, line))
     os.replace(tmp, path)
+
+
+def _sealed_progress(job_dir: Path, line: str) -> bytes:
+    """The progress file: the line, and the line sealed with the rank's progress key (the driver acts
+    on the sealed line only: :mod:`prefect_sgpu.protocol.rank_progress`)."""
+    from prefect_sgpu.protocol import rank_progress
+    from prefect_sgpu.protocol.jobfolder import GANG_ENV
+
+    gang = os.environ.get(GANG_ENV, "")
+    return rank_progress.file_bytes(line, os.environ.get(rank_progress.KEY_ENV, ""),
+                                    Path(os.path.abspath(job_dir)).name, rank(), int(gang) if gang.isdigit() else 0)

@@ -178,6 +178,7 @@ class JobArgs(TypedDict, total=False):
     environment: Any
     trusted_results: bool
     max_cost_usd: float | None
+    fresh_machines: bool
 
 
 class TaskArgs(JobArgs, total=False):
@@ -190,7 +191,7 @@ class TaskArgs(JobArgs, total=False):
 #: every field of a job spec, in the order users meet them
 FIELDS = ("gpus", "gpu_type", "nodes", "remote", "timeout", "max_restarts", "env", "secrets", "mlflow",
           "max_recoveries", "hang_timeout", "straggler_factor", "straggler_steps", "gang_check", "environment",
-          "strategy", "return_all", "trusted_results", "max_cost_usd")
+          "strategy", "return_all", "trusted_results", "max_cost_usd", "fresh_machines")
 
 
 def max_nodes(nodes: int | tuple[int, int] | None) -> int | None:
@@ -237,6 +238,7 @@ class SpecLayer(BaseModel):
     return_all: bool | None = None
     trusted_results: TrustedResults | None = None
     max_cost_usd: MaxCost = None
+    fresh_machines: bool | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> "SpecLayer":
@@ -278,6 +280,10 @@ class JobSpec(BaseModel):
         "__reduce__ names). False (the default) loads only plain data: builtins, containers, numbers, "
         "datetime, numpy arrays, torch tensors, prefect_sgpu's errors. See docs/security.md."))
     max_cost_usd: MaxCost = None
+    fresh_machines: bool = Field(False, description=(
+        "Run on machines launched for this job alone and ended after it, even where the compute keeps "
+        "machines warm (keep_warm): the jobs one warm lease serves are one principal, and a job that "
+        "must not share its machines with another job's code asks for fresh ones. See docs/security.md."))
 
     @model_validator(mode="after")
     def _shape(self) -> "JobSpec":

@@ -10,6 +10,8 @@ import pytest
 from prefect_sgpu import SGPUConfigError, distributed
 from prefect_sgpu import spec as spec_mod
 from prefect_sgpu.observe.progress_watch import StragglerWatch, describe, parse_progress
+from prefect_sgpu.protocol.jobfolder import new_key
+from prefect_sgpu.protocol.rank_progress import file_bytes, progress_key
 from prefect_sgpu.store import LocalStore
 from prefect_sgpu.observe.stragglers import Straggler, StragglerDetector
 
@@ -141,12 +143,14 @@ def test_a_progress_file_gives_the_ranks_step_and_time() -> None:
 
 def test_the_watch_reads_every_ranks_progress_file_and_places_the_straggler(tmp_path: os.PathLike) -> None:
     store = LocalStore(tmp_path)
-    watch = StragglerWatch(store, "job-1", 3, 2.0, 2, interval=0.0,
+    key = new_key()
+    watch = StragglerWatch(store, "job-1", 3, 2.0, 2, key=key, interval=0.0,
                            where=lambda rank: {"node": rank // 2, "host": f"host-{rank // 2}", "instance_id": None})
     named: list[Straggler] = []
     for tick in range(1, 12):
         for rank, per_tick in ((0, 10), (1, 10), (2, 1)):
-            store.put("job-1", f"progress/rank-{rank}", f"99 {tick * per_tick} 0 {1000 + tick}.0\n".encode())
+            store.put("job-1", f"progress/rank-{rank}", file_bytes(f"99 {tick * per_tick} 0 {1000 + tick}.0",
+                                                                   progress_key(key), "job-1", rank))
         named.extend(watch.poll(now=float(tick)))
     assert [(s.rank, s.node, s.host) for s in named] == [(2, 1, "host-1")]
     assert named[0].rate == pytest.approx(1.0) and named[0].median_rate == pytest.approx(10.0)

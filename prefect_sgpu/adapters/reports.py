@@ -102,9 +102,9 @@ class _Progress:
         self._thread.start()
 
     def _read(self) -> tuple[int, int | None] | None:
-        from prefect_sgpu.observe.live import read_step
+        from prefect_sgpu.observe.live import job_step
 
-        return read_step(self.job.store, self.job.run_id)
+        return job_step(self.job)
 
     def _update(self, progress: float, description: str) -> None:
         from prefect.artifacts import update_progress_artifact

@@ -43,6 +43,7 @@ class LeaseServing:
     drop_scratch: Any
     cgroup: Any
     close_cgroup: Any
+    unfit: str | None
 
     def serve_lease(self) -> int:
         """Jobs one after another, each as the lease assigns it; between them, wait in the lease's folder."""
@@ -77,6 +78,9 @@ class LeaseServing:
                 self.enter(lease_id, lease_key)
             if code is not None:
                 return code
+            if self.unfit:  # what a job left may still run here: no later job is served beside it
+                _log(f"lease {lease_id}: this node takes no more assignments ({self.unfit})")
+                return self.watch_until_gone()
 
     def wait_for_assignment(self) -> Assign | None:
         """The lease's next verified assignment for this node (a sequence number above the last

@@ -113,6 +113,9 @@ class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):
         #: the running job's cgroup (:mod:`prefect_sgpu.launch.job_cgroup`); None where the node cannot make one
         self.cgroup: JobCgroup | None = None
         self._cgroup_refused = False
+        #: why this machine may serve no later job (a job's cgroup it could not empty): said in every
+        #: status it writes from then on; a lease's node takes no further assignment
+        self.unfit: str | None = None
         #: where those folders are made: this process's temp folder, never a job's
         self.temp_root = tempfile.gettempdir()
         self._error_logged = 0.0

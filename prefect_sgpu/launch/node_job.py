@@ -53,6 +53,7 @@ class JobServing:
     temp_root: str
     _agent: Any
     _cgroup_refused: bool
+    unfit: str | None
     _alive_lock: Any
     _enter: Any
     _refused: Any
@@ -144,7 +145,9 @@ class JobServing:
         if killed:
             _log(f"killed {killed} process(es) job {self.run_id} left in its cgroup")
         if cgroup.path.exists():
-            _log(f"the cgroup {cgroup.path} of job {self.run_id} could not be emptied and removed")
+            self.unfit = self.unfit or (f"the cgroup {cgroup.path} of job {self.run_id} could not be emptied "
+                                        f"and removed ({len(cgroup.pids())} process(es) left in it)")
+            _log(f"{self.unfit}: this machine serves no later job")
 
     def drop_scratch(self) -> None:
         """Delete the job's temp and cache folder (once its processes are gone)."""

@@ -45,6 +45,7 @@ class NodeSync:
     _appended: dict[str, tuple[Path, int]]
     _log_shipped: dict[str, float]
     _progress_sent: float
+    unfit: str | None
     _alive_lock: Any
     _alive_quiet: bool
     _store_error: Any
@@ -141,6 +142,8 @@ class NodeSync:
                                 error=reason or f"node agent exited with code {code} and no status")
         if reason and reason.startswith(HEARTBEAT_STOP) and not (status.stopped or "").startswith(HEARTBEAT_STOP):
             status = status.model_copy(update={"stopped": reason})  # why this node stopped its agent
+        if self.unfit:  # the driver gives no later job to this machine
+            status = status.model_copy(update={"unfit": self.unfit})
         self.quiet()  # after its status a node writes nothing more to the folder
         try:
             self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)

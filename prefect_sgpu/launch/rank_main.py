@@ -316,10 +316,11 @@ def _leave_tracked_run(run_id: str | None) -> None:
 def main() -> int:
     from prefect_sgpu.protocol import jobfolder
     from prefect_sgpu.observe import mlflow_relay
-    from prefect_sgpu.protocol import payload
+    from prefect_sgpu.protocol import payload, rank_progress
 
     key = os.environ.pop("SGPU_PAYLOAD_KEY")
     mlflow_relay.arm(key)  # relayed MLflow records are sealed (with a key derived from this one)
+    rank_progress.arm(key)  # so are progress files (runtime.progress), with a key of their own
     folder = jobfolder.JobFolder.local(os.environ["SGPU_JOB_DIR"], key)
     folder.gang = int(os.environ.get(jobfolder.GANG_ENV) or 0)  # the result is bound to this gang
     rank = int(os.environ["RANK"])

@@ -34,18 +34,27 @@ def enabled(stream: Any = None) -> bool:
         return False
 
 
-def read_step(store: Any, run_id: str) -> tuple[int, int | None] | None:
-    """Rank 0's last reported ``(step, total)`` from the job folder, or None."""
-    from prefect_sgpu.runtime import PROGRESS_DIR
+def read_step(store: Any, run_id: str, *, key: str, gang: int = 0) -> tuple[int, int | None] | None:
+    """Rank 0's last reported ``(step, total)`` from the job folder, or None (none yet, or a file
+    not sealed with the job's progress key for rank 0 of this gang: :mod:`prefect_sgpu.protocol.rank_progress`)."""
+    from prefect_sgpu.protocol.rank_progress import read_line
 
     try:
-        fields = (store.get(run_id, f"{PROGRESS_DIR}/rank-0") or b"").decode().split()
+        fields = (read_line(store, run_id, 0, key, gang) or "").split()
         if len(fields) < 2:
             return None
         total = int(fields[2]) if len(fields) > 2 else 0
         return int(fields[1]), (total if total > 0 else None)
-    except Exception:  # noqa: BLE001 - half-written or gone: next time
+    except Exception:  # noqa: BLE001 - half-written, gone or refused: next time
         return None
+
+
+def job_step(job: Any) -> tuple[int, int | None] | None:
+    """Rank 0's last reported ``(step, total)`` of a running job, or None (its folder not made yet)."""
+    folder = getattr(job, "folder", None)
+    if folder is None:
+        return None
+    return read_step(job.store, job.run_id, key=folder.key, gang=folder.gang)
 
 
 class _PhaseHandler(logging.Handler):
@@ -95,7 +104,7 @@ class LiveStatus:
         while not self._stop.wait(self.every):
             now = time.monotonic()
             if now - last_read >= 2.0:
-                self._step = read_step(self.job.store, self.job.run_id) or self._step
+                self._step = job_step(self.job) or self._step
                 last_read = now
             self._status.update(self.line())
 

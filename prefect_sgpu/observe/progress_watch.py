@@ -5,7 +5,11 @@ A rank's progress file holds ``pid step total time first`` (:func:`prefect_sgpu.
 ``first``: when it reported its first step, for the job's timeline; older ranks wrote
 ``pid [step [total [time]]]``, then the driver's own clock stands in for the rank's). On EC2
 each node ships its ranks' files with its logs, so the rates follow their own clocks, not the
-upload's delay.
+upload's delay. The watch reads only the line sealed under it with the job's progress key
+(:mod:`prefect_sgpu.protocol.rank_progress`): a file that is unsealed, forged, moved from another
+rank, job or gang, or older than what it already read of that rank is refused with a warning
+(once per rank; later ones are counted), so whoever can write the store cannot get a rank named
+a straggler.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from prefect_sgpu.runtime import PROGRESS_DIR
+from prefect_sgpu.protocol.rank_progress import ProgressRefused, read_line
 from prefect_sgpu.store import Store
 from prefect_sgpu.observe.stragglers import Straggler, StragglerDetector
 
@@ -49,17 +53,24 @@ def first_step_time(data: bytes | None, default: float) -> float:
 class StragglerWatch:
     """One gang's stragglers: ``poll()`` every loop of the driver; reads at most every ``interval`` s."""
 
-    def __init__(self, store: Store, run_id: str, world_size: int, factor: float, steps: int, *,
-                 interval: float = LOCAL_INTERVAL_S, where: Callable[[int], dict[str, Any]] | None = None) -> None:
+    def __init__(self, store: Store, run_id: str, world_size: int, factor: float, steps: int, *, key: str,
+                 gang: int = 0, interval: float = LOCAL_INTERVAL_S,
+                 where: Callable[[int], dict[str, Any]] | None = None) -> None:
         self.store = store
         self.run_id = run_id
         self.world_size = world_size
         self.interval = interval
         self.where = where or (lambda rank: {})
         self.detector = StragglerDetector(factor, steps)
+        self._key = key  # the job key: the progress key derives from it
+        self._gang = gang
         self._last_read = 0.0
         #: each rank's first step as its progress file says (rank -> wall time), for the job's timeline
         self.first_steps: dict[int, float] = {}
+        #: the newest time read of each rank: a sealed line older than it was written back
+        self._newest: dict[int, float] = {}
+        #: progress files refused, per rank (the first is logged)
+        self.refused: dict[int, int] = {}
 
     def poll(self, now: float | None = None) -> list[Straggler]:
         """The stragglers named since the last poll (each with its node, host and instance where known)."""
@@ -70,16 +81,36 @@ class StragglerWatch:
         found: list[Straggler] = []
         for rank in range(self.world_size):
             try:
-                data = self.store.get(self.run_id, f"{PROGRESS_DIR}/rank-{rank}")
-                seen = parse_progress(data, time.time())
+                seen = self._read(rank)
+            except ProgressRefused as exc:
+                self._refuse(rank, str(exc))
+                continue
             except Exception:  # noqa: BLE001 - the store will answer next time; the job's outcome matters more
                 logger.debug("could not read the progress of rank %d of job %s", rank, self.run_id, exc_info=True)
                 continue
             if seen is not None:
-                if rank not in self.first_steps:
-                    self.first_steps[rank] = first_step_time(data, seen[1])
                 found.extend(self.detector.observe(rank, *seen))
         return [self._placed(s) for s in found]
+
+    def _read(self, rank: int) -> tuple[int, float] | None:
+        """The rank's sealed ``(step, time)``, None while it reported none; ProgressRefused."""
+        line = read_line(self.store, self.run_id, rank, self._key, self._gang)
+        seen = parse_progress(line.encode() if line is not None else None, time.time())
+        if seen is None:
+            return None
+        if seen[1] < self._newest.get(rank, seen[1]):
+            raise ProgressRefused(f"step {seen[0]} at {seen[1]:.3f} is older than a step already read (written "
+                                  "back)")
+        self._newest[rank] = seen[1]
+        if rank not in self.first_steps:
+            self.first_steps[rank] = first_step_time(line.encode() if line is not None else None, seen[1])
+        return seen
+
+    def _refuse(self, rank: int, why: str) -> None:
+        count = self.refused[rank] = self.refused.get(rank, 0) + 1
+        if count == 1:
+            logger.warning("job %s: the progress file of rank %d was refused, and is not acted on (later "
+                           "refusals of this rank are counted, not logged): %s", self.run_id, rank, why)
 
     def _placed(self, straggler: Straggler) -> Straggler:
         from dataclasses import replace
@@ -113,6 +144,7 @@ def for_job(job: Any) -> StragglerWatch | None:
                 "instance_id": node.instance_id if node else None}
 
     return StragglerWatch(job.store, job.run_id, plan.world_size, spec.straggler_factor, spec.straggler_steps,
+                          key=job.folder.key, gang=job.folder.gang,
                           interval=REMOTE_INTERVAL_S if job.compute.remote else LOCAL_INTERVAL_S, where=where)
 
 

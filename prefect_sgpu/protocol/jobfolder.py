@@ -40,6 +40,7 @@ Layout of one job (``<store root>/<run_id>/...``)::
     metrics/rank-<r>.jsonl      relayed MLflow records (remote ranks),    rank r -> driver
                                 one sealed record a line
                                 (:mod:`prefect_sgpu.observe.mlflow_relay`)
+    progress/rank-<r>           rank r's step, sealed (:mod:`.rank_progress`) rank r -> driver
     logs/rank-<r>.log           rank r's stdout+stderr (kept after the job)
     logs/gang-<n>/rank-<r>.log  the logs of a gang relaunched after infrastructure loss
     agent/node-<i>.out          node i's agent output
@@ -54,9 +55,9 @@ sequence number) per node, bound to the lease, the node and the instance. A node
 assignment reads that job's key from SSM (its name derives from the run id) and serves the job
 in the job's own folder as above, then comes back to the lease's.
 
-In a node's own copy of the folder (on EC2, the instance's disk) two more files live, never
-uploaded: ``preempt`` (the reclaim notice, for ``runtime.preemption_requested()``) and
-``progress/rank-<r>`` (what the hang watchdog reads).
+In a node's own copy of the folder (on EC2, the instance's disk) one more file lives, never
+uploaded: ``preempt`` (the reclaim notice, for ``runtime.preemption_requested()``). The node's
+hang watchdog reads the plain line of each ``progress/rank-<r>`` there.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ BUNDLE_MAGIC = b"SGPU2-LAUNCH\n"
 _DIGEST = 32
 
 Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result", "assign",
-               "rejoin", "checkpoint", "metrics", "envpack"]
+               "rejoin", "checkpoint", "metrics", "envpack", "progress"]
 
 # --- keys ------------------------------------------------------------------------------
 
@@ -290,6 +291,8 @@ class NodeStatus(_Doc):
     hung: dict[str, HungRank] = Field(default_factory=dict)
     #: the reclaim notice this node had received, if any
     notice: str | None = None
+    #: why the machine may serve no later job (a job's cgroup it could not empty): its lease ends
+    unfit: str | None = None
 
 
 D = TypeVar("D", bound=_Doc)

@@ -236,7 +236,9 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
     def plan(self, spec: JobSpec, run_id: str) -> EC2Request:
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
-        lease = lease_id(run_id) if self.keep_warm > 0 else ""
+        # a job that asked for fresh machines takes no warm lease and leaves none: jobs on one lease are one principal
+        warm = self.keep_warm > 0 and not spec.fresh_machines
+        lease = lease_id(run_id) if warm else ""
         user_data = self.user_data(lease or run_id, lease=bool(lease), environment=spec.environment,
                                    timeout_s=spec.timeout)
         attempts = self.provisioner.attempts(lease or run_id, plan, user_data)
@@ -250,7 +252,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
                           agent_timeout_s=self.boot_timeout_s(instance_type),
                           job_role=roles.role_name(lease or run_id) if self.settings.job_roles else "",
                           job_role_path=roles.role_path(self.store.scope),
-                          keep_warm=self.keep_warm, lease_id=lease)
+                          keep_warm=self.keep_warm if warm else 0.0, lease_id=lease)
 
     def price_per_hour(self, request: Request) -> float | None:
         """The plan's: the catalog's on-demand list price of its instance type, times its nodes (None

@@ -20,8 +20,9 @@ assign, nor serve an old one again.
 - when the compute that used it last is closed (the task runner closes its compute when the
   flow ends), or on demand (:func:`prefect_sgpu.release_warm`);
 - after ``keep_warm`` seconds without a job;
-- when a job on it lost a node, failed to start on it, or did not end cleanly on every node:
-  such a lease is never reused;
+- when a job on it lost a node, failed to start on it, or did not end cleanly on every node,
+  or when a node's status says its machine is unfit (the job's cgroup could not be emptied, so
+  what the job left may still run there: :func:`note_status`): such a lease is never reused;
 - when this interpreter exits; and if the driver dies outright, because the nodes stop
   seeing the lease's heartbeat and terminate themselves after the heartbeat TTL (the
   sweeper removes what they cannot).
@@ -44,7 +45,7 @@ from prefect_sgpu.protocol.jobfolder import Assign, alive_key, notice_key
 
 if TYPE_CHECKING:
     from prefect_sgpu.compute.remote.provider import Machine, Provider
-    from prefect_sgpu.protocol.jobfolder import JobFolder
+    from prefect_sgpu.protocol.jobfolder import JobFolder, NodeStatus
 
 logger = logging.getLogger("prefect_sgpu.compute.remote.lease")
 
@@ -177,3 +178,12 @@ class WarmLease(Pooled):
     def describe(self) -> dict[str, Any]:
         return {"lease": self.lease_id, "instances": [i.id for i in self.instances], "jobs": self.jobs,
                 "unfit": self.unfit}
+
+
+def note_status(lease: "WarmLease | None", node: int, status: "NodeStatus | None") -> "NodeStatus | None":
+    """A node's status as the driver reads it (returned unchanged). One that says its machine is unfit
+    (what its job left could not be ended) marks the job's lease unfit: it is not offered to the next
+    job, and its machines end when the job gives it back."""
+    if lease is not None and status is not None and status.unfit:
+        lease.mark_unfit(f"node {node}: {status.unfit}")
+    return status

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from prefect_sgpu.compute.base import (MASKED_ENV, AllocatedNode, Allocation, Compute, Event, JobLaunch, NodeExited,
                                        NodeLost, NodeNotice, NodeUp, Released, Request)
 from prefect_sgpu.compute.remote.allocation import RemoteAllocation, RemoteRequest, cost_text
-from prefect_sgpu.compute.remote.lease import WarmLease
+from prefect_sgpu.compute.remote.lease import WarmLease, note_status
 from prefect_sgpu.compute.remote.provider import Machine, Provider
 from prefect_sgpu.errors import EnvironmentMismatch, JobCancelled, LaunchTimeout, ProvisioningError
 from prefect_sgpu.protocol.jobfolder import (JobFolder, LaunchDocument, alive_key, new_key, notice_key, ssm_key_parameter,
@@ -482,7 +482,8 @@ class RemoteNodeCompute(Compute):
         listed = allocation.folder.node_documents() if pending else {}
         for node in pending:
             iid = node.instance_id or ""
-            status = allocation.folder.status(node.index, instance_id=iid) if status_key(node.index) in listed else None
+            status = note_status(allocation.lease, node.index, allocation.folder.status(node.index, instance_id=iid)
+                                 if status_key(node.index) in listed else None)
             if status is not None:
                 allocation.reported.add(node.index)
                 events.append(NodeExited(node.index, status.exit_code, status))
@@ -524,7 +525,7 @@ class RemoteNodeCompute(Compute):
         def pending(nodes: list[AllocatedNode]) -> list[AllocatedNode]:  # one listing, reads for what appeared
             listed = folder.node_documents()
             return [n for n in nodes if status_key(n.index) not in listed
-                    or folder.status(n.index, instance_id=n.instance_id) is None]
+                    or note_status(allocation.lease, n.index, folder.status(n.index, instance_id=n.instance_id)) is None]
 
         if not allocation.launched:
             return
