@@ -8,8 +8,7 @@ acts on is sealed: HMAC-SHA256 with the job's key over a header that binds it to
 - the job (``run_id``): a document copied from another job is refused;
 - its kind (payload, heartbeat, stop, launch, alive, notice, status, result): a status cannot
   stand in for a launch document;
-- its node index or rank (and on EC2 the instance id): node 1's launch document
-  cannot start node 0.
+- its node index or rank (and on EC2 the instance id): node 1's launch document cannot start node 0.
 - for results and the stop, the gang (the relaunch it belongs to, from the second gang on): a
   lost gang's result or stop written back after a relaunch is not the new gang's. A node learns
   its gang from what only the driver writes: its boot arguments (``--gang``, in the EC2
@@ -29,9 +28,8 @@ Layout of one job (``<store root>/<run_id>/...``)::
     payload.bin                 sealed cloudpickle of the call           driver -> ranks
     heartbeat                   sealed Heartbeat (seq, time)              driver -> nodes
     stop                        sealed Stop (bound to the gang)           driver -> nodes
-    nodes/launch                one sealed LaunchDocument (argv, env)     driver -> nodes
-                                per node, each bound to its node and
-                                instance (:func:`launch_bundle`)
+    nodes/launch                one sealed LaunchDocument a node, bound   driver -> nodes
+                                to node and instance (:func:`launch_bundle`)
     nodes/node-<i>.alive        sealed Alive (phase, seq)                 node i -> driver
     nodes/node-<i>.notice       sealed Notice (reclaim notice)            node i -> driver
     nodes/node-<i>.status       sealed NodeStatus (exit code, failures,   node i -> driver
@@ -55,9 +53,8 @@ sequence number) per node, bound to the lease, the node and the instance. A node
 assignment reads that job's key from SSM (its name derives from the run id) and serves the job
 in the job's own folder as above, then comes back to the lease's.
 
-In a node's own copy of the folder (on EC2, the instance's disk) one more file lives, never
-uploaded: ``preempt`` (the reclaim notice, for ``runtime.preemption_requested()``). The node's
-hang watchdog reads the plain line of each ``progress/rank-<r>`` there.
+A node's own copy of the folder (on EC2, the instance's disk) holds ``preempt`` (the reclaim notice, never
+uploaded); the node's hang watchdog reads the plain line of each ``progress/rank-<r>`` there.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The driver half of the remote-node protocol: machines of their own, reached only through the store.
 
-A remote-node compute never needs an inbound port on the driver: everything between it and
-the nodes goes through the job's store folder as sealed documents
-(:mod:`prefect_sgpu.protocol.jobfolder`). The machines boot the node half
-(:mod:`prefect_sgpu.launch.bootstrap` over a :mod:`~prefect_sgpu.launch.node_host`); each
-node announces itself (a sealed ``alive`` document), the driver writes every node's sealed
-launch document (one object) once all are up, and the nodes run the ordinary node agent
-against a local mirror of the job folder.
+A remote-node compute never needs an inbound port on the driver: everything between it and the nodes goes
+through the job's store folder as sealed documents (:mod:`prefect_sgpu.protocol.jobfolder`). The machines
+boot the node half (:mod:`prefect_sgpu.launch.bootstrap` over a :mod:`~prefect_sgpu.launch.node_host`); each
+node announces itself (a sealed ``alive`` document), the driver writes every node's sealed launch document
+(one object) once all are up, and the nodes run the ordinary node agent against a local mirror of the job
+folder.
 
 :class:`RemoteNodeCompute` is that protocol, whatever the cloud: the job key and ``secrets=``
 put where nodes read them, the waits for nodes, launch documents, polling (statuses, notices,
