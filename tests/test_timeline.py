@@ -17,6 +17,7 @@ from prefect_sgpu.compute.local import LocalProcessCompute
 from prefect_sgpu.compute.remote.nodes import Progress
 from prefect_sgpu.driver.job import Job
 from prefect_sgpu.driver.results import RankReport
+from prefect_sgpu.protocol import rank_progress
 from prefect_sgpu.observe import timeline
 from prefect_sgpu.observe.progress_watch import StragglerWatch, first_step_time
 from prefect_sgpu.protocol import payload
@@ -89,15 +90,17 @@ def test_the_straggler_watch_keeps_each_ranks_first_step_from_its_own_progress_f
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setattr(runtime, "_first_step", [0.0])
     monkeypatch.setattr(runtime, "_last_progress", [0.0])
+    key = "ab" * 32
+    monkeypatch.setenv(rank_progress.KEY_ENV, rank_progress.progress_key(key))
     before = time.time()
     runtime.progress(1, total=10, force=True)
     first = time.time()
     time.sleep(0.05)
     runtime.progress(7, force=True)  # the watch reads only now: the file still says when step 1 was
-    fields = (tmp_path / "run-1" / runtime.PROGRESS_DIR / "rank-1").read_text().split()
+    fields = (tmp_path / "run-1" / runtime.PROGRESS_DIR / "rank-1").read_text().splitlines()[0].split()
     assert fields[1] == "7" and before - 0.001 <= float(fields[4]) <= first + 0.001 < float(fields[3])
 
-    watch = StragglerWatch(LocalStore(tmp_path), "run-1", 2, 2.0, 3)
+    watch = StragglerWatch(LocalStore(tmp_path), "run-1", 2, 2.0, 3, key=key)
     watch.poll()
     assert list(watch.first_steps) == [1] and watch.first_steps[1] == float(fields[4])
     assert first_step_time(b"123 4 0 99.5", 42.0) == 42.0, "a rank that wrote four fields: the read's time"
