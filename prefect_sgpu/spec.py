@@ -118,10 +118,10 @@ Secrets = Annotated[dict[str, str], BeforeValidator(_secret_names),
                     Field(description="Environment variables of every rank read from Prefect Secret blocks "
                                       "(variable -> block name); they travel encrypted, never in a document.")]
 Recoveries = Annotated[int, Field(ge=0, description="Relaunches after infrastructure loss (spot reclaim, lost node).")]
-HangTimeout = Annotated[float | None, BeforeValidator(_seconds),
-                        Field(gt=0, description="Seconds without progress from a rank before the job fails; "
-                                                "None turns the watchdog off.")]
-StragglerFactor = Annotated[float | None, Field(gt=1, description=(
+HangTimeout = Annotated[Annotated[float, Field(gt=0)] | None, BeforeValidator(_seconds),
+                        Field(description="Seconds without progress from a rank before the job fails; "
+                                          "None turns the watchdog off.")]
+StragglerFactor = Annotated[Annotated[float, Field(gt=1)] | None, Field(description=(
     "A rank whose step rate stays below the median rate divided by this factor is named a straggler; "
     "None turns straggler naming off."))]
 StragglerSteps = Annotated[int, Field(ge=1, description="Steps a rank must stay that slow before it is named.")]

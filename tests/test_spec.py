@@ -136,3 +136,15 @@ def test_decorator_without_arguments_takes_the_environment(monkeypatch: pytest.M
     monkeypatch.setenv("PREFECT_SGPU_GPUS", "3")
     assert distributed(_noop).spec.gpus == 3
     assert distributed(gpus=1)(_noop).spec.gpus == 1, "given explicitly, the default value wins"
+
+
+def test_none_turns_the_watchdog_and_straggler_naming_off_as_the_docs_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fn() -> None:
+        return None
+
+    spec = distributed(gpus=1, hang_timeout=None, straggler_factor=None)(fn).spec
+    assert spec.hang_timeout is None and spec.straggler_factor is None
+    monkeypatch.setenv("PREFECT_SGPU_HANG_TIMEOUT", "none")
+    assert distributed(gpus=1)(fn).spec.hang_timeout is None
+    with pytest.raises(SGPUConfigError, match="hang_timeout"):
+        distributed(gpus=1, hang_timeout=0)(fn)
