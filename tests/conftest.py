@@ -38,13 +38,13 @@ RAY_CLUSTER_GROUP = "ray-cluster"
 #: ``pytest.mark.xdist_group("whole-machine")``: they never overlap each other.
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_addoption(parser: pytest.Parser) -> None:
     from support.quick_tier import add_option
 
     add_option(parser)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put each test that needs the session's Ray cluster in the Ray group (and, under ``--quick``,
     leave out the long end-to-end tests: tests/support/quick_tier.py).

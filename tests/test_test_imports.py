@@ -57,3 +57,12 @@ def test_every_name_taken_from_another_file_of_the_suite_is_there_and_public_in_
                     problems.append(f"{where}: takes the private {alias.name!r} of the test module "
                                     f"{node.module}; shared helpers belong in support/")
     assert not problems, "\n".join(problems)
+
+
+def test_the_suites_group_hook_runs_before_xdists_reads_the_groups() -> None:
+    """``conftest.pytest_collection_modifyitems`` adds the Ray group's marker; xdist names a grouped
+    test ``…@group`` in its own hook, so ours must run first (``tryfirst``). Without it every worker
+    refuses its collection (``pytest_collection_finish``) and xdist reports an INTERNALERROR."""
+    import conftest
+
+    assert conftest.pytest_collection_modifyitems.pytest_impl["tryfirst"]  # type: ignore[attr-defined]
