@@ -62,7 +62,10 @@ def test_every_name_taken_from_another_file_of_the_suite_is_there_and_public_in_
 def test_the_suites_group_hook_runs_before_xdists_reads_the_groups() -> None:
     """``conftest.pytest_collection_modifyitems`` adds the Ray group's marker; xdist names a grouped
     test ``…@group`` in its own hook, so ours must run first (``tryfirst``). Without it every worker
-    refuses its collection (``pytest_collection_finish``) and xdist reports an INTERNALERROR."""
-    import conftest
-
-    assert conftest.pytest_collection_modifyitems.pytest_impl["tryfirst"]  # type: ignore[attr-defined]
+    refuses its collection (``pytest_collection_finish``) and xdist reports an INTERNALERROR. Read
+    from the source: a worker's ``conftest`` module may be another folder's."""
+    tree = ast.parse((TESTS / "conftest.py").read_text())
+    (hook,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "pytest_collection_modifyitems"]
+    assert any(isinstance(d, ast.Call) and ast.unparse(d.func) == "pytest.hookimpl"
+               and any(k.arg == "tryfirst" and ast.literal_eval(k.value) is True for k in d.keywords)
+               for d in hook.decorator_list), "pytest_collection_modifyitems lost @pytest.hookimpl(tryfirst=True)"
