@@ -364,8 +364,12 @@ def test_a_killed_driver_s_idle_lease_terminates_itself(ec2: EC2Env, tmp_path: P
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         assert driver.stdout is not None
+        seen = []  # the driver's log lines (stderr goes to the same pipe) come before its result line
         line = driver.stdout.readline()
-        assert line.startswith("{"), line + (driver.stdout.read() if driver.poll() is not None else "")
+        while line and not line.startswith("{") and len(seen) < 200:
+            seen.append(line)
+            line = driver.stdout.readline()
+        assert line.startswith("{"), "".join(seen) + line + (driver.stdout.read() if driver.poll() is not None else "")
         done = json.loads(line)
         assert done["values"] == [0, 1]
         lease = lease_id(done["run_id"])
