@@ -8,27 +8,18 @@ import json
 import uuid
 from typing import Any
 
-import boto3
 import pytest
 
 from prefect_sgpu.compute.ec2 import doctor, roles
 from prefect_sgpu.compute.ec2.settings import EC2Settings
-from support.aws_fixtures import REGION, MotoAWS, Network
+from support.aws_fixtures import REGION, MotoAWS, iam_user_session, Network
 from support.iam_gate import ACCOUNT, IAMGate
 
 BOUNDARY = f"arn:aws:iam::{ACCOUNT}:policy/prefect-sgpu-node-boundary"
 
 
 def _driver(aws: MotoAWS, *policies: dict[str, Any]) -> tuple[str, Any]:
-    """An IAM user holding ``policies`` (inline) and its boto3 session."""
-    iam = aws.client("iam")
-    user = f"sgpu-doctor-{uuid.uuid4().hex[:8]}"
-    iam.create_user(UserName=user)
-    for number, policy in enumerate(policies):
-        iam.put_user_policy(UserName=user, PolicyName=f"p{number}", PolicyDocument=json.dumps(policy))
-    keys = iam.create_access_key(UserName=user)["AccessKey"]
-    return user, boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
-                               region_name=REGION)
+    return iam_user_session(aws, *policies, prefix="sgpu-doctor")
 
 
 def _doctor(aws: MotoAWS, session: Any | None = None, **fields: Any) -> doctor.Doctor:

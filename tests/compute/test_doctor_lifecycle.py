@@ -8,13 +8,12 @@ import json
 import uuid
 from typing import Any
 
-import boto3
 import pytest
 
 from prefect_sgpu.compute.ec2 import doctor, roles, setup
 from prefect_sgpu.compute.ec2.doctor_checks import abort_rule_for
 from prefect_sgpu.compute.ec2.settings import EC2Settings
-from support.aws_fixtures import REGION, MotoAWS
+from support.aws_fixtures import REGION, MotoAWS, iam_user_session
 from support.iam_gate import ACCOUNT, IAMGate
 
 BOUNDARY = f"arn:aws:iam::{ACCOUNT}:policy/prefect-sgpu-node-boundary"
@@ -38,14 +37,7 @@ def test_which_rules_abort_the_stores_incomplete_uploads(rule: dict[str, Any], c
 
 
 def _driver(aws: MotoAWS, *policies: dict[str, Any]) -> tuple[str, Any]:
-    iam = aws.client("iam")
-    user = f"sgpu-lifecycle-{uuid.uuid4().hex[:8]}"
-    iam.create_user(UserName=user)
-    for number, policy in enumerate(policies):
-        iam.put_user_policy(UserName=user, PolicyName=f"p{number}", PolicyDocument=json.dumps(policy))
-    keys = iam.create_access_key(UserName=user)["AccessKey"]
-    return user, boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
-                               region_name=REGION)
+    return iam_user_session(aws, *policies, prefix="sgpu-lifecycle")
 
 
 def _check(aws: MotoAWS, store: str, session: Any | None = None) -> doctor.Check:

@@ -284,3 +284,20 @@ def offline_aws() -> Iterator[tuple[MotoAWS, AWSFaultProxy]]:
     finally:
         proxy.stop()
         server.stop()
+
+
+def iam_user_session(aws: "MotoAWS", *policies: dict[str, Any], prefix: str = "sgpu-user") -> tuple[str, Any]:
+    """An IAM user of the moto account holding ``policies`` (inline), and a boto3 session of its keys."""
+    import json
+    import uuid
+
+    import boto3
+
+    iam = aws.client("iam")
+    user = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    iam.create_user(UserName=user)
+    for number, policy in enumerate(policies):
+        iam.put_user_policy(UserName=user, PolicyName=f"p{number}", PolicyDocument=json.dumps(policy))
+    keys = iam.create_access_key(UserName=user)["AccessKey"]
+    return user, boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
+                               region_name=REGION)
