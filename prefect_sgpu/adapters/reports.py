@@ -55,6 +55,7 @@ def run_reported(job: Job, live: bool = True) -> JobResult:
         _emit(job, "started")
         progress = _Progress(job)
         job.straggler_listeners.append(functools.partial(_report_straggler, job))
+        job.membership_listeners.append(functools.partial(_report_membership, job))
         if job.spec.max_cost_usd is not None:
             job.cost_listeners.append(CostProgress(job).update)
         try:
@@ -251,6 +252,22 @@ def _report_straggler(job: Job, straggler: Any) -> None:
                               description=f"ranks named as stragglers in prefect-sgpu job {job.run_id}")
     except Exception:  # noqa: BLE001 - a report, never the job's failure
         logger.debug("could not write the stragglers table of %s", job.run_id, exc_info=True)
+
+
+def _report_membership(job: Job, change: Any) -> None:
+    """An elastic job's membership change: the event ``prefect-sgpu.job.membership`` (round, world size,
+    nodes joined and left) and a new version of the task's ``sgpu-<task>-membership`` table (every round
+    so far: the nodes that served it and the checkpoint step it resumed from)."""
+    from prefect.artifacts import create_table_artifact
+
+    _emit(job, "membership", labels={"prefect-sgpu.round": str(change.round)}, round=change.round,
+          world_size=change.world_size, nodes=change.nodes, joined=change.joined, left=change.left,
+          from_step=change.from_step, reason=change.reason[:500])
+    try:
+        create_table_artifact(table=[c.as_row() for c in job.membership], key=f"sgpu-{slug(job.call.name)}-membership",
+                              description=f"the nodes of elastic prefect-sgpu job {job.run_id}, round by round")
+    except Exception:  # noqa: BLE001 - a report, never the job's failure
+        logger.debug("could not write the membership table of %s", job.run_id, exc_info=True)
 
 
 def mlflow_reference(tracking_uri: str, experiment_id: str, run_id: str) -> str:

@@ -360,6 +360,15 @@ class Compute(ABC):
         everything to ``release``, as after ``acquire``."""
         return None
 
+    def replace_elastic_node(self, allocation: Allocation, node: int, request: Request, deadline: float,
+                             cancel: threading.Event) -> Released | None:
+        """While an elastic job goes on without its lost ``node`` (the others keep running): end what is
+        left of it and put a new node in its place (the same index), ready for a ``start`` of that node's
+        command alone, whose agent joins the running job's next round. May take as long as capacity does:
+        the driver calls it from a thread of its own. Returns what was ended, with its cost; None when this
+        compute cannot (the job then goes on with fewer nodes). After ``release`` it puts nothing back."""
+        return None
+
     @abstractmethod
     def start(self, allocation: Allocation, launch: JobLaunch) -> None:
         """Start the job: node computes run ``launch.commands`` (one agent per node);

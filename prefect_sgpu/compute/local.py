@@ -377,6 +377,28 @@ class LocalProcessCompute(Compute):
                            command.node, exc)
             return None
 
+    def replace_elastic_node(self, allocation: Allocation, node: int, request: Request, deadline: float,
+                             cancel: threading.Event) -> Released | None:
+        """A cold node's place made ready for a new agent at once (a local machine is always there): what
+        is left of the lost agent's process tree is killed and reaped. Nodes of a warm set are not put back
+        (None)."""
+        assert isinstance(allocation, LocalAllocation)
+        with self._lock:
+            proc = allocation.processes.get(node)
+            if allocation.released or allocation.warm is not None or proc is None:
+                return None
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.error("node %d's lost agent (pid %s) did not exit after SIGKILL", node, proc.pid)
+        with self._lock:
+            allocation.processes.pop(node, None)
+            allocation.reported.discard(node)
+            allocation.announced.discard(node)
+        return Released(gone=[f"node {node} process tree (pid {proc.pid}), lost"])
+
     def poll(self, allocation: Allocation) -> list[Event]:
         assert isinstance(allocation, LocalAllocation)
         events: list[Event] = []

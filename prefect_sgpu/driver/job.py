@@ -28,6 +28,7 @@ from prefect_sgpu.driver import cost_cap
 from prefect_sgpu.driver import recovery as driver_recovery
 from prefect_sgpu.driver import results as driver_results
 from prefect_sgpu.driver import interrupts
+from prefect_sgpu.driver import membership as membership_mod
 from prefect_sgpu.protocol import payload as payload_mod
 from prefect_sgpu.observe import progress_watch
 from prefect_sgpu.observe import timeline as timeline_mod
@@ -110,10 +111,11 @@ class Launcher:
             f"--run-id={job.run_id}", f"--job-dir={job.store.uri(job.run_id)}",
             f"--node-index={node}", f"--nnodes={plan.nodes}",
             f"--nproc-per-node={plan.procs_per_node}", f"--rdzv-endpoint={endpoint}",
-            f"--local-addr={address}", f"--max-restarts={job.spec.max_restarts}",
+            f"--local-addr={address}", f"--max-restarts={max_restarts(job.spec, plan)}",
             f"--heartbeat-ttl={request.heartbeat_ttl_s:g}", f"--join-timeout={min(job.spec.timeout, 600):g}",
             f"--hang-timeout={job.spec.hang_timeout or 0:g}", f"--rank-start={rank_start()}",
-            *([f"--min-nodes={plan.min_nodes}", f"--elastic-wait={elastic_wait_s()}"] if plan.elastic else []),
+            *([f"--min-nodes={plan.min_nodes}", f"--elastic-wait={elastic_wait_s()}",
+               f"--lost-after={membership_mod.lost_after_s()}"] if plan.elastic else []),
         ]
 
     def result_ranks(self, plan: Plan) -> list[int]:
@@ -122,6 +124,13 @@ class Launcher:
 
 
 TorchrunLauncher = Launcher
+
+
+def max_restarts(spec: JobSpec, plan: Plan) -> int:
+    """The restarts each node's agent may make: ``max_restarts``; an elastic job's agents also start their
+    ranks again after each of at most ``max_recoveries`` lost nodes the job goes on without
+    (:mod:`prefect_sgpu.driver.membership`): torch elastic counts that restart as a failure's."""
+    return spec.max_restarts + (spec.max_recoveries if plan.elastic else 0)
 
 
 def new_run_id(name: str) -> str:
@@ -169,6 +178,10 @@ class Job:
         self.cost_listeners: list[Any] = []
         self.cost_watch: cost_cap.CostWatch | None = None
         self.given_back: list[Released] = []
+        #: an elastic job's membership changes, oldest first (:mod:`prefect_sgpu.driver.membership`)
+        self.membership: list[membership_mod.MembershipChange] = []
+        #: called with each membership change as it happens (the task runner's event and artifact)
+        self.membership_listeners: list[Any] = []
         #: where the job's time went, per phase and node (:mod:`prefect_sgpu.observe.timeline`)
         self.timeline = timeline_mod.Timeline()
         self.reprovision_started: float | None = None
@@ -185,6 +198,8 @@ class Job:
             rank_start()  # a bad setting fails here, before anything is spent
             gang_check_reuse_s()
             elastic_wait_s()
+            if self.spec.elastic:
+                membership_mod.lost_after_s()
             request = self.compute.plan(self.spec, self.run_id)
             cost_cap.check(self.spec, self.compute, request)  # a cap on a compute without a price
             self._prepared = (request, payload_mod.build(self.call), new_key())
@@ -348,6 +363,7 @@ class Job:
         result.cost = total_cost([r.cost for r in every])
         result.released = [g for r in every for g in r.gone]
         result.recoveries = list(self.recoveries)
+        result.membership = list(self.membership)
         result.stragglers = list(self.stragglers)
         result.step_rates = self.straggler_watch.detector.rates() if self.straggler_watch is not None else {}
         result.timeline = self.timeline.phases()
@@ -408,15 +424,16 @@ class Job:
             self.compute.start(allocation, launch)
             self.timeline.mark("started")
             gang_started = time.monotonic()
-            end = self._wait(deadline)
+            end = self._wait(deadline, membership_mod.Membership(self, allocation, request, launch, deadline))
             self._note_first_steps()
             relaunch = driver_recovery.recover(self, allocation, end, request, deadline, gang_started, tailer)
             if relaunch is None:
                 return end
             allocation, request = relaunch
 
-    def _wait(self, deadline: float) -> GangEnd:
-        """Poll the compute until every node exited, or one failed or was lost.
+    def _wait(self, deadline: float, members: "membership_mod.Membership | None" = None) -> GangEnd:
+        """Poll the compute until every node exited, or one failed or was lost (an elastic job goes on
+        without a lost node where ``members`` says so).
 
         After a failure the driver polls ``compute.loss_grace_s`` longer for a loss that
         explains it: a lost node's peers often fail first, on a broken collective.
@@ -447,6 +464,9 @@ class Job:
                     end.codes[event.node] = event.exit_code
                     if event.status is not None:
                         end.statuses[event.node] = event.status
+                elif isinstance(event, NodeLost) and members is not None and members.lost(
+                        event.node, event.reason, set(end.codes)):
+                    continue
                 elif isinstance(event, NodeLost):
                     end.codes[event.node] = 137
                     end.lost[event.node] = event.reason
@@ -460,6 +480,8 @@ class Job:
                     end.notices[event.node] = event.notice
                 elif isinstance(event, NodeUp):
                     self.timeline.once("agent up", event.node)  # a remote compute's came while acquiring
+                    if members is not None:
+                        members.up(event.node)
                     logger.debug("job %s: node %d up on %s", self.run_id, event.node, event.host)
             now = time.monotonic()
             if len(end.codes) == total or driver_results.ended_without_late_nodes(self, end):

@@ -63,6 +63,9 @@ class JobResult:
     #: where the job's time went: each phase of each node, in time order (:class:`prefect_sgpu.observe.timeline.Phase`:
     #: phase, node (None: the whole job), wall time, seconds since the job began, gang, detail)
     timeline: list[Any] = field(default_factory=list)
+    #: an elastic job's membership: each change, with the nodes that served from it on and the checkpoint
+    #: step it resumed from (:class:`prefect_sgpu.driver.membership.MembershipChange`); empty for a fixed gang
+    membership: list[Any] = field(default_factory=list)
 
 
 def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
@@ -81,7 +84,8 @@ def collect(job: Any, plan: Plan, end: GangEnd) -> JobResult:
     if missing:
         raise RankFailedError(missing[0], None, None, None,
                               f"rank(s) {missing} exited without a result")
-    if any(not e.ok for e in envelopes.values()):
+    # an elastic job's earlier, larger round may have left a failed envelope of a rank beyond its last world
+    if any(not e.ok for r, e in envelopes.items() if not plan.elastic or r in expected):
         raise failure(job, codes, statuses, lost)
     trusted = bool(getattr(job.spec, "trusted_results", False))
     values = [envelopes[r].value(trusted) for r in expected]

@@ -182,6 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an elastic job: its ranks start once this many nodes joined (0: --nnodes)")
     p.add_argument("--elastic-wait", type=int, default=-1,
                    help="an elastic job: seconds its first nodes wait for the rest once min joined (-1: torch's)")
+    p.add_argument("--lost-after", type=int, default=0,
+                   help="an elastic job: seconds after which the rendezvous counts a silent node's agent as gone "
+                        "(three missed keep-alives; 0: torch's 15)")
     return p.parse_args(argv)
 
 
@@ -189,11 +192,20 @@ def elastic_options(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """The fewest nodes torch elastic starts the ranks with, and the rendezvous options that go with it:
     an elastic job's (``--min-nodes`` below ``--nnodes``) wait for the rest of its nodes once min joined
     (``last_call_timeout``); a later node joins at the next round, when the running nodes restart their
-    ranks (a membership change, which torch elastic does not count against ``max_restarts``)."""
+    ranks (a membership change, which torch elastic does not count against ``max_restarts``); a node whose
+    agent went silent for ``--lost-after`` seconds is dropped at the next round."""
     fewest = args.min_nodes or args.nnodes
     if not 1 <= fewest <= args.nnodes:
         raise ValueError(f"--min-nodes={args.min_nodes}: 1 to --nnodes={args.nnodes}")
-    extra = {"last_call_timeout": args.elastic_wait} if fewest < args.nnodes and args.elastic_wait >= 0 else {}
+    extra: dict[str, Any] = {}
+    if fewest < args.nnodes and args.elastic_wait >= 0:
+        extra["last_call_timeout"] = args.elastic_wait
+    if fewest < args.nnodes and getattr(args, "lost_after", 0) > 0:
+        # a lost node's agent stops its keep-alives; the others' rendezvous drops it after the last missed
+        # one and meets again without it (torch's DynamicRendezvousHandler: keep_alive_interval x
+        # keep_alive_max_attempt, 5 s x 3 by default)
+        extra["keep_alive_interval"] = max(1, args.lost_after // 3)
+        extra["keep_alive_max_attempt"] = 3
     return fewest, extra
 
 
