@@ -68,12 +68,15 @@ class MembershipChange:
     at: float = 0.0
     #: the newest complete checkpoint step when the change was seen: where the new world resumes from
     from_step: int | None = None
+    #: the step rank 0 last reported (``runtime.progress``) when the change was seen: the rounds before
+    #: served the steps up to it
+    step: int | None = None
     reason: str = ""
 
     def as_row(self) -> dict[str, Any]:
         return {"round": self.round, "nodes": ",".join(map(str, self.nodes)), "world_size": self.world_size,
                 "joined": ",".join(map(str, self.joined)), "left": ",".join(map(str, self.left)),
-                "from_step": self.from_step, "reason": self.reason[:200],
+                "from_step": self.from_step, "step": self.step, "reason": self.reason[:200],
                 "at": time.strftime("%H:%M:%S", time.gmtime(self.at))}
 
 
@@ -155,13 +158,29 @@ class Membership:
         job.compute.start(self.allocation, replace(self.launch, commands=[
             c for c in self.launch.commands if c.node == node]))
 
+    def _rank_0_step(self) -> int | None:
+        """The step rank 0 last reported, None where it reported none or its file is not readable."""
+        from prefect_sgpu.observe.progress_watch import parse_progress
+        from prefect_sgpu.protocol.rank_progress import read_line
+
+        folder = getattr(self.job, "folder", None)
+        if folder is None:
+            return None
+        try:
+            line = read_line(folder.store, self.job.run_id, 0, folder.key, folder.gang)
+        except Exception:  # noqa: BLE001 - a report, never the job's failure
+            return None
+        seen = parse_progress(line.encode() if line is not None else None, time.time())
+        return seen[0] if seen is not None else None
+
     def _record(self, nodes: list[int], joined: list[int], left: list[int], reason: str) -> None:
         from prefect_sgpu.driver.recovery import checkpoint_progress
 
         job = self.job
         step = checkpoint_progress(job, 0.0, time.time())[0] if job.membership else None
         change = MembershipChange(round=len(job.membership), nodes=nodes, world_size=len(nodes) * self.procs_per_node,
-                                  joined=joined, left=left, at=time.time(), from_step=step, reason=reason)
+                                  joined=joined, left=left, at=time.time(), from_step=step,
+                                  step=self._rank_0_step() if job.membership else None, reason=reason)
         job.membership.append(change)
         for listener in list(job.membership_listeners):
             try:

@@ -167,7 +167,12 @@ def workers_store_of_round(handler: "RendezvousHandler", info: "RendezvousInfo")
     round, and the joining node waits for ``MASTER_ADDR`` until it times out, while rank 0 waits for the
     joiner's role (the rank-change case of the same cache: pytorch/pytorch issue #182221, "AssertionError
     in elastic c10d rendezvous when rank changes"). Here rank 0 publishes its own store in every round
-    and every other agent reads the round's."""
+    and every other agent reads the round's.
+
+    Each round after the agent's first gets a new workers' store (:func:`new_round_store`): the ranks of a
+    round bootstrap their process groups from it under the same keys as the last round's ranks did
+    (``default_pg/...``, no round in them), and in a store kept from round to round a rank of the new world
+    read the old world's addresses (gloo: "connectFullMesh failed ... Connection refused")."""
     from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
     server = getattr(handler, "_shared_tcp_store_server", None)
@@ -177,6 +182,8 @@ def workers_store_of_round(handler: "RendezvousHandler", info: "RendezvousInfo")
     if info.rank == 0:
         if server is None:
             return info
+        if JOINED_ROUNDS:
+            server = handler._shared_tcp_store_server = new_round_store(node.addr)  # type: ignore[attr-defined]
         boot = RendezvousStoreInfo(master_addr=node.addr, master_port=server.port)
         info.store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, boot.master_addr.encode())
         info.store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(boot.master_port).encode())
@@ -184,6 +191,17 @@ def workers_store_of_round(handler: "RendezvousHandler", info: "RendezvousInfo")
         boot = RendezvousStoreInfo.build(info.rank, info.store, local_addr=node.addr)
     handler._bootstrap_store_info = boot  # type: ignore[attr-defined]
     return RendezvousInfo(info.store, info.rank, info.world_size, boot)
+
+
+#: the workers' stores of this agent's later rounds, alive as long as the agent (a server must outlive its socket)
+_ROUND_STORES: list["TCPStore"] = []
+
+
+def new_round_store(host: str) -> "TCPStore":
+    """A new, empty workers' store for a round, on ``host`` alone, at a free port."""
+    store = host_store(host, 0)
+    _ROUND_STORES.append(store)
+    return store
 
 
 def previous_round_nodes(store: "TCPStore", number: int) -> str:

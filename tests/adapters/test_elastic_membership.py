@@ -188,15 +188,19 @@ def test_an_elastic_job_losing_a_node_at_3_goes_on_at_2_and_grows_back(tmp_path,
     values = result.values
     # it went on at 2 without the replacement (held until 3 steps ran at 2), then grew back to 3
     worlds = values[0]["worlds"]
-    assert [w for w, _ in worlds] == [3, 2, 3], worlds
-    assert worlds[1][1] >= 5 and worlds[2][1] >= worlds[1][1] + 3, "each world resumed from the checkpoint"
+    # (on a loaded machine torch elastic may close a round at 2 once more before the joiner's agent syncs)
+    assert worlds[0][0] == 3 and worlds[-1][0] == 3 and {w for w, _ in worlds[1:-1]} == {2}, worlds
+    assert worlds[1][1] >= 5 and worlds[-1][1] >= worlds[1][1] + 3, "each world resumed from the checkpoint"
+    assert all(a[1] <= b[1] for a, b in zip(worlds, worlds[1:])), worlds
     assert [v["rank"] for v in values] == [0, 1, 2] and all(v["world"] == 3 for v in values), values
     assert len({v["step"] for v in values}) == 1
     assert compute.replaced_after is not None and compute.replaced_after > 0
     # which nodes served which rounds, from which step
     rows = [(c.round, c.nodes, c.world_size, c.joined, c.left) for c in result.membership]
     assert rows == [(0, [0, 1, 2], 3, [], []), (1, [0, 1], 2, [], [2]), (2, [0, 1, 2], 3, [2], [])], rows
-    assert result.membership[2].from_step is not None and result.membership[2].from_step >= worlds[1][1]
+    # the steps each round served: up to the step rank 0 reported when the next change was seen
+    assert 5 <= result.membership[1].step <= worlds[1][1] + 1, result.membership
+    assert worlds[1][1] + 3 <= result.membership[2].step <= worlds[-1][1] + 1, result.membership
     assert "killed by SIGKILL" in result.membership[1].reason
     assert result.recoveries == [], "no relaunch: the job went on"
     phases = [(p.phase, p.node) for p in result.timeline]
