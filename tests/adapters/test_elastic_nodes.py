@@ -56,7 +56,8 @@ def test_the_launch_asks_torch_elastic_for_min_to_max_nodes(tmp_path, monkeypatc
     argv = shlex.split(fn.dry_run()["nodes"][1]["command"])
     assert {"--nnodes=2", "--min-nodes=1", "--elastic-wait=7"} <= set(argv)
     args = node_agent.parse_args(argv[argv.index("prefect_sgpu.launch.node_agent") + 1:])
-    assert node_agent.elastic_options(args) == (1, {"last_call_timeout": 7})
+    assert node_agent.elastic_options(args) == (1, {"last_call_timeout": 7, "keep_alive_interval": 5,
+                                                    "keep_alive_max_attempt": 3})  # a lost node: dropped after 15 s
     fixed = node_agent.parse_args(["--run-id=r", "--job-dir=/x", "--node-index=0", "--nnodes=2",
                                    "--nproc-per-node=1", "--rdzv-endpoint=127.0.0.1:1"])
     assert node_agent.elastic_options(fixed) == (2, {})
