@@ -262,7 +262,7 @@ def _report_membership(job: Job, change: Any) -> None:
 
     _emit(job, "membership", labels={"prefect-sgpu.round": str(change.round)}, round=change.round,
           world_size=change.world_size, nodes=change.nodes, joined=change.joined, left=change.left,
-          from_step=change.from_step, reason=change.reason[:500])
+          from_step=change.from_step, step=change.step, reason=change.reason[:500])
     try:
         create_table_artifact(table=[c.as_row() for c in job.membership], key=f"sgpu-{slug(job.call.name)}-membership",
                               description=f"the nodes of elastic prefect-sgpu job {job.run_id}, round by round")
