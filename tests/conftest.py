@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -28,6 +29,9 @@ os.environ.setdefault("PREFECT_SGPU_KEEP_WARM", "0")
 # killed ranks of tests that were not short of memory. The tests' Ray processes (the clusters they
 # start and the ones @ray_launch starts) run without it; the kernel's OOM killer still stands.
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+# this suite's id, inherited by every process it starts: what tells its processes and names apart from
+# a second suite's on the same machine (tests/support/timeline.py)
+os.environ.setdefault("SGPU_TEST_SUITE", uuid.uuid4().hex[:12])
 
 
 #: tests that share one resource a worker process holds for the whole session run on one xdist
@@ -81,6 +85,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from support.quick_tier import configure
 
     configure(config)  # --quick: which of the package's modules the tier touched
+    from support import timeline
+
+    timeline.configure(config)  # SGPU_TEST_TIMELINE: tests and processes per second (docs/testing.md)
 
     if config.getoption("dist", "no") != "loadgroup":
         return
