@@ -28,6 +28,7 @@ from typing import Any
 
 #: (session server, any of these in its command line), first match wins
 SERVERS = [
+    ("local agent templates (the drivers' fork servers)", ("prefect_sgpu.launch.agent_template",)),
     ("Prefect server", ("uvicorn", "prefect server start", "prefect.server")),
     ("Ray cluster daemons", ("gcs_server", "raylet", "dashboard/agent.py", "dashboard/dashboard.py",
                              "runtime_env/agent", "log_monitor.py", "monitor.py", "ray_client_server")),
@@ -53,6 +54,7 @@ def load(path: str) -> dict[str, Any]:
     tests: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     open_tests: dict[str, tuple[float, str]] = {}
     first = last = None
+    machine: list[tuple[float, int, int]] = []
     with open(path) as fh:
         for line in fh:
             try:
@@ -77,10 +79,12 @@ def load(path: str) -> dict[str, Any]:
                 procs[(rec["pid"], rec["start"])] = {"ppid": rec["ppid"], "cmd": rec["cmd"], "born": t}
             elif ev == "cpu":
                 samples.extend((t, pid, start, ticks) for pid, start, ticks in rec["p"])
+                if "machine" in rec:
+                    machine.append((t, *rec["machine"]))
     for worker, (begun, test) in open_tests.items():
         tests[worker].append((begun, last, test))
     return {"workers": workers, "controller": controller, "hz": hz, "cores": cores, "procs": procs,
-            "samples": samples, "tests": tests, "first": first, "last": last}
+            "samples": samples, "machine": machine, "tests": tests, "first": first, "last": last}
 
 
 def worker_of(key: tuple[int, int], run: dict[str, Any], by_pid: dict[int, tuple[int, int]]) -> str | None:
@@ -121,9 +125,15 @@ def summarize(run: dict[str, Any], top: int) -> str:
     after: dict[str, float] = defaultdict(float)
     server_cpu: dict[str, float] = defaultdict(float)
     last_seen: dict[tuple[int, int], float] = {}
+    first_ticks: dict[tuple[int, int], int] = {}  # at the first machine reading: the suite's CPU since
+    t0 = run["machine"][0][0] if run["machine"] else None
     for t, pid, start, ticks in sorted(run["samples"]):
         key = (pid, start)
         last_seen[key] = t
+        if t0 is not None and t <= t0:
+            first_ticks[key] = ticks
+        elif t0 is not None and key not in first_ticks:
+            first_ticks[key] = 0  # born after the first reading: all its ticks are inside the window
         seconds = (ticks - last_ticks.get(key, 0)) / hz
         last_ticks[key] = ticks
         server, worker, born_in = owners.get(key, (None, None, None))
@@ -159,8 +169,16 @@ def summarize(run: dict[str, Any], top: int) -> str:
            f"{measured:.0f} CPU s seen in {len(run['procs'])} processes of the suite "
            f"({measured / capacity:.0%} of the cores)", "",
            "| owner | CPU s | share of the suite's CPU |", "| --- | --- | --- |"]
-    out += [f"| {owner} | {seconds:.0f} | {seconds / measured:.0%} |"
+    out += [f"| {owner} | {seconds:.1f} | {seconds / measured:.0%} |"
             for owner, seconds in sorted(by_owner.items(), key=lambda kv: -kv[1])]
+    if len(run["machine"]) > 1:
+        (t0, busy0, idle0), (t1, busy1, idle1) = run["machine"][0], run["machine"][-1]
+        suite = sum((ticks - first_ticks.get((pid, start), ticks)) / hz
+                    for t, pid, start, ticks in run["samples"] if t0 < t <= t1 and (pid, start) in first_ticks)
+        busy, idle = (busy1 - busy0) / hz, (idle1 - idle0) / hz
+        out += ["", f"the machine's cores over {t1 - t0:.0f} s (/proc/stat): {busy + idle:.0f} core-seconds, "
+                f"the suite {suite:.0f} ({suite / (busy + idle):.0%}), other programs {busy - suite:.0f} "
+                f"({(busy - suite) / (busy + idle):.0%}), idle {idle:.0f} ({idle / (busy + idle):.0%})"]
     out += ["", "| session server | CPU s | process-seconds alive | cores per process |", "| --- | --- | --- | --- |"]
     alive: dict[str, float] = defaultdict(float)
     for key, proc in run["procs"].items():

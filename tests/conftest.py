@@ -14,6 +14,10 @@ import pytest
 _HOME = Path(tempfile.mkdtemp(prefix="sgpu-tests-"))
 os.environ["PREFECT_SGPU_HOME"] = str(_HOME)
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_HOME / 'mlflow.db'}"
+# Prefect's home (profiles, persisted task results, the local storage of cache hits) is this process's
+# too: otherwise every suite on the machine run by plain pytest shares ~/.prefect (./dev: one per
+# checkout), and a task cached by its inputs in one suite is a cache hit in another
+os.environ["PREFECT_HOME"] = str(_HOME / "prefect")
 # prices read from the (simulated) Price List API are kept in this home, never in the user's cache
 os.environ["PREFECT_SGPU_PRICE_CACHE"] = str(_HOME / "prices")
 os.environ.setdefault("PREFECT_SGPU_DEVICE", "cpu")  # CI has no GPU; GPU runs set it to "cuda"

@@ -8,8 +8,9 @@ lines to that file (one ``os.write`` per line, ``O_APPEND``):
   of its set-up to the end of its teardown;
 - from the controller only, once a second (``SGPU_TEST_TIMELINE_EVERY``): ``{"ev": "proc", ...}``
   the first time a process of this suite is seen (pid, start tick, parent, command line) and
-  ``{"ev": "cpu", "t": ..., "p": [[pid, start, ticks], ...]}`` for the processes whose CPU ticks
-  (user + system, its own) grew since the last reading.
+  ``{"ev": "cpu", "t": ..., "p": [[pid, start, ticks], ...], "machine": [busy, idle]}`` for the
+  processes whose CPU ticks (user + system, its own) grew since the last reading, and the whole
+  machine's busy and idle ticks (``/proc/stat``, every core) since boot.
 
 A process belongs to this suite when it is below the controller in the process tree, or when its
 environment carries this suite's ``SGPU_TEST_SUITE`` id (an orphan re-parented to init keeps it),
@@ -32,6 +33,8 @@ import pytest
 
 ENV = "SGPU_TEST_TIMELINE"
 EVERY_ENV = "SGPU_TEST_TIMELINE_EVERY"
+#: the pid of the pytest that samples (a pytest started by a test sees it and records nothing)
+ROOT_ENV = "SGPU_TEST_TIMELINE_ROOT"
 #: one id per suite run, inherited by every process the suite starts (set by the controller first)
 SUITE_ENV = "SGPU_TEST_SUITE"
 
@@ -105,8 +108,10 @@ class Sampler:
             if ticks > self.ticks[key]:
                 changed.append([pid, start, ticks])
                 self.ticks[key] = ticks
-        if changed:
-            _write(self.fd, {"ev": "cpu", "t": now, "p": changed})
+        # the machine's ticks since boot, busy and idle (idle + iowait): what the cores did beside the suite
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+        _write(self.fd, {"ev": "cpu", "t": now, "p": changed,
+                         "machine": [sum(fields) - fields[3] - fields[4], fields[3] + fields[4]]})
 
     def _run(self) -> None:
         while not self.stop.wait(self.every):
@@ -157,6 +162,13 @@ class Timeline:
 def configure(config: pytest.Config) -> None:
     """Register the timeline when ``SGPU_TEST_TIMELINE`` names a file (the controller samples)."""
     path = os.environ.get(ENV)
-    if path:
-        config.pluginmanager.register(Timeline(path, controller=not hasattr(config, "workerinput")),
-                                      "sgpu-timeline")
+    if not path:
+        return
+    controller = not hasattr(config, "workerinput")
+    if controller and os.environ.get(ROOT_ENV, str(os.getpid())) != str(os.getpid()):
+        # a pytest a test runs (tests/test_test_imports.py): not part of this timeline, nor its workers
+        del os.environ[ENV]
+        return
+    if controller:
+        os.environ[ROOT_ENV] = str(os.getpid())
+    config.pluginmanager.register(Timeline(path, controller=controller), "sgpu-timeline")
