@@ -15,7 +15,7 @@ Each second's CPU ticks of each of the suite's processes are put under one owner
 The rest of the cores' seconds (wall x cores) is idle or another program's. Per worker, the share of
 the wall it spent inside a test, and the tests with the most wall time per CPU second (waiting).
 
-    ./dev bench suite_timeline timeline.jsonl [--top 15]
+    ./dev bench suite_timeline timeline.jsonl [--top 15] [--per-test cpu.json]
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def test_at(intervals: list[tuple[float, float, str]], starts: list[float], t: f
     return None
 
 
-def summarize(run: dict[str, Any], top: int) -> str:
+def summarize(run: dict[str, Any], top: int, per_test: dict[str, float] | None = None) -> str:
+    """The tables; ``per_test``, when given, gets each test's CPU seconds (to set beside ``SGPU_TEST_CPU_FILE``)."""
     hz = run["hz"]
     for intervals in run["tests"].values():
         intervals.sort()
@@ -162,6 +163,8 @@ def summarize(run: dict[str, Any], top: int) -> str:
             after[run["procs"][key]["cmd"][:90]] += seconds
         else:
             by_owner["between tests (processes started outside a test)"] += seconds
+    if per_test is not None:
+        per_test.update(by_test)
     wall = (run["last"] or 0) - (run["first"] or 0)
     capacity = wall * run["cores"]
     measured = sum(by_owner.values())
@@ -211,8 +214,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("timeline", help="the file SGPU_TEST_TIMELINE named")
     parser.add_argument("--top", type=int, default=15, help="rows of the per-command and per-test tables")
+    parser.add_argument("--per-test", help="also write each test's CPU seconds to this JSON file")
     args = parser.parse_args()
-    print(summarize(load(args.timeline), args.top))
+    per_test: dict[str, float] = {}
+    print(summarize(load(args.timeline), args.top, per_test))
+    if args.per_test:
+        with open(args.per_test, "w") as fh:
+            json.dump({test: round(seconds, 2) for test, seconds in sorted(per_test.items())}, fh, indent=1)
 
 
 if __name__ == "__main__":
