@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -13,6 +14,10 @@ import pytest
 _HOME = Path(tempfile.mkdtemp(prefix="sgpu-tests-"))
 os.environ["PREFECT_SGPU_HOME"] = str(_HOME)
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_HOME / 'mlflow.db'}"
+# Prefect's home (profiles, persisted task results, the local storage of cache hits) is this process's
+# too: otherwise every suite on the machine run by plain pytest shares ~/.prefect (./dev: one per
+# checkout), and a task cached by its inputs in one suite is a cache hit in another
+os.environ["PREFECT_HOME"] = str(_HOME / "prefect")
 # prices read from the (simulated) Price List API are kept in this home, never in the user's cache
 os.environ["PREFECT_SGPU_PRICE_CACHE"] = str(_HOME / "prices")
 os.environ.setdefault("PREFECT_SGPU_DEVICE", "cpu")  # CI has no GPU; GPU runs set it to "cuda"
@@ -28,6 +33,9 @@ os.environ.setdefault("PREFECT_SGPU_KEEP_WARM", "0")
 # killed ranks of tests that were not short of memory. The tests' Ray processes (the clusters they
 # start and the ones @ray_launch starts) run without it; the kernel's OOM killer still stands.
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+# this suite's id, inherited by every process it starts: what tells its processes and names apart from
+# a second suite's on the same machine (tests/support/timeline.py)
+os.environ.setdefault("SGPU_TEST_SUITE", uuid.uuid4().hex[:12])
 
 
 #: tests that share one resource a worker process holds for the whole session run on one xdist
@@ -81,6 +89,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from support.quick_tier import configure
 
     configure(config)  # --quick: which of the package's modules the tier touched
+    from support import timeline
+
+    timeline.configure(config)  # SGPU_TEST_TIMELINE: tests and processes per second (docs/testing.md)
 
     if config.getoption("dist", "no") != "loadgroup":
         return
