@@ -166,3 +166,26 @@ def test_batch_plan_keeps_the_global_batch_and_lr_scales_with_the_world() -> Non
         scaled_lr(0.1, 2, 4, "cubic")
     with pytest.raises(SGPUConfigError, match="base_lr=-1"):
         scaled_lr(-1, 2, 4)
+
+
+def test_ray_compute_refuses_min_max_nodes_saying_what_the_installed_ray_train_has() -> None:
+    """Ray 2.60's Ray Train v2 has elastic workers; RayCompute does not map onto them and says so, naming
+    the Ray Train call that would; with Ray Train v1 (RAY_TRAIN_V2_ENABLED=0) it says Ray has none."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect_sgpu import spec
+    from prefect_sgpu.ray.compute import RayTrainCompute
+
+    job = spec.merge(spec.layer("call", gpus=4, nodes=(1, 2)))
+    with pytest.raises(SGPUConfigError) as err:
+        RayTrainCompute(address="127.0.0.1:1").plan(job, "run-1")
+    text = str(err.value)
+    assert err.value.field == "nodes" and "on RayCompute: elastic jobs" in text
+    assert "Ray Train has elastic workers" in text and "does not map nodes=(min, max)" in text
+    assert "ScalingConfig(num_workers=(2, 4))" in text and "nodes=(min, max) on LocalCompute" in text
+    probe = ("from prefect_sgpu.ray.placement import ray_train_elastic; print(ray_train_elastic()[1])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_TRAIN_V2_ENABLED": "0"})
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
