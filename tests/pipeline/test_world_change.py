@@ -128,6 +128,47 @@ def test_a_ddp_checkpoint_of_another_world_size_restores_rank_zeros_copy_and_res
     assert same.restored == WorldChange(step=1, saved=3, now=3) and not same.restored.changed
 
 
+def _deepspeed_phase(folder: str, save: bool) -> dict[str, Any]:
+    """Every rank: a DeepSpeed ZeRO stage 0 and a stage 2 model, trained 2 steps and saved (``save``),
+    or fresh ones restored; returns rank 0's weights per stage, or the restore's refusal."""
+    from prefect_sgpu.pipeline.strategies import wrap
+
+    out: dict[str, Any] = {}
+    for stage in (0, 2):
+        torch.manual_seed(1 if save else 2)
+        w = wrap(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)),
+                 lambda params: torch.optim.AdamW(params, lr=0.05), strategy="deepspeed", zero_stage=stage,
+                 micro_batch_size=4)
+        ckpt = Checkpointer(w, f"{folder}/stage-{stage}", every=2)
+        if save:
+            for step in range(1, 3):
+                x = torch.randn(4, 4)
+                w.zero_grad()
+                w.backward(nn.functional.mse_loss(w.model(x), x.sum(dim=1, keepdim=True)))
+                w.step()
+                ckpt.maybe_save(step, {"step": step})
+        else:
+            try:
+                ckpt.restore()
+            except SGPUConfigError as exc:
+                out[f"refused-{stage}"] = str(exc)
+                continue
+        out[f"weights-{stage}"] = w.full_state_dict()
+    return out
+
+
+@pytest.mark.e2e
+def test_a_deepspeed_checkpoint_of_2_ranks_restores_in_1_at_stage_0_and_is_refused_at_stage_2(
+        tmp_path: Path) -> None:
+    saved = distributed(gpus=2, mlflow=False)(_deepspeed_phase).distributed(str(tmp_path), save=True)[0]
+    [got] = distributed(gpus=1, mlflow=False)(_deepspeed_phase).distributed(str(tmp_path), save=False)
+    for name, value in saved["weights-0"].items():
+        assert torch.equal(got["weights-0"][name], value), name
+    refusal = got["refused-2"]
+    assert "world_size=1 is not allowed: 2, the world size that wrote the DeepSpeed ZeRO stage 2" in refusal
+    assert "ds_to_universal" in refusal
+
+
 @pytest.mark.parametrize("stage, universal, refused", [
     (0, False, False), (1, False, True), (2, False, True), (3, False, True), (3, True, False)])
 def test_deepspeed_restores_across_world_sizes_only_where_its_files_allow(
