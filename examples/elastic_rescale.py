@@ -6,7 +6,7 @@ its start, so everything that depends on the world size is decided here, from th
 
 - ``keep_global_batch=True`` (the default): the global batch stays ``GLOBAL_BATCH`` samples, made of
   ``per_rank`` samples on every rank times ``accumulation`` micro-steps (``batch_plan``), so the
-  learning rate stays as it is and the run follows the same optimisation path at any world size;
+  learning rate stays as it is: each step averages the gradient over the same samples at any world size;
 - ``keep_global_batch=False``: every rank keeps ``MAX_PER_RANK`` samples, the global batch follows the
   world and the learning rate is scaled linearly with it (``scaled_lr``), ramped from the previous
   world's rate over ``WARMUP_STEPS`` steps after a change, so a larger world does not jump to a large
