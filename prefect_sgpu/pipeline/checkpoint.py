@@ -50,6 +50,7 @@ from prefect_sgpu.errors import CheckpointRefused, SGPUConfigError
 from prefect_sgpu.pipeline import async_save as async_save_mod
 from prefect_sgpu.pipeline.collectives import barrier, dist_ready, flag_group, from_rank_zero
 from prefect_sgpu.pipeline.safe_load import WeightsOnlyLoads, load_dcp
+from prefect_sgpu.pipeline.world_change import WorldChange, check_restorable, reseed, saved_world_size
 
 if TYPE_CHECKING:
     from prefect_sgpu.pipeline.strategies import Wrapped
@@ -359,6 +360,8 @@ class Checkpointer(SealedSteps):
         self.async_save = bool(async_save) and wrapped.strategy != "deepspeed"
         self._save_group = async_save_mod.save_group() if self.async_save else None
         self._pending: async_save_mod.BackgroundSave | None = None
+        #: the last restore's step and world sizes (saved by, restored in); None before a restore found one
+        self.restored: WorldChange | None = None
 
     # --- saving ------------------------------------------------------------------
 
@@ -456,6 +459,12 @@ class Checkpointer(SealedSteps):
         ``save``, or ``(0, {})`` when there is none. RNG states are restored too. A step whose
         marker is not sealed with the location's key, or whose files differ from its sealed
         manifest, is skipped with a warning, and the next older one is tried.
+
+        A checkpoint written by a world of another size (an elastic job that grew or shrank) is
+        restored as :mod:`prefect_sgpu.pipeline.world_change` says: FSDP2 resharded, DDP from rank 0's
+        copy, DeepSpeed at ZeRO stage 0 (or from a universal checkpoint), any other DeepSpeed state
+        refused with an ``SGPUConfigError`` naming both world sizes. Every rank then gets rank 0's
+        ``extra``, its generators are seeded from the step and its new rank, and ``restored`` says so.
         """
         self.wait()
         step = self.newest_verified()
@@ -463,12 +472,40 @@ class Checkpointer(SealedSteps):
 
     def _restore_step(self, step: int) -> tuple[int, dict[str, Any]]:
         source = self.folder / step_dir_name(step)
+        change = self._world_change(step)
+        w = self.wrapped
+        universal = w.engine is not None and bool(w.engine.load_universal_checkpoint())
+        check_restorable(w.strategy, change, zero_stage=w.zero_stage, universal=universal)
         self._load_training_state(source)
         own = source / f"extra-rank-{runtime.rank():05d}.pt"
-        state = self._load(own if own.exists() else source / "extra-rank-00000.pt")
-        _set_rng_state(state["rng"])
+        if change.changed:  # per-rank streams and positions do not map onto another world's ranks
+            state = self._load(source / "extra-rank-00000.pt")
+            reseed(step, runtime.rank())
+            if runtime.is_rank_zero():
+                print(f"[sgpu] restored step {step} written by {change.saved} ranks into {change.now} ranks "
+                      f"({w.strategy}): rank 0's extra on every rank, RNG seeded per rank", flush=True)
+        else:
+            state = self._load(own if own.exists() else source / "extra-rank-00000.pt")
+            _set_rng_state(state["rng"])
         barrier()
+        self.restored = change
         return int(state["step"]), dict(state["extra"])
+
+    def _world_change(self, step: int) -> WorldChange:
+        """The world size the step's sealed marker names, as rank 0 read it, beside this world's."""
+        info = None
+        if runtime.is_rank_zero():
+            manifest = self.location.manifest(step_dir_name(step))
+            info = dict(manifest.info) if manifest is not None else {}
+        return WorldChange(step, saved_world_size(from_rank_zero(info)), runtime.world_size())
+
+    def saved_extras(self) -> list[dict[str, Any]]:
+        """Every saving rank's ``extra`` of the step the last ``restore`` loaded, in rank order: what code
+        merges that keeps per-rank state (data-loader positions) across a change of world size."""
+        if self.restored is None:
+            return []
+        source = self.folder / step_dir_name(self.restored.step)
+        return [dict(self._load(path)["extra"]) for path in sorted(source.glob("extra-rank-*.pt"))]
 
     def _load(self, path: Path) -> Any:
         """A file this class wrote: tensors, numbers, strings and containers only (``weights_only``)."""

@@ -29,7 +29,7 @@ from prefect_sgpu.compute.base import (AllocatedNode, Allocation, Compute, Event
                                        NodeExited, NodeLost, NodeUp, Released, Request)
 from prefect_sgpu.errors import JobCancelled, LaunchTimeout, SGPUConfigError
 from prefect_sgpu.protocol.jobfolder import HungRank, NodeStatus
-from prefect_sgpu.ray.placement import alive_node_resources, ask_autoscaler, fits, scaling_options
+from prefect_sgpu.ray.placement import alive_node_resources, ask_autoscaler, fits, refuse_elastic, scaling_options
 from prefect_sgpu.spec import JobSpec, Plan, require_fixed_nodes
 
 if TYPE_CHECKING:
@@ -164,6 +164,7 @@ class RayTrainCompute(Compute):
     # -- planning (nothing spent) -------------------------------------------------
 
     def plan(self, spec: JobSpec, run_id: str) -> RayRequest:
+        refuse_elastic(spec)  # says whether the installed Ray Train could, and what to use instead
         require_fixed_nodes(spec, "RayCompute")
         nodes = spec.nodes or 1
         # GPUs only when asked for by type; confirmed against the cluster in acquire

@@ -83,3 +83,39 @@ def ask_autoscaler(scaling: dict[str, Any] | None) -> None:
             request_resources(bundles=[dict(scaling["resources_per_worker"])] * scaling["num_workers"])
     except Exception:  # noqa: BLE001 - a client connection or an old Ray without the call: just wait
         logger.debug("could not ask the Ray autoscaler for resources", exc_info=True)
+
+
+def ray_train_elastic() -> tuple[str, bool]:
+    """The installed Ray's version, and whether its Ray Train has elastic workers: Ray Train v2's
+    ``ScalingConfig(num_workers=(min, max))`` (enabled unless ``RAY_TRAIN_V2_ENABLED=0``; Ray docs,
+    "Elastic training", and ``ray/train/v2/api/config.py``)."""
+    try:
+        import ray
+        from ray.train import ScalingConfig
+    except ImportError:
+        return "not installed", False
+    return str(getattr(ray, "__version__", "?")), hasattr(ScalingConfig, "elasticity_enabled")
+
+
+def refuse_elastic(spec: JobSpec) -> None:
+    """Refuse ``nodes=(min, max)`` on RayCompute, saying whether the installed Ray could and what to use."""
+    if not spec.elastic:
+        return
+    from prefect_sgpu.errors import SGPUConfigError
+
+    version, elastic = ray_train_elastic()
+    per_node = spec.gpus // (spec.max_nodes or 1)
+    workers = f"({(spec.min_nodes or 1) * per_node}, {spec.gpus})"
+    if elastic:
+        why = (f"Ray {version}'s Ray Train has elastic workers (ScalingConfig(num_workers=(min, max))), but "
+               "RayCompute does not map nodes=(min, max) onto them: its job is one fixed Ray Train gang whose "
+               "every rank's result it collects, and Ray Train's resize restarts the worker group without "
+               "the membership round and previous world size prefect_sgpu.runtime reports")
+    else:
+        why = (f"the installed Ray ({version}) has no elastic Ray Train workers: that needs Ray Train v2's "
+               "ScalingConfig(num_workers=(min, max)) (RAY_TRAIN_V2_ENABLED not 0)")
+    raise SGPUConfigError(
+        "nodes", spec.nodes, "a whole number of nodes on RayCompute: elastic jobs (nodes=(min, max)) run on the "
+        "local compute only for now",
+        f"{why}. Use nodes=N on RayCompute, nodes=(min, max) on LocalCompute, or Ray Train itself: "
+        f"TorchTrainer(..., scaling_config=ScalingConfig(num_workers={workers})) with ray.train's checkpoints")
