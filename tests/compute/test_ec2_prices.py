@@ -204,3 +204,56 @@ def test_a_job_s_gangs_add_up_part_by_part() -> None:
     assert total["compute"] == {"spot eu-west-1": {"usd": 1.0, "source": "x"}, "on-demand eu-west-1": {"usd": 2.0}}
     assert total["storage"] == {"usd": pytest.approx(0.3), "requests": {"PUT": 5, "GET": 1}, "source": "estimate"}
     assert [i["id"] for i in total["instances"]] == ["i-1", "i-2"]
+
+
+def test_a_capacity_block_costs_its_upfront_fee_once_not_per_hour(aws_env: Any, aws_faults: Any,
+                                                                   price_cache: Path) -> None:
+    """A Capacity Block is paid once, up front (AWS docs, "Capacity Blocks for ML"): a 2 x g5.xlarge block
+    of 24 h costs EC2's quote for a block like it, whatever the job's hours, and its instances cost nothing
+    more; read by a driver user under the shipped ``driver-policy.json``, every call judged by the IAM gate."""
+    import boto3
+
+    from prefect_sgpu.compute.ec2 import roles
+    from support.iam_gate import ACCOUNT, IAMGate
+
+    _aws_prices(aws_faults)
+    day = 24 * HOUR
+    iso = lambda t: _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")  # noqa: E731
+    block = aws_faults.add_capacity_reservation("g5.xlarge", "us-east-1a", 2, reservation_type="capacity-block",
+                                                start_date=iso(T0), end_date=iso(T0 + day))
+    far = aws_faults.prices.list_capacity_block_offering("us-east-1a", "g5.xlarge", 2, T0 + 30 * day, 24, 99.0)
+    near = aws_faults.prices.list_capacity_block_offering("us-east-1a", "g5.xlarge", 2, T0 + 2 * day, 24, 61.5)
+    aws_faults.prices.list_capacity_block_offering("us-east-1a", "g5.xlarge", 4, T0 + 2 * day, 24, 120.0)
+    aws_faults.prices.list_capacity_block_offering("us-east-1a", "g5.xlarge", 2, T0 + 2 * day, 48, 118.0)
+    iam, tag = aws_env.client("iam"), uuid.uuid4().hex[:8]
+    user = f"sgpu-driver-block-{tag}"
+    iam.create_user(UserName=user)
+    iam.put_user_policy(UserName=user, PolicyName="prefect-sgpu-driver", PolicyDocument=json.dumps(
+        roles.driver_policy("s3://sgpu-prices/jobs", "us-east-1", ACCOUNT, f"arn:aws:iam::{ACCOUNT}:policy/b")))
+    keys = iam.create_access_key(UserName=user)["AccessKey"]
+    driver = boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
+                           region_name="us-east-1")
+    gate = IAMGate("us-east-1")
+    gate.watch_user(user)
+    aws_faults.iam_gate = gate
+    try:
+        prov = _provisioner(aws_env, "us-east-1", session=driver, capacity_reservation_id=block, market="reserved")
+        short = prov.cost(_nodes("us-east-1a", "reserved"), T0, T0 + HOUR / 6)
+        long = prov.cost(_nodes("us-east-1a", "reserved"), T0, T0 + 3 * HOUR)
+    finally:
+        aws_faults.iam_gate = None
+    assert gate.denied == [], gate.denied
+    assert "ec2:DescribeCapacityBlockOfferings" in {a for _, a in gate.allowed}
+    for cost in (short, long):  # the fee once, for the block, not per instance or per hour
+        assert cost["usd"] == pytest.approx(61.5) and cost["unpriced_instance_types"] == []
+        assert cost["compute"]["reserved us-east-1"]["upfront_usd"] == pytest.approx(61.5)
+        assert cost["price_source"] == "estimate"
+        first = cost["instances"][0]
+        assert first["usd_upfront"] == 61.5 and first["usd_per_hour"] == 0.0
+        assert near in first["note"] and far not in first["note"] and "not what was paid" in first["note"]
+    aws_faults.prices.reset()
+    aws_faults.prices.block_offers = []  # EC2 quotes no block like it now: the fee is unknown, and said so
+    unquoted = _provisioner(aws_env, "us-east-1", capacity_reservation_id=block, market="reserved").cost(
+        _nodes("us-east-1a", "reserved"), T0, T0 + HOUR)
+    assert unquoted["unpriced_instance_types"] == ["g5.xlarge"] and unquoted["usd"] == 0.0
+    assert "quotes no 2 x g5.xlarge block of 24 h" in unquoted["instances"][0]["note"]

@@ -7,9 +7,13 @@
   (``ec2:DescribeSpotPriceHistory``: the answer holds every change in the window and the last one
   before it, which was in effect at its start), averaged over that time. Source ``spot-history``.
 - **Reservations**: a default capacity reservation is billed at the on-demand rate whether it is used
-  or not; a Capacity Block was paid up front when it was bought, and EC2 reports no fee for it after
-  (DescribeCapacityReservations and DescribeCapacityBlocks carry none): its price is unknown. Source
-  ``reservation``.
+  or not. A Capacity Block is paid once, up front, when it is bought: its cost is that fee, not a rate
+  per hour, and the instances that run in it cost nothing more
+  (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/ec2-capacity-blocks.html, "Capacity Blocks
+  pricing and billing"). EC2 reports no fee for a block after the purchase (DescribeCapacityReservations
+  carries none), so the fee is EC2's own quote for a block like it (``DescribeCapacityBlockOfferings``:
+  the same instance type, count and length, the offering whose start is nearest the block's), an
+  ``estimate``; unknown where EC2 quotes none. Source ``reservation`` (with ``usd_upfront``) or ``estimate``.
 - **Offline**: where the Price List API cannot be reached or refuses (AccessDenied), the catalog's
   table of us-east-1 list prices (:mod:`prefect_sgpu.catalog`), labelled ``fallback-table``.
 - **Requests and bytes**: the driver's own S3 requests and bytes, counted on its store client
@@ -70,14 +74,17 @@ METER_RUNS_KEPT = 1024
 
 @dataclass(frozen=True)
 class Price:
-    """USD per hour of one instance (None: unknown), where it came from and what to know about it."""
+    """USD per hour of one instance (None: unknown), where it came from and what to know about it;
+    ``usd_upfront``: a fee paid once for the whole reservation (a Capacity Block's), not per hour."""
 
     usd_per_hour: float | None
     source: str
     note: str = ""
+    usd_upfront: float | None = None
 
     def shown(self) -> dict[str, Any]:
-        return {"usd_per_hour": self.usd_per_hour, "source": self.source, **({"note": self.note} if self.note else {})}
+        return {"usd_per_hour": self.usd_per_hour, "source": self.source, **({"note": self.note} if self.note else {}),
+                **({"usd_upfront": self.usd_upfront} if self.usd_upfront is not None else {})}
 
 
 def cache_dir() -> Path:
@@ -246,7 +253,8 @@ class PriceBook:
         return found
 
     def reservation(self, reservation_id: str, instance_type: str, region: str) -> Price:
-        """A capacity reservation's price: a default one's is the on-demand rate; a Capacity Block's is unknown."""
+        """A capacity reservation's price: a default one's is the on-demand rate; a Capacity Block's is its
+        upfront fee (:meth:`_capacity_block`)."""
         try:
             found = self.client("ec2", region).describe_capacity_reservations(
                 CapacityReservationIds=[reservation_id])["CapacityReservations"]
@@ -254,11 +262,39 @@ class PriceBook:
         except Exception as exc:  # noqa: BLE001 - the kind unknown: so is the price
             return Price(None, "reservation", f"{reservation_id} could not be read: {aws.error_of(exc)[0] or exc}")
         if kind == "capacity-block":
-            return Price(None, "reservation", f"unknown: Capacity Block {reservation_id} was paid up front, and EC2 "
-                                              "reports no fee for it after the purchase")
+            return self._capacity_block(reservation_id, found[0], instance_type, region)
         rate = self.on_demand(instance_type, region)
         return Price(rate.usd_per_hour, rate.source, f"capacity reservation {reservation_id}: billed at the "
                                                      "on-demand rate whether used or not")
+
+
+    def _capacity_block(self, reservation_id: str, block: dict[str, Any], instance_type: str,
+                        region: str) -> Price:
+        """A Capacity Block's fee: EC2's quote for a block like it (module docstring), paid once."""
+        start, end = block.get("StartDate"), block.get("EndDate")
+        count = int(block.get("TotalInstanceCount") or 0)
+        unknown = (f"unknown: Capacity Block {reservation_id} was paid up front, and EC2 reports no fee for it "
+                   "after the purchase")
+        if not isinstance(start, _dt.datetime) or not isinstance(end, _dt.datetime) or count < 1:
+            return Price(None, "reservation", f"{unknown} (its start, end or instance count is not known)")
+        hours = round((end - start).total_seconds() / 3600.0)
+        try:
+            offers = self.client("ec2", region).describe_capacity_block_offerings(
+                InstanceType=str(block.get("InstanceType") or instance_type), InstanceCount=count,
+                CapacityDurationHours=hours)["CapacityBlockOfferings"]
+        except Exception as exc:  # noqa: BLE001 - no quote: the fee stays unknown
+            return Price(None, "reservation", f"{unknown}; no quote: {aws.error_of(exc)[0] or exc}")
+        offers = [o for o in offers if str(o.get("CurrencyCode") or "USD") == "USD" and o.get("UpfrontFee")]
+        if not offers:
+            return Price(None, "reservation", f"{unknown}, and EC2 quotes no {count} x {instance_type} block of "
+                                              f"{hours} h now")
+        zone = block.get("AvailabilityZone")
+        nearest = min(offers, key=lambda o: (o.get("AvailabilityZone") != zone,
+                                             abs((o["StartDate"] - start).total_seconds())))
+        return Price(0.0, "estimate", f"Capacity Block {reservation_id}: paid once, up front, for {count} x "
+                                      f"{instance_type} over {hours} h, whether used or not; the fee is EC2's quote "
+                                      f"for a block like it ({nearest.get('CapacityBlockOfferingId')}), not what "
+                                      "was paid", usd_upfront=round(float(nearest["UpfrontFee"]), 2))
 
 
 class S3Meter:
