@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import unquote
 
 import pytest
 
@@ -80,6 +81,15 @@ def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.Cap
     assert result.cost["storage"]["source"] == result.cost["transfer"]["source"] == "estimate"
     assert result.cost["storage"]["requests"]["PUT"] > 0 and result.cost["storage"]["usd"] > 0
     assert result.cost["total_usd"] >= result.cost["usd"]
+    # the nodes' own S3 requests, each node's counted on its store client and reported with its status: the
+    # proxy's record of this run's folder, less the driver's own (counted on its client), give or take what a
+    # node sends after its count (its status is in it)
+    nodes = result.cost["storage"]["nodes"]
+    assert nodes["counted"] == "measured" and nodes["reported"] == nodes["nodes"] == 2, nodes
+    on_wire = sum(1 for r in list(ec2.proxy.requests) if r.service == "rest" and r.method
+                  and f"/{result.run_id}/" in unquote(r.path))
+    by_nodes = on_wire - sum(result.cost["storage"]["requests"].values())
+    assert 0 <= by_nodes - sum(nodes["requests"].values()) <= 8, (on_wire, by_nodes, nodes)
 
     # where the time went: EC2's phases per node, once each, in the order they happen
     first = {}

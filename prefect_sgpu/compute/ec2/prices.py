@@ -17,9 +17,9 @@
 - **Offline**: where the Price List API cannot be reached or refuses (AccessDenied), the catalog's
   table of us-east-1 list prices (:mod:`prefect_sgpu.catalog`), labelled ``fallback-table``.
 - **Requests and bytes**: the driver's own S3 requests and bytes, counted on its store client
-  (:class:`S3Meter`), priced at S3 Standard's published request and internet transfer rates: an
-  ``estimate`` (the nodes' own requests are not counted; a driver inside the bucket's region pays
-  no transfer).
+  (:class:`S3Meter`), and the nodes' own requests, each node counting its own and reporting them with
+  its status (:func:`nodes_requests`), priced at S3 Standard's published request and internet transfer
+  rates: an ``estimate`` (a driver inside the bucket's region pays no transfer).
 
 Prices read from AWS are kept on disk for a day (:class:`PriceCache`, under the user's cache folder),
 so a job asks the Price List API at most once per instance type and region a day; the cache holds
@@ -385,15 +385,51 @@ def _length(body: Any, headers: Any) -> int:
     return 0
 
 
-def requests_cost(counts: dict[str, int]) -> dict[str, Any]:
-    """``result.cost["storage"]``: the driver's S3 requests of one run and their price (an estimate)."""
-    requests = {k: v for k, v in sorted(counts.items()) if not k.startswith("bytes_")}
+def _requests_usd(requests: dict[str, int]) -> float:
     writes = sum(v for k, v in requests.items() if k in S3_WRITE_KINDS)
     reads = sum(v for k, v in requests.items() if k in S3_READ_KINDS)
-    usd = writes / 1000 * S3_WRITE_USD_PER_1000 + reads / 1000 * S3_READ_USD_PER_1000
-    return {"requests": requests, "usd": round(usd, 9), "source": "estimate",
-            "note": "the driver's own S3 requests, counted, at S3 Standard's us-east-1 request prices; the nodes' "
-                    "requests are not counted"}
+    return writes / 1000 * S3_WRITE_USD_PER_1000 + reads / 1000 * S3_READ_USD_PER_1000
+
+
+#: what :func:`requests_cost` is given of the nodes: each reporting node's counts by node index, and how
+#: many nodes the gang had
+NodeCounts = tuple[dict[int, dict[str, int]], int]
+
+
+def nodes_requests(nodes: NodeCounts) -> dict[str, Any]:
+    """``result.cost["storage"]["nodes"]``: the nodes' own S3 requests (each node counts its own and reports
+    them with its status, :mod:`prefect_sgpu.protocol.node_requests`), priced as the driver's. ``counted``:
+    ``measured`` when every node reported; ``estimated`` when some did not (lost, or stopped before they
+    could): the reporting nodes' mean stands in for each of them; ``not reported`` when none did."""
+    reported, total = nodes
+    summed: dict[str, int] = {}
+    for counts in reported.values():
+        for kind, n in counts.items():
+            summed[kind] = summed.get(kind, 0) + n
+    if reported and len(reported) < total:
+        summed = {k: round(v * total / len(reported)) for k, v in summed.items()}
+    counted = "measured" if reported and len(reported) == total else "estimated" if reported else "not reported"
+    return {"requests": dict(sorted(summed.items())), "usd": round(_requests_usd(summed), 9), "counted": counted,
+            "reported": len(reported), "nodes": total,
+            "note": f"{len(reported)} of {total} node(s) counted their own requests to the job store, at S3 "
+                    "Standard's us-east-1 request prices; a bare image's first stage (fetching the environment, "
+                    "once per boot) is not counted"}
+
+
+def requests_cost(counts: dict[str, int], nodes: NodeCounts | None = None) -> dict[str, Any]:
+    """``result.cost["storage"]``: the driver's S3 requests of one run, counted (``requests``), and with
+    ``nodes`` the nodes' own (``nodes``, :func:`nodes_requests`); ``usd`` prices both (an estimate)."""
+    requests = {k: v for k, v in sorted(counts.items()) if not k.startswith("bytes_")}
+    usd = _requests_usd(requests)
+    storage = {"requests": requests, "usd": round(usd, 9), "source": "estimate", "counted": "measured",
+               "note": "the driver's own S3 requests, counted, at S3 Standard's us-east-1 request prices; the nodes' "
+                       "requests are not counted"}
+    if nodes is not None:
+        storage["nodes"] = nodes_requests(nodes)
+        storage["usd"] = round(usd + storage["nodes"]["usd"], 9)
+        storage["note"] = ("the driver's own S3 requests (requests) and the nodes' (nodes), each counted where it "
+                           "was sent, at S3 Standard's us-east-1 request prices")
+    return storage
 
 
 def transfer_cost(counts: dict[str, int]) -> dict[str, Any]:
@@ -406,9 +442,9 @@ def transfer_cost(counts: dict[str, int]) -> dict[str, Any]:
                     "the driver runs in the bucket's region, uploads are free"}
 
 
-def with_requests(cost: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
-    """``cost`` (the instances') with the run's S3 requests and transfer, and the sum of the three known
-    figures as ``total_usd`` (``usd`` stays the instances')."""
-    storage, transfer = requests_cost(counts), transfer_cost(counts)
+def with_requests(cost: dict[str, Any], counts: dict[str, int], nodes: NodeCounts | None = None) -> dict[str, Any]:
+    """``cost`` (the instances') with the run's S3 requests (the driver's, and the nodes' where given) and
+    transfer, and the sum of the three known figures as ``total_usd`` (``usd`` stays the instances')."""
+    storage, transfer = requests_cost(counts, nodes), transfer_cost(counts)
     total = (cost.get("usd") or 0.0) + storage["usd"] + transfer["usd"]
     return {**cost, "storage": storage, "transfer": transfer, "total_usd": round(total, 9)}
