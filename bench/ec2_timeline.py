@@ -77,8 +77,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed calls per side and node count")
     parser.add_argument("--nodes", default="2,8", help="node counts, comma separated (one rank each)")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"sides to run, of {', '.join(SIDES)}")
-    parser.add_argument("--tail", type=float, default=6.0, help="seconds each rank steps after its first step (the
-                        driver reads the ranks' steps while they run: other ranks' every 3 s on a node)")
+    parser.add_argument("--tail", type=float, default=6.0, help="seconds each rank steps after its first step (the driver reads the ranks' steps "
+                             "while they run; a node ships ranks other than 0 every 3 s)")
     args = parser.parse_args()
     sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in sides if s not in SIDES]
