@@ -155,6 +155,7 @@ class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):
         self._beat_seq = self._beat_seqs.get(run_id, -1)
         self._beat_seen = time.monotonic()
         self._uploaded, self._appended, self._log_shipped = {}, {}, {}
+        self._requests_base = self.store.request_counts()
         self._agent = None
         self._notice_published = False
         self._rebalance_published = False

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prefect_sgpu.protocol import node_requests
 from prefect_sgpu.protocol.jobfolder import HEARTBEAT_STOP, LOGS, RESULTS, NodeStatus, agent_output_key
 from prefect_sgpu.observe.mlflow_relay import METRICS
 from prefect_sgpu import retry
@@ -53,6 +54,10 @@ class NodeSync:
     watch_notices: Any
     publish_notice: Any
     heartbeat_stale: Any
+    key: Any
+    gang: int
+    #: the store's request counts when this node entered the job's folder (a lease's node serves many jobs)
+    _requests_base: dict[str, int] = {}
 
     def _upload_if_changed(self, path: Path, key: str) -> None:
         try:
@@ -145,12 +150,28 @@ class NodeSync:
         if self.unfit:  # the driver gives no later job to this machine
             status = status.model_copy(update={"unfit": self.unfit})
         self.quiet()  # after its status a node writes nothing more to the folder
+        self.put_requests()
         try:
             self.folder.put_status(self.index, status, instance_id=self.identity.instance_id)
         except BaseException:
             with self._alive_lock:  # not written: the node still lives, and says so, while it retries
                 self._alive_quiet = False
             raise
+
+    def put_requests(self) -> None:
+        """This node's requests to the job store during the job, by kind, for the job's cost
+        (:mod:`prefect_sgpu.protocol.node_requests`), written just before its status. A store that
+        counts none (a folder) writes nothing; a failed write leaves the figure not reported."""
+        base = self._requests_base
+        mine = {k: n - base.get(k, 0) for k, n in self.store.request_counts().items() if n > base.get(k, 0)}
+        if not mine:
+            return
+        mine["PUT"] = mine.get("PUT", 0) + 2  # this document and the status that follows it
+        try:
+            node_requests.write(self.store, self.run_id, self.key, self.index, mine,
+                                instance_id=self.identity.instance_id, gang=self.gang)
+        except Exception as exc:  # noqa: BLE001 - a cost figure missing, the job's outcome unchanged
+            self._store_error("uploading the node's request counts", exc)
 
     def sync_quietly(self) -> None:
         """One tick's uploads (logs, envelopes); a failure waits for the next tick. The alive

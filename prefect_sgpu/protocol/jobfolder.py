@@ -85,7 +85,7 @@ BUNDLE_MAGIC = b"SGPU2-LAUNCH\n"
 _DIGEST = 32
 
 Kind = Literal["payload", "heartbeat", "stop", "launch", "alive", "notice", "status", "result", "assign",
-               "rejoin", "checkpoint", "metrics", "envpack", "progress"]
+               "rejoin", "checkpoint", "metrics", "envpack", "progress", "requests"]
 
 # --- keys ------------------------------------------------------------------------------
 

@@ -83,6 +83,11 @@ class Store(ABC):
     @abstractmethod
     def delete(self, run_id: str, key: str) -> None: ...
 
+    def request_counts(self) -> dict[str, int]:
+        """The requests this store sent so far, by kind (an object store's are billed: a node reports its
+        own with the job, :mod:`prefect_sgpu.protocol.node_requests`); a folder's cost nothing: none."""
+        return {}
+
     def listing(self, run_id: str, prefix: str) -> dict[str, Listed]:
         """The objects directly under ``prefix`` with their sizes (:class:`Listed`), in as few
         requests as the store allows (S3: one listing for every object and every appended piece).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,17 @@ def read_object(client: Any, **request: Any) -> tuple[dict[str, Any], bytes]:
     raise AssertionError("unreachable")
 
 
+def request_kind(method: str, url: str) -> str:
+    """An S3 request's kind as S3 bills it (https://aws.amazon.com/s3/pricing/, "Requests & data
+    retrievals"): a GET that lists is a LIST (the PUT tier), a POST ``?delete`` a DELETE (free)."""
+    method, query = method.upper(), urlparse(url).query
+    if method == "GET" and ("list-type" in query or "prefix=" in query):
+        return "LIST"
+    if method == "POST" and "delete" in query.split("&"):
+        return "DELETE"
+    return method
+
+
 class S3Store(Store):
     """``s3://bucket/prefix``: one folder per job, readable by the driver and every node."""
 
@@ -129,6 +141,20 @@ class S3Store(Store):
         #: same name in another account (deleted and re-created by someone else) gets nothing
         self.bucket_owner = bucket_owner or None
         self.client = client or aws.client("s3", session, region, endpoint_url, retry_mode)
+        self._requests: dict[str, int] = {}
+        self._requests_lock = threading.Lock()
+        self.client.meta.events.register("request-created.s3", self._count_request,
+                                         unique_id=f"sgpu-store-requests-{id(self)}")
+
+    def _count_request(self, request: Any, **_: Any) -> None:
+        """Every HTTP attempt this store's client sends, by S3's billing kind (each attempt is billed)."""
+        kind = request_kind(str(getattr(request, "method", "")), str(getattr(request, "url", "")))
+        with self._requests_lock:
+            self._requests[kind] = self._requests.get(kind, 0) + 1
+
+    def request_counts(self) -> dict[str, int]:
+        with self._requests_lock:
+            return dict(self._requests)
 
     def __repr__(self) -> str:
         return f"S3Store({self.root_uri!r})"

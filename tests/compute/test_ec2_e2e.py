@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import unquote
 
 import pytest
 
@@ -80,6 +81,25 @@ def test_two_g5_nodes_return_values_in_rank_order(ec2: EC2Env, capfd: pytest.Cap
     assert result.cost["storage"]["source"] == result.cost["transfer"]["source"] == "estimate"
     assert result.cost["storage"]["requests"]["PUT"] > 0 and result.cost["storage"]["usd"] > 0
     assert result.cost["total_usd"] >= result.cost["usd"]
+    # the nodes' own S3 requests, each node's counted on its store client up to its status and reported with it:
+    # the proxy's record of this run's folder, by kind, is the driver's (counted on its client) and the nodes'
+    # to the write, but for the reads a node goes on making after its status (the driver's heartbeat and the
+    # rejoin document, every second, until its instance is terminated) and the release's cleanup, not counted
+    nodes = result.cost["storage"]["nodes"]
+    assert nodes["counted"] == "measured" and nodes["reported"] == nodes["nodes"] == 2, nodes
+    on_wire: dict[str, int] = {}
+    for r in list(ec2.proxy.requests):
+        if r.service == "rest" and r.method and f"/{result.run_id}/" in unquote(r.path):
+            query = r.path.partition("?")[2]
+            kind = "LIST" if r.method == "GET" and any(q in query for q in ("list-type", "prefix=")) else r.method
+            on_wire[kind] = on_wire.get(kind, 0) + 1
+    counted: dict[str, int] = {}
+    for part in (result.cost["storage"]["requests"], nodes["requests"]):
+        for kind, n in part.items():
+            counted[kind] = counted.get(kind, 0) + n
+    assert on_wire["PUT"] == counted["PUT"], (on_wire, counted)  # every write: the nodes' own and the driver's
+    for kind in ("GET", "LIST"):  # reads: those after a node's status, and the release's cleanup, not counted
+        assert 0 <= on_wire[kind] - counted[kind] <= 0.5 * counted[kind], (kind, on_wire, counted)
 
     # where the time went: EC2's phases per node, once each, in the order they happen
     first = {}

@@ -204,3 +204,108 @@ def test_a_job_s_gangs_add_up_part_by_part() -> None:
     assert total["compute"] == {"spot eu-west-1": {"usd": 1.0, "source": "x"}, "on-demand eu-west-1": {"usd": 2.0}}
     assert total["storage"] == {"usd": pytest.approx(0.3), "requests": {"PUT": 5, "GET": 1}, "source": "estimate"}
     assert [i["id"] for i in total["instances"]] == ["i-1", "i-2"]
+
+
+def test_a_capacity_block_costs_its_upfront_fee_once_not_per_hour(aws_env: Any, aws_faults: Any,
+                                                                   price_cache: Path) -> None:
+    """A Capacity Block is paid once, up front (AWS docs, "Capacity Blocks for ML"): a 2 x g5.xlarge block
+    of 24 h costs EC2's quote for a block like it, whatever the job's hours, and its instances cost nothing
+    more; read by a driver user under the shipped ``driver-policy.json``, every call judged by the IAM gate."""
+    import boto3
+
+    from prefect_sgpu.compute.ec2 import roles
+    from support.iam_gate import ACCOUNT, IAMGate
+
+    _aws_prices(aws_faults)
+    day = 24 * HOUR
+    iso = lambda t: _dt.datetime.fromtimestamp(t, _dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")  # noqa: E731
+    block = aws_faults.add_capacity_reservation("g5.xlarge", "us-east-1a", 2, reservation_type="capacity-block",
+                                                start_date=iso(T0), end_date=iso(T0 + day))
+    far = aws_faults.prices.list_capacity_block_offering("us-east-1a", "g5.xlarge", 2, T0 + 30 * day, 24, 99.0)
+    near = aws_faults.prices.list_capacity_block_offering("us-east-1a", "g5.xlarge", 2, T0 + 2 * day, 24, 61.5)
+    aws_faults.prices.list_capacity_block_offering("us-east-1a", "g5.xlarge", 4, T0 + 2 * day, 24, 120.0)
+    aws_faults.prices.list_capacity_block_offering("us-east-1a", "g5.xlarge", 2, T0 + 2 * day, 48, 118.0)
+    iam, tag = aws_env.client("iam"), uuid.uuid4().hex[:8]
+    user = f"sgpu-driver-block-{tag}"
+    iam.create_user(UserName=user)
+    iam.put_user_policy(UserName=user, PolicyName="prefect-sgpu-driver", PolicyDocument=json.dumps(
+        roles.driver_policy("s3://sgpu-prices/jobs", "us-east-1", ACCOUNT, f"arn:aws:iam::{ACCOUNT}:policy/b")))
+    keys = iam.create_access_key(UserName=user)["AccessKey"]
+    driver = boto3.Session(aws_access_key_id=keys["AccessKeyId"], aws_secret_access_key=keys["SecretAccessKey"],
+                           region_name="us-east-1")
+    gate = IAMGate("us-east-1")
+    gate.watch_user(user)
+    aws_faults.iam_gate = gate
+    try:
+        prov = _provisioner(aws_env, "us-east-1", session=driver, capacity_reservation_id=block, market="reserved")
+        short = prov.cost(_nodes("us-east-1a", "reserved"), T0, T0 + HOUR / 6)
+        long = prov.cost(_nodes("us-east-1a", "reserved"), T0, T0 + 3 * HOUR)
+    finally:
+        aws_faults.iam_gate = None
+    assert gate.denied == [], gate.denied
+    assert "ec2:DescribeCapacityBlockOfferings" in {a for _, a in gate.allowed}
+    for cost in (short, long):  # the fee once, for the block, not per instance or per hour
+        assert cost["usd"] == pytest.approx(61.5) and cost["unpriced_instance_types"] == []
+        assert cost["compute"]["reserved us-east-1"]["upfront_usd"] == pytest.approx(61.5)
+        assert cost["price_source"] == "estimate"
+        first = cost["instances"][0]
+        assert first["usd_upfront"] == 61.5 and first["usd_per_hour"] == 0.0
+        assert near in first["note"] and far not in first["note"] and "not what was paid" in first["note"]
+    aws_faults.prices.reset()
+    aws_faults.prices.block_offers = []  # EC2 quotes no block like it now: the fee is unknown, and said so
+    unquoted = _provisioner(aws_env, "us-east-1", capacity_reservation_id=block, market="reserved").cost(
+        _nodes("us-east-1a", "reserved"), T0, T0 + HOUR)
+    assert unquoted["unpriced_instance_types"] == ["g5.xlarge"] and unquoted["usd"] == 0.0
+    assert "quotes no 2 x g5.xlarge block of 24 h" in unquoted["instances"][0]["note"]
+
+
+def test_a_node_counts_its_own_s3_requests_as_the_proxy_records_them_and_reports_them_sealed(
+        aws_env: Any, aws_faults: Any, tmp_path: Path) -> None:
+    """A node's bootstrap ships a rank's log, its progress, reads the heartbeat and the stop through its own
+    store client; the counts it reports (with the two writes that end its part) are what crossed the wire, by
+    kind. The driver prices them with its own; a gang where one node of two reported is an estimate, and a
+    document that is not the node's own is not counted."""
+    from prefect_sgpu.launch.bootstrap import NodeBootstrap, NodeIdentity
+    from prefect_sgpu.protocol import node_requests
+    from prefect_sgpu.protocol.jobfolder import new_key
+    from prefect_sgpu.store.s3 import S3Store
+
+    bucket = f"sgpu-node-meter-{uuid.uuid4().hex[:8]}"
+    aws_env.client("s3").create_bucket(Bucket=bucket)
+    opened = lambda: S3Store(f"s3://{bucket}/jobs", region=aws_env.region, endpoint_url=aws_env.endpoint_url)  # noqa: E731
+    node_store, driver_store, key = opened(), opened(), new_key()
+    aws_faults.reset()
+    node = NodeBootstrap(node_store, "run-1", NodeIdentity("i-0123456789abcdef0", 1, "10.0.0.6"), tmp_path / "node",
+                         heartbeat_ttl=60)
+    node.use_key(key)
+    log = tmp_path / "node" / "run-1" / "logs" / "rank-00001.log"
+    log.parent.mkdir(parents=True)
+    for tick in range(3):
+        with open(log, "ab") as fh:
+            fh.write(f"step {tick}\n".encode())
+        node.sync_up(final=True)
+        node.heartbeat_stale()
+        node.stop_requested()
+    node.seal_appended()
+    node.put_requests()
+    sent = aws_faults.s3_requests()  # the node's requests only: the driver sent none yet
+    counts = node_requests.read(driver_store, "run-1", key, 1, instance_id="i-0123456789abcdef0")
+    assert counts is not None
+    # the proxy's meter keeps a batch delete (POST ?delete, the sealed log's pieces) a POST; the node's counts it
+    # as S3 bills it, a DELETE (free)
+    as_sent = {("POST" if k == "DELETE" else k): v for k, v in counts.items()}
+    assert as_sent == {**sent, "PUT": sent["PUT"] + 1}, "the status that follows is the one PUT not yet sent"
+    assert counts["PUT"] >= 4 and counts["GET"] >= 6
+    for who in ({"node": 0}, {"instance_id": "i-0fffffffffffffff0"}, {"gang": 1}):  # bound to node, instance, gang
+        assert node_requests.read(driver_store, "run-1", key, who.get("node", 1),
+                                  instance_id=who.get("instance_id", "i-0123456789abcdef0"), gang=who.get("gang", 0)) is None
+    driver_store.put("run-1", node_requests.requests_key(1), b'{"node": 1, "counts": {"PUT": 1}}')  # unsealed
+    assert node_requests.read(driver_store, "run-1", key, 1, instance_id="i-0123456789abcdef0") is None
+
+    cost = prices.with_requests({"usd": 1.0}, {"PUT": 10}, ({1: counts}, 1))
+    nodes = cost["storage"]["nodes"]
+    assert nodes["counted"] == "measured" and nodes["requests"] == dict(sorted(counts.items()))
+    assert cost["storage"]["usd"] == pytest.approx(prices.requests_cost({"PUT": 10})["usd"] + nodes["usd"])
+    half = prices.with_requests({"usd": 1.0}, {}, ({1: {"PUT": 3, "GET": 5}}, 2))["storage"]["nodes"]
+    assert half["counted"] == "estimated" and half["requests"] == {"GET": 10, "PUT": 6} and half["reported"] == 1
+    assert prices.with_requests({"usd": 1.0}, {}, ({}, 2))["storage"]["nodes"]["counted"] == "not reported"

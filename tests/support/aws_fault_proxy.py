@@ -63,6 +63,9 @@ Three more, each off by default (a test turns it on):
   InstanceMarketOptionsRequest), and a launch into a reservation made in a cluster placement group
   that names another group fails with ``InvalidParameterCombination`` (AWS docs, "Capacity
   Reservations in cluster placement groups": instances must be launched into that group).
+  ``start_date`` gives the block its ``StartDate`` (a block's length is its end less its start); what
+  a block like it costs is quoted by ``DescribeCapacityBlockOfferings`` from the offerings a test lists
+  (``prices.list_capacity_block_offering``, :mod:`support.aws_prices`).
 """
 
 from __future__ import annotations
@@ -209,6 +212,7 @@ class _Reservation:
     #: the instances launched into it, and when each terminated one's slot comes back
     instances: set[str] = field(default_factory=set)
     releasing: list[float] = field(default_factory=list)
+    start_date: str | None = None
 
 
 @dataclass
@@ -426,15 +430,17 @@ class AWSFaultProxy:
     def add_capacity_reservation(
         self, instance_type: str, availability_zone: str, count: int, state: str = "active", *,
         reservation_type: str = "default", placement_group: str | None = None, end_date: str | None = None,
+        start_date: str | None = None,
     ) -> str:
         """A targeted EC2 capacity reservation; returns its id (cr-...). ``reservation_type``
         ``"capacity-block"`` makes it a Capacity Block; ``placement_group``: the cluster placement
-        group it was made in (created here, as AWS creates it with the block); ``end_date``: ISO 8601."""
+        group it was made in (created here, as AWS creates it with the block); ``end_date``, ``start_date``:
+        ISO 8601."""
         reservation_id = f"cr-{uuid.uuid4().hex[:17]}"
         with self._lock:
             self._reservations[reservation_id] = _Reservation(
                 reservation_id, instance_type, availability_zone, count, count, state,
-                reservation_type, placement_group, end_date,
+                reservation_type, placement_group, end_date, start_date=start_date,
             )
             if placement_group and placement_group not in self._groups:
                 self._groups[placement_group] = _PlacementGroup(
@@ -1004,6 +1010,7 @@ class AWSFaultProxy:
                 + (f"<placementGroupArn>arn:aws:ec2:us-east-1:123456789012:placement-group/"
                    f"{r.placement_group}</placementGroupArn>" if r.placement_group else "")
                 + (f"<endDate>{r.end_date}</endDate>" if r.end_date else "")
+                + (f"<startDate>{r.start_date}</startDate>" if r.start_date else "")
                 + "</item>"
                 for r in self._reservations.values()
                 if not ids or r.reservation_id in ids

@@ -13,7 +13,12 @@ each off until a test lists a price:
 - ``DescribeSpotPriceHistory`` (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_DescribeSpotPriceHistory.html):
   the changes between ``StartTime`` and ``EndTime`` *and the last change before the start* ("the
   results include the price that was in effect at the start time"), newest first, in pages of
-  ``page_size`` with ``nextToken``.
+  ``page_size`` with ``nextToken``;
+- ``DescribeCapacityBlockOfferings`` (https://docs.aws.amazon.com/AWSEC2/latest/APIReference/API_DescribeCapacityBlockOfferings.html;
+  moto 5.2 has none): the listed offerings of the asked ``InstanceType``, ``InstanceCount`` and
+  ``CapacityDurationHours`` starting inside ``StartDateRange``..``EndDateRange``, each with its
+  ``UpfrontFee`` in USD: a Capacity Block is paid once, up front, not per hour
+  (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/ec2-capacity-blocks.html).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ class PriceFeeds:
             #: (zone, instance type) -> [(epoch seconds, USD per hour)]; None: DescribeSpotPriceHistory goes to moto
             self.spot: dict[tuple[str, str], list[tuple[float, float]]] | None = None
             self.page_size = 1000
+            #: listed Capacity Block offerings; None: DescribeCapacityBlockOfferings goes to moto
+            self.block_offers: list[dict[str, Any]] | None = None
 
     def list_on_demand(self, region: str, instance_type: str, usd_per_hour: float) -> None:
         with self._lock:
@@ -60,13 +67,48 @@ class PriceFeeds:
         with self._lock:
             self.spot = {**(self.spot or {}), (zone, instance_type): sorted(changes)}
 
+    def list_capacity_block_offering(self, zone: str, instance_type: str, count: int, start: float, hours: int,
+                                     upfront_usd: float) -> str:
+        """A Capacity Block EC2 offers: ``count`` x ``instance_type`` in ``zone`` from ``start`` (epoch
+        seconds) for ``hours``, for ``upfront_usd`` paid once; returns its offering id."""
+        offer = {"id": f"cb-{uuid.uuid4().hex[:17]}", "zone": zone, "type": instance_type, "count": count,
+                 "start": start, "hours": hours, "fee": upfront_usd}
+        with self._lock:
+            self.block_offers = [*(self.block_offers or []), offer]
+        return offer["id"]
+
     def serves(self, service: str, action: str) -> bool:
         if service == "json:AWSPriceListService" and action == "GetProducts":
             return self.on_demand is not None
+        if service == "ec2" and action == "DescribeCapacityBlockOfferings":
+            return self.block_offers is not None
         return service == "ec2" and action == "DescribeSpotPriceHistory" and self.spot is not None
 
     def answer(self, action: str, params: dict[str, str]) -> tuple[int, list, bytes]:
+        if action == "DescribeCapacityBlockOfferings":
+            return self._block_offerings(params)
         return self._get_products(params) if action == "GetProducts" else self._spot_history(params)
+
+    def _block_offerings(self, params: dict[str, str]) -> tuple[int, list, bytes]:
+        after = _epoch(params["StartDateRange"]) if params.get("StartDateRange") else float("-inf")
+        before = _epoch(params["EndDateRange"]) if params.get("EndDateRange") else float("inf")
+        with self._lock:
+            offers = list(self.block_offers or [])
+        body = "".join(
+            f"<item><capacityBlockOfferingId>{o['id']}</capacityBlockOfferingId>"
+            f"<instanceType>{escape(o['type'])}</instanceType><availabilityZone>{escape(o['zone'])}</availabilityZone>"
+            f"<instanceCount>{o['count']}</instanceCount><startDate>{_iso(o['start'])}</startDate>"
+            f"<endDate>{_iso(o['start'] + o['hours'] * 3600)}</endDate>"
+            f"<capacityBlockDurationHours>{o['hours']}</capacityBlockDurationHours>"
+            f"<upfrontFee>{o['fee']:.2f}</upfrontFee><currencyCode>USD</currencyCode><tenancy>default</tenancy></item>"
+            for o in offers
+            if o["type"] == params.get("InstanceType") and str(o["count"]) == params.get("InstanceCount")
+            and str(o["hours"]) == params.get("CapacityDurationHours")
+            and after <= o["start"] and o["start"] + o["hours"] * 3600 <= before)
+        xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<DescribeCapacityBlockOfferingsResponse xmlns="{EC2_NS}">'
+               f"<requestId>{uuid.uuid4()}</requestId><capacityBlockOfferingSet>{body}</capacityBlockOfferingSet>"
+               "</DescribeCapacityBlockOfferingsResponse>")
+        return 200, [("Content-Type", "text/xml;charset=UTF-8")], xml.encode()
 
     def _get_products(self, params: dict[str, str]) -> tuple[int, list, bytes]:
         filters = {f["Field"]: f["Value"] for f in json.loads(params.get("Filters") or "[]")}

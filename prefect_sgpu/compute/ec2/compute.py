@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from prefect_sgpu import catalog
+from prefect_sgpu import aws, catalog
 from prefect_sgpu.compute.base import Request
 from prefect_sgpu.compute.ec2 import request as rq
 from prefect_sgpu.compute.ec2 import capacity, efa, prices, roles
@@ -43,6 +43,7 @@ from prefect_sgpu.compute.ec2.settings import EC2Settings
 from prefect_sgpu.errors import LaunchTimeout, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
+from prefect_sgpu.protocol import node_requests
 from prefect_sgpu.protocol.jobfolder import ssm_key_parameter
 from prefect_sgpu.spec import JobSpec, plan_remote
 from prefect_sgpu.store.s3 import S3Store
@@ -301,11 +302,26 @@ class EC2InstanceCompute(RemoteNodeCompute):
 
     def release(self, allocation: "Allocation") -> "Released":
         """As every remote-node compute releases; the cost adds the driver's S3 requests and transfer of
-        the run since its last gang's release (:func:`~prefect_sgpu.compute.ec2.prices.with_requests`)."""
+        the run since its last gang's release and the nodes' own requests (:func:`~prefect_sgpu.compute.ec2.prices.with_requests`)."""
+        nodes = self._nodes_requests(allocation) if isinstance(allocation, RemoteAllocation) else None
         released = super().release(allocation)
         if released.cost is not None and "storage" not in released.cost:
-            released.cost = prices.with_requests(released.cost, self.s3_meter.take(allocation.run_id))
+            released.cost = prices.with_requests(released.cost, self.s3_meter.take(allocation.run_id), nodes)
         return released
+
+    def _nodes_requests(self, allocation: RemoteAllocation) -> prices.NodeCounts:
+        """Each node's own S3 requests of this gang, as it reported them (one read a node, before the release)."""
+        folder, reported = allocation.folder, {}
+        for node in allocation.nodes:
+            try:
+                counts = node_requests.read(folder.store, allocation.run_id, folder.key, node.index,
+                                            instance_id=node.instance_id, gang=folder.gang)
+            except Exception as exc:  # noqa: BLE001 - a cost figure missing, the release goes on
+                logger.warning("node %s's S3 request counts could not be read: %s", node.index, aws.error_of(exc))
+                counts = None
+            if counts is not None:
+                reported[node.index] = counts
+        return reported, len(allocation.nodes)
 
     def _cleanup(self, allocation: RemoteAllocation) -> list[str]:
         if not getattr(allocation, "job_role", None):

@@ -173,8 +173,8 @@ class EC2Provisioner(GangLaunch, RunCleanup):
     def cost(self, instances: list[Instance], started: float, ended: float) -> dict[str, Any]:
         """Instance-hours and their price in USD, split by market and region, each figure with its
         source (:mod:`~prefect_sgpu.compute.ec2.prices`): the Price List API's on-demand price, the
-        zone's spot price history over the instances' lifetime, the capacity reservation's rate, or,
-        offline, the catalog's table. One price is read per (market, instance type, zone)."""
+        zone's spot price history over the instances' lifetime, the capacity reservation's rate (a
+        Capacity Block's upfront fee, counted once), or, offline, the catalog's table. One price is read per (market, instance type, zone)."""
         hours = max(0.0, ended - started) / 3600.0
         region = self.settings.region
         read: dict[tuple[str, str, str], prices.Price] = {}
@@ -183,11 +183,16 @@ class EC2Provisioner(GangLaunch, RunCleanup):
         usd = 0.0
         for inst in instances:
             key = (inst.market, inst.instance_type, inst.availability_zone)
-            if key not in read:
+            fresh = key not in read
+            if fresh:
                 read[key] = self._price_of(inst, region, started, ended)
             price = read[key]
             part = split.setdefault(f"{inst.market} {region}", {"market": inst.market, "region": region,
                                                                 "instance_hours": 0.0, "usd": 0.0, "sources": []})
+            if fresh and price.usd_upfront is not None:  # a Capacity Block's fee: once for the block, not per hour
+                usd += price.usd_upfront
+                part["usd"] = round(part["usd"] + price.usd_upfront, 6)
+                part["upfront_usd"] = round(part.get("upfront_usd", 0.0) + price.usd_upfront, 6)
             part["instance_hours"] = round(part["instance_hours"] + hours, 6)
             if price.source not in part["sources"]:
                 part["sources"].append(price.source)

@@ -7,15 +7,19 @@
   (``ec2:DescribeSpotPriceHistory``: the answer holds every change in the window and the last one
   before it, which was in effect at its start), averaged over that time. Source ``spot-history``.
 - **Reservations**: a default capacity reservation is billed at the on-demand rate whether it is used
-  or not; a Capacity Block was paid up front when it was bought, and EC2 reports no fee for it after
-  (DescribeCapacityReservations and DescribeCapacityBlocks carry none): its price is unknown. Source
-  ``reservation``.
+  or not. A Capacity Block is paid once, up front, when it is bought: its cost is that fee, not a rate
+  per hour, and the instances that run in it cost nothing more
+  (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/ec2-capacity-blocks.html, "Capacity Blocks
+  pricing and billing"). EC2 reports no fee for a block after the purchase (DescribeCapacityReservations
+  carries none), so the fee is EC2's own quote for a block like it (``DescribeCapacityBlockOfferings``:
+  the same instance type, count and length, the offering whose start is nearest the block's), an
+  ``estimate``; unknown where EC2 quotes none. Source ``reservation`` (with ``usd_upfront``) or ``estimate``.
 - **Offline**: where the Price List API cannot be reached or refuses (AccessDenied), the catalog's
   table of us-east-1 list prices (:mod:`prefect_sgpu.catalog`), labelled ``fallback-table``.
 - **Requests and bytes**: the driver's own S3 requests and bytes, counted on its store client
-  (:class:`S3Meter`), priced at S3 Standard's published request and internet transfer rates: an
-  ``estimate`` (the nodes' own requests are not counted; a driver inside the bucket's region pays
-  no transfer).
+  (:class:`S3Meter`), and the nodes' own requests, each node counting its own and reporting them with
+  its status (:func:`nodes_requests`), priced at S3 Standard's published request and internet transfer
+  rates: an ``estimate`` (a driver inside the bucket's region pays no transfer).
 
 Prices read from AWS are kept on disk for a day (:class:`PriceCache`, under the user's cache folder),
 so a job asks the Price List API at most once per instance type and region a day; the cache holds
@@ -70,14 +74,17 @@ METER_RUNS_KEPT = 1024
 
 @dataclass(frozen=True)
 class Price:
-    """USD per hour of one instance (None: unknown), where it came from and what to know about it."""
+    """USD per hour of one instance (None: unknown), where it came from and what to know about it;
+    ``usd_upfront``: a fee paid once for the whole reservation (a Capacity Block's), not per hour."""
 
     usd_per_hour: float | None
     source: str
     note: str = ""
+    usd_upfront: float | None = None
 
     def shown(self) -> dict[str, Any]:
-        return {"usd_per_hour": self.usd_per_hour, "source": self.source, **({"note": self.note} if self.note else {})}
+        return {"usd_per_hour": self.usd_per_hour, "source": self.source, **({"note": self.note} if self.note else {}),
+                **({"usd_upfront": self.usd_upfront} if self.usd_upfront is not None else {})}
 
 
 def cache_dir() -> Path:
@@ -246,7 +253,8 @@ class PriceBook:
         return found
 
     def reservation(self, reservation_id: str, instance_type: str, region: str) -> Price:
-        """A capacity reservation's price: a default one's is the on-demand rate; a Capacity Block's is unknown."""
+        """A capacity reservation's price: a default one's is the on-demand rate; a Capacity Block's is its
+        upfront fee (:meth:`_capacity_block`)."""
         try:
             found = self.client("ec2", region).describe_capacity_reservations(
                 CapacityReservationIds=[reservation_id])["CapacityReservations"]
@@ -254,11 +262,39 @@ class PriceBook:
         except Exception as exc:  # noqa: BLE001 - the kind unknown: so is the price
             return Price(None, "reservation", f"{reservation_id} could not be read: {aws.error_of(exc)[0] or exc}")
         if kind == "capacity-block":
-            return Price(None, "reservation", f"unknown: Capacity Block {reservation_id} was paid up front, and EC2 "
-                                              "reports no fee for it after the purchase")
+            return self._capacity_block(reservation_id, found[0], instance_type, region)
         rate = self.on_demand(instance_type, region)
         return Price(rate.usd_per_hour, rate.source, f"capacity reservation {reservation_id}: billed at the "
                                                      "on-demand rate whether used or not")
+
+
+    def _capacity_block(self, reservation_id: str, block: dict[str, Any], instance_type: str,
+                        region: str) -> Price:
+        """A Capacity Block's fee: EC2's quote for a block like it (module docstring), paid once."""
+        start, end = block.get("StartDate"), block.get("EndDate")
+        count = int(block.get("TotalInstanceCount") or 0)
+        unknown = (f"unknown: Capacity Block {reservation_id} was paid up front, and EC2 reports no fee for it "
+                   "after the purchase")
+        if not isinstance(start, _dt.datetime) or not isinstance(end, _dt.datetime) or count < 1:
+            return Price(None, "reservation", f"{unknown} (its start, end or instance count is not known)")
+        hours = round((end - start).total_seconds() / 3600.0)
+        try:
+            offers = self.client("ec2", region).describe_capacity_block_offerings(
+                InstanceType=str(block.get("InstanceType") or instance_type), InstanceCount=count,
+                CapacityDurationHours=hours)["CapacityBlockOfferings"]
+        except Exception as exc:  # noqa: BLE001 - no quote: the fee stays unknown
+            return Price(None, "reservation", f"{unknown}; no quote: {aws.error_of(exc)[0] or exc}")
+        offers = [o for o in offers if str(o.get("CurrencyCode") or "USD") == "USD" and o.get("UpfrontFee")]
+        if not offers:
+            return Price(None, "reservation", f"{unknown}, and EC2 quotes no {count} x {instance_type} block of "
+                                              f"{hours} h now")
+        zone = block.get("AvailabilityZone")
+        nearest = min(offers, key=lambda o: (o.get("AvailabilityZone") != zone,
+                                             abs((o["StartDate"] - start).total_seconds())))
+        return Price(0.0, "estimate", f"Capacity Block {reservation_id}: paid once, up front, for {count} x "
+                                      f"{instance_type} over {hours} h, whether used or not; the fee is EC2's quote "
+                                      f"for a block like it ({nearest.get('CapacityBlockOfferingId')}), not what "
+                                      "was paid", usd_upfront=round(float(nearest["UpfrontFee"]), 2))
 
 
 class S3Meter:
@@ -349,15 +385,51 @@ def _length(body: Any, headers: Any) -> int:
     return 0
 
 
-def requests_cost(counts: dict[str, int]) -> dict[str, Any]:
-    """``result.cost["storage"]``: the driver's S3 requests of one run and their price (an estimate)."""
-    requests = {k: v for k, v in sorted(counts.items()) if not k.startswith("bytes_")}
+def _requests_usd(requests: dict[str, int]) -> float:
     writes = sum(v for k, v in requests.items() if k in S3_WRITE_KINDS)
     reads = sum(v for k, v in requests.items() if k in S3_READ_KINDS)
-    usd = writes / 1000 * S3_WRITE_USD_PER_1000 + reads / 1000 * S3_READ_USD_PER_1000
-    return {"requests": requests, "usd": round(usd, 9), "source": "estimate",
-            "note": "the driver's own S3 requests, counted, at S3 Standard's us-east-1 request prices; the nodes' "
-                    "requests are not counted"}
+    return writes / 1000 * S3_WRITE_USD_PER_1000 + reads / 1000 * S3_READ_USD_PER_1000
+
+
+#: what :func:`requests_cost` is given of the nodes: each reporting node's counts by node index, and how
+#: many nodes the gang had
+NodeCounts = tuple[dict[int, dict[str, int]], int]
+
+
+def nodes_requests(nodes: NodeCounts) -> dict[str, Any]:
+    """``result.cost["storage"]["nodes"]``: the nodes' own S3 requests (each node counts its own and reports
+    them with its status, :mod:`prefect_sgpu.protocol.node_requests`), priced as the driver's. ``counted``:
+    ``measured`` when every node reported; ``estimated`` when some did not (lost, or stopped before they
+    could): the reporting nodes' mean stands in for each of them; ``not reported`` when none did."""
+    reported, total = nodes
+    summed: dict[str, int] = {}
+    for counts in reported.values():
+        for kind, n in counts.items():
+            summed[kind] = summed.get(kind, 0) + n
+    if reported and len(reported) < total:
+        summed = {k: round(v * total / len(reported)) for k, v in summed.items()}
+    counted = "measured" if reported and len(reported) == total else "estimated" if reported else "not reported"
+    return {"requests": dict(sorted(summed.items())), "usd": round(_requests_usd(summed), 9), "counted": counted,
+            "reported": len(reported), "nodes": total,
+            "note": f"{len(reported)} of {total} node(s) counted their own requests to the job store, at S3 "
+                    "Standard's us-east-1 request prices; a bare image's first stage (fetching the environment, "
+                    "once per boot) is not counted"}
+
+
+def requests_cost(counts: dict[str, int], nodes: NodeCounts | None = None) -> dict[str, Any]:
+    """``result.cost["storage"]``: the driver's S3 requests of one run, counted (``requests``), and with
+    ``nodes`` the nodes' own (``nodes``, :func:`nodes_requests`); ``usd`` prices both (an estimate)."""
+    requests = {k: v for k, v in sorted(counts.items()) if not k.startswith("bytes_")}
+    usd = _requests_usd(requests)
+    storage = {"requests": requests, "usd": round(usd, 9), "source": "estimate", "counted": "measured",
+               "note": "the driver's own S3 requests, counted, at S3 Standard's us-east-1 request prices; the nodes' "
+                       "requests are not counted"}
+    if nodes is not None:
+        storage["nodes"] = nodes_requests(nodes)
+        storage["usd"] = round(usd + storage["nodes"]["usd"], 9)
+        storage["note"] = ("the driver's own S3 requests (requests) and the nodes' (nodes), each counted where it "
+                           "was sent, at S3 Standard's us-east-1 request prices")
+    return storage
 
 
 def transfer_cost(counts: dict[str, int]) -> dict[str, Any]:
@@ -370,9 +442,9 @@ def transfer_cost(counts: dict[str, int]) -> dict[str, Any]:
                     "the driver runs in the bucket's region, uploads are free"}
 
 
-def with_requests(cost: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
-    """``cost`` (the instances') with the run's S3 requests and transfer, and the sum of the three known
-    figures as ``total_usd`` (``usd`` stays the instances')."""
-    storage, transfer = requests_cost(counts), transfer_cost(counts)
+def with_requests(cost: dict[str, Any], counts: dict[str, int], nodes: NodeCounts | None = None) -> dict[str, Any]:
+    """``cost`` (the instances') with the run's S3 requests (the driver's, and the nodes' where given) and
+    transfer, and the sum of the three known figures as ``total_usd`` (``usd`` stays the instances')."""
+    storage, transfer = requests_cost(counts, nodes), transfer_cost(counts)
     total = (cost.get("usd") or 0.0) + storage["usd"] + transfer["usd"]
     return {**cost, "storage": storage, "transfer": transfer, "total_usd": round(total, 9)}
