@@ -87,11 +87,17 @@ EXIT_LAGS: list[float] = []
 def fresh_call(gpus: int) -> None:
     """One ``distributed-fresh`` call: a new interpreter, timed by the caller from start to exit."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    done = subprocess.run([sys.executable, "-c", FRESH.format(gpus=gpus)], env=env, capture_output=True, text=True)
-    ended = time.time()
-    if done.returncode != 0:
-        raise RuntimeError(f"distributed-fresh exited {done.returncode}: {done.stderr[-2000:]}")
-    last = [line for line in done.stdout.splitlines() if line.startswith("SGPU_BENCH_LAST_RESULT ")]
+    # output to a file, not a pipe: the process's exit is timed, not the end of file of every process
+    # that inherited its output
+    with tempfile.TemporaryFile("w+") as out:
+        code = subprocess.call([sys.executable, "-c", FRESH.format(gpus=gpus)], env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
+        ended = time.time()
+        out.seek(0)
+        text = out.read()
+    if code != 0:
+        raise RuntimeError(f"distributed-fresh exited {code}: {text[-2000:]}")
+    last = [line for line in text.splitlines() if line.startswith("SGPU_BENCH_LAST_RESULT ")]
     EXIT_LAGS.append(ended - float(last[-1].split()[1]))
 
 
