@@ -8,6 +8,9 @@ hits every side alike. Sides:
   (a new node agent every call; on CPU its ranks are forked from it);
 - ``distributed-cold-spawn``: the same with ``PREFECT_SGPU_RANK_START=spawn`` (each rank a new
   interpreter, as on a GPU node);
+- ``distributed-fresh``: a new interpreter per call that imports prefect-sgpu, makes one cold
+  ``.distributed()`` call (``keep_warm=0``) and exits: what a script run once pays, import and exit
+  included. The time from its last result to its exit is shown on its own (``exit lag``);
 - ``distributed-warm``: ``.distributed()`` on a local compute with warm nodes (the first
   call, which starts them, is left out, as for every side's first call);
 - ``torchrun``: raw ``torchrun --standalone --nproc-per-node=2`` of the same work;
@@ -45,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from prefect_sgpu import distributed  # noqa: E402
 from prefect_sgpu.compute.local import LocalProcessCompute  # noqa: E402
 
-SIDES = ["distributed-cold", "distributed-cold-spawn", "distributed-warm", "torchrun", "torchdistributor", "ray-torchtrainer",
+SIDES = ["distributed-cold", "distributed-cold-spawn", "distributed-fresh", "distributed-warm", "torchrun", "torchdistributor", "ray-torchtrainer",
          "raycompute", "raycompute-warm"]
 
 WORK = """
@@ -55,6 +58,47 @@ t = torch.ones(1)
 dist.all_reduce(t)
 dist.destroy_process_group()
 """
+
+#: the ``distributed-fresh`` side's whole process: import, one cold call, exit (the time of its last
+#: result is printed for the exit lag)
+FRESH = """
+import time
+from prefect_sgpu import distributed
+from prefect_sgpu.compute.local import LocalProcessCompute
+
+def trivial():
+    import torch
+    import torch.distributed as dist
+    from prefect_sgpu import runtime
+    runtime.init_process_group()
+    t = torch.ones(1, device=runtime.device())
+    dist.all_reduce(t)
+    return float(t.item())
+
+values = distributed(gpus={gpus}, mlflow=False, compute=LocalProcessCompute(keep_warm=0))(trivial).distributed()
+assert values == [float({gpus})] * {gpus}, values
+print("SGPU_BENCH_LAST_RESULT", time.time(), flush=True)
+"""
+
+#: per fresh call: seconds from its last result to its process's exit
+EXIT_LAGS: list[float] = []
+
+
+def fresh_call(gpus: int) -> None:
+    """One ``distributed-fresh`` call: a new interpreter, timed by the caller from start to exit."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    # output to a file, not a pipe: the process's exit is timed, not the end of file of every process
+    # that inherited its output
+    with tempfile.TemporaryFile("w+") as out:
+        code = subprocess.call([sys.executable, "-c", FRESH.format(gpus=gpus)], env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
+        ended = time.time()
+        out.seek(0)
+        text = out.read()
+    if code != 0:
+        raise RuntimeError(f"distributed-fresh exited {code}: {text[-2000:]}")
+    last = [line for line in text.splitlines() if line.startswith("SGPU_BENCH_LAST_RESULT ")]
+    EXIT_LAGS.append(ended - float(last[-1].split()[1]))
 
 
 def trivial() -> float:
@@ -130,6 +174,8 @@ def build_sides(wanted: list[str], gpus: int, keep: list[Any]) -> dict[str, Call
     if "distributed-cold-spawn" in wanted:
         spawned = distributed(gpus=gpus, mlflow=False, compute=LocalProcessCompute(keep_warm=0))(trivial)
         sides["distributed-cold-spawn"] = lambda: _check(_spawning(spawned.distributed), expected)
+    if "distributed-fresh" in wanted:
+        sides["distributed-fresh"] = lambda: fresh_call(gpus)
     if "distributed-warm" in wanted:
         warm_compute = LocalProcessCompute(keep_warm=3600)
         keep.append(warm_compute)
@@ -258,6 +304,9 @@ def main() -> None:
         ratio = f"{medians[name] / base:.2f}" if base else "-"
         print(f"| {name} | {first[name]:.2f} | {medians[name]:.2f} | {', '.join(f'{x:.2f}' for x in times[name])} "
               f"| {ratio} |")
+    if EXIT_LAGS:
+        print(f"distributed-fresh exit lag (last result to process exit), median s: {statistics.median(EXIT_LAGS):.2f} "
+              f"({', '.join(f'{x:.2f}' for x in EXIT_LAGS)})")
     row = " | ".join(f"{medians[s]:.2f}" if s in medians else "-" for s in SIDES)
     print(f"| {dt.date.today()} | {platform.node()} ({os.cpu_count()} cores, {platform.machine()}, load {load:.1f}) "
           f"| {args.gpus} | {runs} | {row} |")

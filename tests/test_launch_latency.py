@@ -84,3 +84,35 @@ def test_an_unchanged_warm_set_skips_the_gang_check_until_a_failure_or_a_new_nod
         assert fifth.gang_check is not None and fifth.gang_check_reused_s is None
     finally:
         compute.close()
+
+
+def test_a_warm_job_s_agent_and_ranks_import_nothing_the_warm_node_did_not(tmp_path: Path) -> None:
+    """Python's import profile (``PYTHONPROFILEIMPORTTIME``, inherited by every fork of the warm node)
+    names each module a process imports itself: a warm job's agent and ranks, forked from a node that
+    preloaded what they use, name no module of this package (each one costs every warm call)."""
+    script = textwrap.dedent("""
+        from prefect_sgpu import distributed
+        from prefect_sgpu.compute.local import LocalProcessCompute
+
+        def _trivial():
+            return 1
+
+        compute = LocalProcessCompute(keep_warm=60)
+        fn = distributed(gpus=2, mlflow=False, compute=compute)(_trivial)
+        fn.run()  # starts the warm set
+        print("JOB", fn.run().run_id)
+        compute.close()
+    """)
+    home = tmp_path / "home"
+    env = {**os.environ, "PREFECT_SGPU_DEVICE": "cpu", "PREFECT_SGPU_HOME": str(home), "PYTHONPATH": str(ROOT),
+           "PYTHONPROFILEIMPORTTIME": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_id,) = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("JOB ")]
+    job = home / "jobs" / run_id
+    outputs = [*job.glob("agent/*.out"), *job.glob("logs/*.log")]
+    assert len(outputs) == 3, outputs  # the node's agent and two ranks
+    imported = sorted({line.rsplit("|", 1)[1].strip() for path in outputs for line in path.read_text().splitlines()
+                       if "import time:" in line and "prefect_sgpu" in line})
+    assert imported == [], f"imported at every warm job: {imported}"

@@ -172,12 +172,18 @@ class AgentTemplate:
             raise TemplateUnavailable(f"the agent template (pid {self.proc.pid}) forked no agent in {timeout:g} s")
         return found[0]
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """End the template: end of file on its channel, after which it exits (its agents run on).
+        ``wait=False`` (at interpreter exit) does not wait for it: the process unmaps torch's memory as
+        it exits, a fraction of a second the driver's exit need not take (the template is its own
+        session's and runs nothing after end of file)."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # end of file: the template exits; its agents run on
             self.sock.close()
         except OSError:
             pass
+        if not wait:
+            return
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -210,7 +216,7 @@ def _close_template() -> None:
     with _TEMPLATE_LOCK:
         found, _TEMPLATE = _TEMPLATE, None
     if found is not None:
-        found.close()
+        found.close(wait=False)
 
 
 def _forget_in_child() -> None:

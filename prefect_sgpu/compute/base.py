@@ -163,6 +163,11 @@ class Allocation:
     def plan(self) -> Plan:
         return self.request.plan
 
+    def kept_in(self) -> Any:
+        """The warm set (a :class:`~prefect_sgpu.compute.warm_pool.Pooled`) these nodes are kept in
+        between jobs, or None (the default: nodes of this job alone)."""
+        return None
+
 
 # --- what start() consumes -------------------------------------------------------------------
 
@@ -426,8 +431,9 @@ class Compute(ABC):
     def warm_set(self, allocation: Allocation) -> Any:
         """The warm set (a :class:`~prefect_sgpu.compute.warm_pool.Pooled`) this allocation's nodes were
         kept in between jobs, or None (the default: nodes of this job alone). The driver notes on it
-        when the set passed the gang check, so an unchanged set is not checked again at every job."""
-        return None
+        when the set passed the gang check, so an unchanged set is not checked again at every job.
+        The default: what the allocation says it is kept in (:meth:`Allocation.kept_in`)."""
+        return allocation.kept_in()
 
     def describe(self, allocation: Allocation) -> dict[str, Any]:
         """The allocation for people: nodes, addresses, hosts, instances."""

@@ -54,6 +54,9 @@ class Pooled:
     #: ``time.monotonic()`` when a job on this set, nodes unchanged since, last passed the gang check
     #: (None: never, or a job on it failed since)
     gang_checked_at: float | None = None
+    #: the nodes (index, address, host, instance id) of the job that passed it: a set whose nodes differ
+    #: from these is checked again
+    gang_checked_nodes: tuple[tuple[Any, ...], ...] = ()
 
     def healthy(self) -> bool:
         raise NotImplementedError

@@ -138,6 +138,11 @@ def new_run_id(name: str) -> str:
     return f"{slug}-{uuid.uuid4().hex[:10]}"
 
 
+def _node_key(allocation: Allocation) -> tuple[tuple[Any, ...], ...]:
+    """What makes a warm set's gang check stand: each node's index, address, host and instance."""
+    return tuple((n.index, n.address, n.host, n.instance_id) for n in allocation.nodes)
+
+
 class Job:
     """One call of a distributed function or script."""
 
@@ -387,6 +392,8 @@ class Job:
         checked = getattr(warm, "gang_checked_at", None)
         if not self.spec.gang_check or self.recoveries or checked is None:
             return None
+        if warm.gang_checked_nodes != _node_key(allocation):  # a node changed (an instance, an address)
+            return None
         age = time.monotonic() - checked
         return age if age <= gang_check_reuse_s() else None
 
@@ -397,8 +404,9 @@ class Job:
             result.gang_check_reused_s = self.gang_check_reused
             self.sink.info(f"{self.call.name}: gang check skipped: warm set {getattr(warm, 'id', '?')} passed it "
                            f"{self.gang_check_reused:.0f}s ago and is unchanged")
-        elif result.gang_check and warm is not None:
+        elif result.gang_check and warm is not None and self.allocation is not None:
             warm.gang_checked_at = time.monotonic()
+            warm.gang_checked_nodes = _node_key(self.allocation)
 
     def _forget_gang_check(self) -> None:
         """A job that failed: its warm set is checked again by the next job."""

@@ -66,6 +66,16 @@ PRELOAD = (
     "prefect_sgpu.checkpoints",
     "prefect_sgpu.launch.node_agent",
     "prefect_sgpu.launch.rank_main",
+    # what an agent and its ranks import lazily at every job (seen with PYTHONPROFILEIMPORTTIME=1 in a
+    # warm node's forks): imported here, a warm job's ranks no longer pay them each time
+    "prefect_sgpu.launch.rendezvous",
+    "prefect_sgpu.launch.nccl_env",
+    "prefect_sgpu.observe.gang_check",
+    "prefect_sgpu.observe.mlflow_relay",
+    "prefect_sgpu.protocol.rank_progress",
+    "encodings.idna",
+    "multiprocessing.popen_fork",
+    "multiprocessing.queues",
 )
 
 

@@ -118,6 +118,10 @@ class RayAllocation(Allocation):
     #: the request's runtime_env as sent to Ray: local working_dir and py_modules uploaded, as gcs:// URIs
     runtime_env: dict[str, Any] = field(default_factory=dict)
 
+    def kept_in(self) -> Any:
+        """The warm worker group the job runs on (None: a Ray Train run of its own)."""
+        return self.group
+
 
 # one Ray connection per process: which cluster prefect-sgpu joined, so any compute for it may leave it
 _joined: str | None = None

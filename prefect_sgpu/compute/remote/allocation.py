@@ -74,6 +74,10 @@ class RemoteAllocation(Allocation):
     def instance_id(self, node: int) -> str:
         return self.instances[node].id
 
+    def kept_in(self) -> WarmLease | None:
+        """The warm lease the job runs on (its gang check may stand for the lease's next jobs)."""
+        return self.lease
+
 
 def cost_text(cost: dict[str, Any] | None) -> str:
     if not cost:
