@@ -235,7 +235,7 @@ def test_a_three_node_elastic_job_starts_on_two_and_grows_to_three_when_capacity
 
     def restore_once_running() -> None:  # capacity returns once the job runs on its first two nodes
         store = ec2.store()
-        _until(lambda: store.get(job.run_id, "progress/rank-0") is not None, 300)
+        _until(lambda: bool(store.get(job.run_id, "progress/rank-0")), 300)  # b"": not yet
         ec2.proxy.capacity_later.restore()
 
     helper = threading.Thread(target=restore_once_running, daemon=True)
