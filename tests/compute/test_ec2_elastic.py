@@ -220,7 +220,8 @@ def _grow() -> dict:
     t = torch.tensor([float(runtime.rank() + 1)])
     dist.all_reduce(t)
     return {"rank": runtime.rank(), "world": runtime.world_size(), "sum": t.item(),
-            "changed": runtime.world_size_changed(), "previous": runtime.previous_world_size()}
+            "changed": runtime.world_size_changed(), "previous": runtime.previous_world_size(),
+            "round": runtime.membership_round()}
 
 
 @pytest.mark.e2e
@@ -236,17 +237,24 @@ def test_a_three_node_elastic_job_starts_on_two_and_grows_to_three_when_capacity
     def restore_once_running() -> None:  # capacity returns once the job runs on its first two nodes
         store = ec2.store()
         _until(lambda: bool(store.get(job.run_id, "progress/rank-0")), 300)  # b"": not yet
+        restored.append(time.monotonic())
         ec2.proxy.capacity_later.restore()
 
+    restored: list[float] = []
     helper = threading.Thread(target=restore_once_running, daemon=True)
     helper.start()
     result = job.run()
     values = result.values
-    assert [v["rank"] for v in values] == [0, 1, 2]
-    assert all(v["world"] == 3 and v["sum"] == 6.0 for v in values), values
-    assert all(v["changed"] is True and v["previous"] == 2 for v in values), values
     refused = [c for c in ec2.proxy.calls("RunInstances") if c.error == "InsufficientInstanceCapacity"]
-    assert refused, "the third instance was refused before capacity returned"
+    seen = (ec2.proxy.capacity_later.seen, restored, job.allocation.growth.outcome, values)
+    # the third instance was refused until the job's ranks ran in a world of two (only those write progress)
+    assert refused and restored, seen
+    assert [v["rank"] for v in values] == [0, 1, 2]  # then it grew: the last round's ranks, all three nodes
+    assert all(v["world"] == 3 and v["sum"] == 6.0 for v in values), seen
+    # the same gang, in its next round (no recovery relaunched it)
+    assert all(v["changed"] is True and v["previous"] == 2 and v["round"] >= 1 for v in values), seen
+    assert result.recoveries == [], result.recoveries
+    assert job.allocation.growth.joined == [2] and job.allocation.growth.outcome.startswith("every node up")
     instances = ec2.instances(result.run_id)
     assert len(instances) == 3 and all(i["State"]["Name"] == "terminated" for i in instances)
     assert len(result.cost["instances"]) == 3
