@@ -95,7 +95,7 @@ def _nodes(value: Any) -> Any:
 
 
 Nodes = Annotated[int | tuple[int, int] | None, BeforeValidator(_nodes),
-                  Field(description="Nodes, or (min, max) for an elastic job (local compute only for now); "
+                  Field(description="Nodes, or (min, max) for an elastic job (local and EC2 computes); "
                                     "derived when omitted.")]
 Timeout = Annotated[float, BeforeValidator(_seconds), Field(gt=0, description="Seconds before every rank is stopped.")]
 Restarts = Annotated[int, Field(ge=0, description="Worker-group restarts torch elastic may do.")]
@@ -466,12 +466,13 @@ def require_fixed_nodes(spec: JobSpec, compute: str) -> None:
     """Refuse ``nodes=(min, max)`` on a compute that cannot run an elastic job yet."""
     if spec.elastic:
         raise SGPUConfigError("nodes", spec.nodes, f"a whole number of nodes on {compute}: elastic jobs "
-                              "(nodes=(min, max)) run on the local compute only for now")
+                              "(nodes=(min, max)) run on the local and EC2 computes only for now")
 
 
 def plan_remote(spec: JobSpec, instance_type: str | None = None) -> Plan:
-    """Whole instances of one type: the catalog's for ``gpu_type``, or ``instance_type`` when given."""
-    require_fixed_nodes(spec, "remote compute")
+    """Whole instances of one type: the catalog's for ``gpu_type``, or ``instance_type`` when given. An
+    elastic job's (``nodes=(min, max)``) are its max, ``min_nodes`` its min."""
+    fewest = spec.min_nodes if spec.elastic else None
     if spec.gpu_type is None:
         raise SGPUConfigError(
             "gpu_type", None, "remote=True needs a gpu_type: one of " + ", ".join(catalog.known_gpu_types())
@@ -482,11 +483,12 @@ def plan_remote(spec: JobSpec, instance_type: str | None = None) -> Plan:
             if spec.gpus % itype.gpus:
                 raise SGPUConfigError("gpus", spec.gpus, f"a multiple of {itype.gpus} (GPUs of one {itype.name})")
             nodes = spec.gpus // itype.gpus
-            if spec.nodes is not None and spec.nodes != nodes:
-                raise SGPUConfigError("nodes", spec.nodes, f"{nodes} ({spec.gpus} GPUs on {itype.name})")
-            return Plan(nodes=nodes, procs_per_node=itype.gpus, device="cuda", instance_type=itype)
-    nodes, itype = catalog.plan_nodes(spec.gpu_type, spec.gpus, spec.nodes)
-    return Plan(nodes=nodes, procs_per_node=itype.gpus, device="cuda", instance_type=itype)
+            if spec.nodes is not None and spec.max_nodes != nodes:
+                raise SGPUConfigError("nodes", spec.nodes, f"{nodes} ({spec.gpus} GPUs on {itype.name})"
+                                      + (" at max" if spec.elastic else ""))
+            return Plan(nodes=nodes, procs_per_node=itype.gpus, device="cuda", instance_type=itype, min_nodes=fewest)
+    nodes, itype = catalog.plan_nodes(spec.gpu_type, spec.gpus, spec.max_nodes)
+    return Plan(nodes=nodes, procs_per_node=itype.gpus, device="cuda", instance_type=itype, min_nodes=fewest)
 
 
 def plan_local(spec: JobSpec, local_gpus: int) -> Plan:

@@ -30,7 +30,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from prefect_sgpu.spec import JobSpec, Plan
 
@@ -195,6 +195,8 @@ class JobLaunch:
     #: rank environment read from Prefect Secret blocks: each compute delivers it through a channel
     #: of its own that nothing stores in plaintext (process environment, SSM SecureString, Ray)
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    #: the command of a node that joins later (an elastic job's), from its index and address; None: none can
+    node_command: "Callable[[int, str], NodeCommand] | None" = field(default=None, repr=False, compare=False)
 
     def describe(self, compute: "Compute", request: Request) -> list[dict[str, Any]]:
         import shlex

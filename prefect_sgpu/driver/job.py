@@ -226,7 +226,9 @@ class Job:
         commands = [NodeCommand(i, self.launcher.node_argv(self, request, i, address, endpoint))
                     for i, address in enumerate(addresses)]
         return JobLaunch(env=env, commands=commands, rendezvous=endpoint,
-                         secrets={**self.secret_values(), **self._checkpoint_key(), **self._index_secret()})
+                         secrets={**self.secret_values(), **self._checkpoint_key(), **self._index_secret()},
+                         node_command=lambda node, address: NodeCommand(
+                             node, self.launcher.node_argv(self, request, node, address, endpoint)))
 
     def secret_values(self) -> dict[str, str]:
         """The ``secrets=`` of the spec, read from their Prefect Secret blocks once (in memory only);
@@ -448,7 +450,6 @@ class Job:
         """
         assert self.allocation is not None and self.folder is not None
         end = GangEnd({}, {}, {}, {})
-        total = len(self.allocation.nodes)
         failed_at: float | None = None
         if self.reprovision_started is not None and self.recoveries:
             self.recoveries[-1].reprovision_s = time.monotonic() - self.reprovision_started
@@ -492,7 +493,8 @@ class Job:
                         members.up(event.node)
                     logger.debug("job %s: node %d up on %s", self.run_id, event.node, event.host)
             now = time.monotonic()
-            if len(end.codes) == total or driver_results.ended_without_late_nodes(self, end):
+            # every node the gang has now: an elastic job's late node joins while it runs
+            if len(end.codes) == len(self.allocation.nodes) or driver_results.ended_without_late_nodes(self, end):
                 return end
             if any(end.codes.values()):
                 if end.infrastructure():

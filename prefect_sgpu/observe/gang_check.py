@@ -112,9 +112,11 @@ class GangCheck:
         def connect() -> Any:
             client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
-            # keys of its own for each restart and gang: a relaunched gang never reads an earlier one's
+            # keys of its own for each restart, gang and membership round (an elastic job's round after a node
+            # joined is no restart): a later round never reads an earlier one's listeners
             return dist.PrefixStore(f"sgpu-gang-check/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-                                    f"{os.environ.get('SGPU_GANG', '0')}", client)
+                                    f"{os.environ.get('SGPU_GANG', '0')}/{os.environ.get('SGPU_MEMBERSHIP_ROUND', '0')}",
+                                    client)
 
         from prefect_sgpu import runtime
 

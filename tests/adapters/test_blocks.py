@@ -68,6 +68,7 @@ EC2_BLOCK_FIELDS = [
     "placement_group",
     "volume_size_gb", "store_uri", "ttl_minutes", "tags", "owner", "python", "setup_commands", "pack_environments",
     "agent_timeout_s", "reservation_slot_wait_s",
+    "elastic_seek_s",
     "node_silence_s", "replace_lost", "rendezvous_port", "kms_key_id", "bucket_owner", "keep_warm", "endpoint_url", "environment",
     "aws_credentials",
 ]

@@ -45,8 +45,8 @@ def test_elastic_nodes_in_the_spec_plan_and_every_api() -> None:
     assert fn.with_options(nodes=(2, 4), gpus=4).layer.nodes == (2, 4)
     task = gpu_task(gpus=2, nodes=(1, 2))(lambda: None)
     assert task.sgpu.nodes == (1, 2)
-    with pytest.raises(SGPUConfigError, match="nodes=\\(1, 2\\) .*remote compute: elastic jobs"):
-        spec.plan_remote(spec.merge(spec.layer("call", gpus=8, nodes=(1, 2), gpu_type="A10")))
+    remote = spec.plan_remote(spec.merge(spec.layer("call", gpus=8, nodes=(1, 2), gpu_type="A10")))
+    assert (remote.nodes, remote.min_nodes, remote.procs_per_node, remote.elastic) == (2, 1, 4, True)
 
 
 def test_the_launch_asks_torch_elastic_for_min_to_max_nodes(tmp_path, monkeypatch) -> None:

@@ -44,7 +44,10 @@ number of seconds after the group's last member instance was terminated, on
 :data:`prefect_sgpu.retry.CLOCK` (a test's virtual clock lets the minutes pass at once).
 Prices (``prices``, :class:`support.aws_prices.PriceFeeds`, off until a test lists one): the Price List
 API's ``GetProducts``, which moto lacks, and ``DescribeSpotPriceHistory`` with real windows and prices.
-Three more, each off by default (a test turns it on):
+Capacity that comes later (``capacity_later``, :mod:`support.capacity_later`, off until a test sets a
+shortage): ``InsufficientInstanceCapacity`` for an instance type in a zone, a launch of several instances
+trimmed to what fits, until capacity returns (AWS docs, "Troubleshoot instance launch issues: Insufficient
+instance capacity"). Three more, each off by default (a test turns it on):
 
 - ``bind_placement_zones``: a cluster placement group is bound to the Availability Zone of its
   first instance; a launch into it from a subnet of another zone fails with
@@ -85,6 +88,7 @@ from urllib.parse import parse_qsl, urlsplit
 from xml.sax.saxutils import escape
 
 from support.aws_prices import PriceFeeds
+from support.capacity_later import CapacityLater
 from support.launch_faults import LaunchFaults
 
 EC2_NS = "http://ec2.amazonaws.com/doc/2016-11-15/"
@@ -298,6 +302,8 @@ class AWSFaultProxy:
         self.expired_keys: set[str] = set()
         #: late instance profiles, launches that die pending, ids EC2 forgot (support.launch_faults)
         self.launch_faults = LaunchFaults()
+        #: capacity that comes later: InsufficientInstanceCapacity until it returns (support.capacity_later; off)
+        self.capacity_later = CapacityLater()
         #: RunInstances' network-interface rules for EFA instance types (off by default; see _efa_layout_problem)
         self.efa_rules = False
         #: seconds a group stays in use after its last member instance was terminated (hold_groups)
@@ -379,6 +385,7 @@ class AWSFaultProxy:
             self.bucket_regions.clear()
             self.expired_keys.clear()
             self.launch_faults.reset()
+            self.capacity_later.reset()
             self.efa_rules = False
             self.group_hold_s = {"security group": 0.0, "placement group": 0.0}
             self.bind_placement_zones = False
@@ -619,6 +626,12 @@ class AWSFaultProxy:
         elif service == "ec2" and action == "DescribeCapacityReservations":
             result = self._describe_reservations(params)
         elif service == "ec2" and action == "RunInstances":
+            with self._lock:
+                replayed = params.get("ClientToken", "") in self._tokens
+            short, body = (None, body) if replayed else self.capacity_later.launch(
+                params, body, lambda subnet: self._subnet_zone(subnet, headers))
+            if short is not None:
+                return self._error(record, short[0], short[1], None, service)
             result = self._run_instances(method, path, headers, body, params)
         elif service == "iam" and action == "SimulatePrincipalPolicy":
             from support.iam_gate import simulate_principal_policy

@@ -37,10 +37,11 @@ from prefect_sgpu.compute.ec2.instances import EC2Provisioner, Instance
 from prefect_sgpu.compute.remote.lease import WarmLease, lease_id
 from prefect_sgpu.environment import ship as environment_ship
 from prefect_sgpu.environment.ship import environment_key
+from prefect_sgpu.compute.remote.elastic import ElasticNodes
 from prefect_sgpu.compute.remote.nodes import RemoteAllocation, RemoteNodeCompute, RemoteRequest
 from prefect_sgpu.compute.ec2.request import LaunchAttempt
 from prefect_sgpu.compute.ec2.settings import EC2Settings
-from prefect_sgpu.errors import LaunchTimeout, SGPUConfigError
+from prefect_sgpu.errors import LaunchTimeout, ProvisioningError, SGPUConfigError
 from prefect_sgpu.checkpoints import ENDPOINT_ENV as STORE_ENDPOINT_ENV
 from prefect_sgpu.checkpoints import REGION_ENV as STORE_REGION_ENV
 from prefect_sgpu.protocol import node_requests
@@ -123,8 +124,10 @@ class EC2Allocation(RemoteAllocation):
     sent: list[dict[str, Any]] = field(default_factory=list)
 
 
-class EC2InstanceCompute(RemoteNodeCompute):
-    """Whole EC2 GPU instances per job; the S3 store is the only channel to them."""
+class EC2InstanceCompute(ElasticNodes, RemoteNodeCompute):
+    """Whole EC2 GPU instances per job; the S3 store is the only channel to them. An elastic job
+    (``nodes=(min, max)``) launches with ``MinCount=min``, ``MaxCount=max`` and seeks the instances it did
+    not get in the background (:mod:`~prefect_sgpu.compute.remote.elastic`)."""
 
     name = "ec2"
     allocation_type = EC2Allocation
@@ -151,6 +154,7 @@ class EC2InstanceCompute(RemoteNodeCompute):
         self.replaces_nodes = settings.replace_lost == "nodes"
         self.python, self.setup_commands = settings.python, settings.setup_commands  # what the nodes boot with
         self.packs_environments = settings.pack_environments
+        self.elastic_seek_s = settings.elastic_seek_s
         self._account: str | None = None
         self._policy_kms_key: str | None = None  # resolved once (policy_kms_key)
         #: each job's AMI (id, root device), resolved at its first launch: its later gangs, lone nodes and
@@ -239,10 +243,16 @@ class EC2InstanceCompute(RemoteNodeCompute):
         plan = plan_remote(spec, instance_type=rq.override_for(self.settings, spec.gpu_type))
         # a job that asked for fresh machines takes no warm lease and leaves none: jobs on one lease are one principal
         warm = self.keep_warm > 0 and not spec.fresh_machines
+        if plan.elastic and warm:
+            raise SGPUConfigError("nodes", spec.nodes, f"a whole number of nodes with keep_warm={self.keep_warm:g} "
+                                  "(a warm lease keeps a fixed set of instances); an elastic job needs keep_warm=0 "
+                                  "or fresh_machines=True")
         lease = lease_id(run_id) if warm else ""
         user_data = self.user_data(lease or run_id, lease=bool(lease), environment=spec.environment,
                                    timeout_s=spec.timeout)
         attempts = self.provisioner.attempts(lease or run_id, plan, user_data)
+        if plan.elastic:  # EC2 launches as many as it can up to MaxCount, none below MinCount (RunInstances)
+            attempts = tuple(replace(a, params={**a.params, "MinCount": plan.min_nodes}) for a in attempts)
         instance_type = attempts[0].params["InstanceType"] if attempts else rq.instance_type_for(self.settings, plan)
         known = catalog.instance_type_by_name(instance_type)
         price = round(plan.nodes * known.price_per_hour, 3) if known and known.price_per_hour else None
@@ -426,6 +436,11 @@ class EC2InstanceCompute(RemoteNodeCompute):
         (instance,) = self._launch(allocation, launch_id, one, user_data, attempts, deadline, cancel,
                                    f"node {node}: ", zone=zone, alone=True)
         return instance
+
+    def _capacity_short(self, exc: BaseException) -> bool:
+        """A launch whose every subnet and market answered with a capacity error or a quota (the
+        provisioner's error lists them as ``attempts``): EC2 may have room later."""
+        return isinstance(exc, ProvisioningError) and bool(getattr(exc, "attempts", None))
 
     def _launch(self, allocation: RemoteAllocation, launch_id: str, plan: Any, user_data: str,
                 attempts: tuple[LaunchAttempt, ...], deadline: float, cancel: threading.Event,

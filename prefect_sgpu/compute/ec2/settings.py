@@ -155,6 +155,12 @@ class EC2ComputeFields(BaseModel):
             "Seconds a lost node's replacement inside a capacity reservation or Capacity Block waits for "
             "the lost instance's slot, which EC2 frees minutes after the termination.")
     )
+    elastic_seek_s: float = Field(
+        default=3600.0, ge=0, description=(
+            "Seconds an elastic job (nodes=(min, max)) that started with fewer than max instances keeps "
+            "launching the rest in the background (every subnet and market it may use, a few minutes apart "
+            "while EC2 has no capacity), at most until the job ends; 0: only its first launch.")
+    )
     node_silence_s: float = Field(
         default=120.0, gt=0, description="Seconds a running node may go without reporting before the job fails."
     )

@@ -70,6 +70,8 @@ class RemoteAllocation(Allocation):
         return total_cost([provisioner.cost(group, start, ended) for start, group in since.items()])
     #: release gave the lease back to the pool (its machines wait for the next job)
     kept: bool = False
+    #: an elastic job's search for the nodes it still lacks (:class:`~prefect_sgpu.compute.remote.elastic.Growth`)
+    growth: Any = None
 
     def instance_id(self, node: int) -> str:
         return self.instances[node].id

@@ -307,9 +307,8 @@ class RemoteNodeCompute(Compute):
         versions cannot run the driver's calls ends the wait at once (``EnvironmentMismatch``).
         """
         run_id, instances = allocation.run_id, allocation.instances
-        if len(instances) != allocation.plan.nodes:
-            raise ProvisioningError(f"job {run_id}: asked for {allocation.plan.nodes} machine(s), "
-                                    f"got {len(instances)}")
+        if not allocation.plan.min_nodes <= len(instances) <= allocation.plan.nodes:  # elastic: min to max
+            raise ProvisioningError(f"job {run_id}: asked for {allocation.plan.nodes} machine(s), got {len(instances)}")
         own_timeout = self._agent_timeout(allocation) if timeout is None else timeout
         own_limit = time.monotonic() + own_timeout  # from "running": provisioning returned running machines
         limit = min(deadline, own_limit)
