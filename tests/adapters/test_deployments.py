@@ -46,8 +46,7 @@ def deployment_id(prefect_server: None) -> UUID:
     saved = subprocess.run([sys.executable, "blocks/save_blocks.py", "local-default.json"], cwd=ROOT,
                            env=_env(), capture_output=True, text=True)
     assert saved.returncode == 0, saved.stderr
-    # only the deployment these tests run (every deployment of the file: test_worker_readme.py's `deploy --all`)
-    out = _cli("deploy", "--name", "mlp-ddp/mlp-ddp-nightly", "--prefect-file", "deployments/prefect.yaml")
+    out = _cli("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
     assert out.returncode == 0, out.stdout + out.stderr
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("mlp-ddp/mlp-ddp-nightly")
