@@ -33,8 +33,9 @@ def test_flow_runs_queued_in_an_sgpu_pool_with_two_workers_all_complete_with_the
     SQLite default serialises every write: many workers and flow runs at once wait on its lock)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    # 3 runs for 2 workers of one run each: at least one run waits in the queue for a worker to free up
     with temporary_settings({PREFECT_API_URL: prefect_on_postgres}):
-        report = load.pool_runs(f"sgpu-load-{uuid.uuid4().hex[:8]}", runs=4, workers=2, limit=1, timeout_s=900)
+        report = load.pool_runs(f"sgpu-load-{uuid.uuid4().hex[:8]}", runs=3, workers=2, limit=1, timeout_s=900)
     assert report["problems"] == [], report
     # the runs, their states and their deployment are rows of the PostgreSQL database
     rows = postgres_cluster.query("prefect", "SELECT id::text, state_type::text FROM flow_run WHERE id = ANY($1::uuid[])",
