@@ -23,12 +23,12 @@ cap on any other (local processes, Ray) is refused before anything is spent.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 from prefect_sgpu.compute.base import NodeExited, NodeLost
+from prefect_sgpu.driver.env_seconds import env_seconds
 from prefect_sgpu.errors import CostCapReached, SGPUConfigError, SGPUError
 from prefect_sgpu.retry import retrying
 
@@ -93,17 +93,8 @@ def check(spec: "JobSpec", compute: "Compute", request: "Request") -> None:
 
 def final_checkpoint_s() -> float:
     """``PREFECT_SGPU_FINAL_CHECKPOINT_S``, checked: seconds >= 0 (120 by default; 0: stop at once)."""
-    raw = os.environ.get(FINAL_CHECKPOINT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_FINAL_CHECKPOINT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds < float("inf"):  # NaN too
-        raise SGPUConfigError(FINAL_CHECKPOINT_ENV, raw, "seconds (a number >= 0) the driver waits for the final "
-                              "checkpoint once a job's cost cap is reached; 0 stops it at once")
-    return seconds
+    return env_seconds(FINAL_CHECKPOINT_ENV, DEFAULT_FINAL_CHECKPOINT_S, "seconds (a number >= 0) the driver waits "
+                       "for the final checkpoint once a job's cost cap is reached; 0 stops it at once")
 
 
 def marker_steps(store: "Store", uri: str) -> list[int]:

@@ -29,6 +29,7 @@ from prefect_sgpu.driver import recovery as driver_recovery
 from prefect_sgpu.driver import results as driver_results
 from prefect_sgpu.driver import interrupts
 from prefect_sgpu.driver import membership as membership_mod
+from prefect_sgpu.driver.env_seconds import env_seconds
 from prefect_sgpu.protocol import payload as payload_mod
 from prefect_sgpu.observe import progress_watch
 from prefect_sgpu.observe import timeline as timeline_mod
@@ -63,16 +64,7 @@ DEFAULT_GANG_CHECK_REUSE_S = 300.0
 
 def gang_check_reuse_s() -> float:
     """``PREFECT_SGPU_GANG_CHECK_REUSE_S``, checked: seconds >= 0 (300 by default)."""
-    raw = os.environ.get(GANG_CHECK_REUSE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_GANG_CHECK_REUSE_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:  # NaN too
-        raise SGPUConfigError(GANG_CHECK_REUSE_ENV, raw, "seconds (a number >= 0; 0: check every job)")
-    return seconds
+    return env_seconds(GANG_CHECK_REUSE_ENV, DEFAULT_GANG_CHECK_REUSE_S, "seconds (a number >= 0; 0: check every job)")
 
 
 #: seconds an elastic job's first nodes wait for the rest once its min nodes joined (torch elastic's last call)
@@ -82,13 +74,8 @@ DEFAULT_ELASTIC_WAIT_S = 30
 
 def elastic_wait_s() -> int:
     """``PREFECT_SGPU_ELASTIC_WAIT_S``, checked: whole seconds >= 0 (30 by default, torch elastic's)."""
-    raw = os.environ.get(ELASTIC_WAIT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_ELASTIC_WAIT_S
-    if not raw.isdigit():
-        raise SGPUConfigError(ELASTIC_WAIT_ENV, raw, "whole seconds (a number >= 0) an elastic job's first nodes "
-                              "wait for the rest once its min nodes joined; 0: start at once")
-    return int(raw)
+    return int(env_seconds(ELASTIC_WAIT_ENV, DEFAULT_ELASTIC_WAIT_S, "whole seconds (a number >= 0) an elastic job's "
+                           "first nodes wait for the rest once its min nodes joined; 0: start at once", whole=True))
 
 
 def rank_start() -> str:

@@ -22,14 +22,13 @@ the job's timeline has it, and the result lists them all (``JobResult.membership
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefect_sgpu.compute.base import Allocation, JobLaunch, Request
-from prefect_sgpu.errors import SGPUConfigError
+from prefect_sgpu.driver.env_seconds import env_seconds
 
 logger = logging.getLogger("prefect_sgpu.driver.job")
 
@@ -41,13 +40,9 @@ DEFAULT_LOST_AFTER_S = 15
 
 def lost_after_s() -> int:
     """``PREFECT_SGPU_ELASTIC_LOST_AFTER_S``, checked: whole seconds from 3 to 3600 (15 by default, torch's)."""
-    raw = os.environ.get(LOST_AFTER_ENV, "").strip()
-    if not raw:
-        return DEFAULT_LOST_AFTER_S
-    if not raw.isdigit() or not 3 <= int(raw) <= 3600:
-        raise SGPUConfigError(LOST_AFTER_ENV, raw, "whole seconds from 3 to 3600 after which an elastic job's "
-                              "other nodes count a silent node as gone (three missed keep-alives)")
-    return int(raw)
+    return int(env_seconds(LOST_AFTER_ENV, DEFAULT_LOST_AFTER_S, "whole seconds from 3 to 3600 after which an elastic "
+                           "job's other nodes count a silent node as gone (three missed keep-alives)",
+                           low=3, high=3600, whole=True))
 
 
 @dataclass
