@@ -107,6 +107,27 @@ def test_the_straggler_watch_keeps_each_ranks_first_step_from_its_own_progress_f
     assert first_step_time(b"garbage x y z w", 42.0) == 42.0
 
 
+def test_a_rank_that_stepped_between_two_reads_still_has_its_first_step_at_the_gangs_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGPU_JOB_DIR", str(tmp_path / "run-1"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(runtime, "_first_step", [0.0])
+    monkeypatch.setattr(runtime, "_last_progress", [0.0])
+    key = "cd" * 32
+    monkeypatch.setenv(rank_progress.KEY_ENV, rank_progress.progress_key(key))
+    watch = StragglerWatch(LocalStore(tmp_path), "run-1", 2, 2.0, 3, key=key, interval=3600.0)
+    watch.poll()  # read before any step: nothing yet, and no read again within the interval
+    runtime.progress(1, total=2, force=True)
+    watch.poll()
+    assert watch.first_steps == {}, "the interval kept the watch from reading"
+    watch.read_at_end()
+    assert list(watch.first_steps) == [0], "rank 0's first step, read once at the end; rank 1 reported none"
+    runtime.progress(2, force=True)
+    watch.first_steps = {}
+    watch.read_at_end()
+    assert watch.first_steps == {}, "read once per gang"
+
+
 def _identity(x: int) -> int:
     return x
 

@@ -502,8 +502,10 @@ class Job:
             self.cancel_event.wait(POLL_INTERVAL_S)
 
     def _note_first_steps(self) -> None:
-        """Each node's first step, as this gang's straggler watch read it (no read of its own)."""
+        """Each node's first step, as this gang's straggler watch read it (and once more at its end)."""
         watch, allocation = self.straggler_watch, self.allocation
+        if watch is not None:
+            watch.read_at_end()
         if watch is not None and allocation is not None and watch.first_steps:
             steps, watch.first_steps = watch.first_steps, {}  # noted once, in the gang they belong to
             timeline_mod.note_first_steps(self.timeline, steps, lambda r: self.compute.node_of_rank(allocation, r))

@@ -71,6 +71,7 @@ class StragglerWatch:
         self._newest: dict[int, float] = {}
         #: progress files refused, per rank (the first is logged)
         self.refused: dict[int, int] = {}
+        self._read_at_end = False
 
     def poll(self, now: float | None = None) -> list[Straggler]:
         """The stragglers named since the last poll (each with its node, host and instance where known)."""
@@ -91,6 +92,23 @@ class StragglerWatch:
             if seen is not None:
                 found.extend(self.detector.observe(rank, *seen))
         return [self._placed(s) for s in found]
+
+    def read_at_end(self) -> None:
+        """Once, at the gang's end: read each rank whose step was never read (a job that stepped between two
+        reads, or ran shorter than ``interval``), so the timeline still has its first step. A rank that
+        reported none costs one read; a refused file is left out as in ``poll``."""
+        if self._read_at_end:
+            return
+        self._read_at_end = True
+        for rank in range(self.world_size):
+            if rank in self._newest:
+                continue
+            try:
+                self._read(rank)
+            except ProgressRefused as exc:
+                self._refuse(rank, str(exc))
+            except Exception:  # noqa: BLE001 - the timeline goes without it
+                logger.debug("could not read the progress of rank %d of job %s", rank, self.run_id, exc_info=True)
 
     def _read(self, rank: int) -> tuple[int, float] | None:
         """The rank's sealed ``(step, time)``, None while it reported none; ProgressRefused."""
