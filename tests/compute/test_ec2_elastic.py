@@ -189,7 +189,7 @@ def test_a_job_that_ends_while_its_late_node_boots_ends_that_instance_too_and_pa
         settings: dict[str, Any], aws_faults: Any, aws_env: Any, virtual_clock: Any, tmp_path: Any) -> None:
     aws_faults.capacity_later.short("g5.xlarge", available=2, refusals=1)
     compute = EC2InstanceCompute(EC2Settings(**settings))
-    allocation = _allocation(compute, tmp_path, "r-cancel")
+    allocation = _allocation(compute, tmp_path, "r-elastic-ends-early")
     try:
         _acquired(compute, allocation, time.monotonic() + 300)
         _until(lambda: allocation.growth.pending is not None)
