@@ -84,14 +84,20 @@ def test_rendezvous_and_first_step_are_each_nodes_earliest_rank() -> None:
         ("first step", 1, 11.0, "rank 2")]
 
 
-def test_the_straggler_watch_keeps_each_ranks_first_step_from_its_own_progress_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _as_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int, key: str) -> None:
+    """This process writes progress as ``rank`` of job ``run-1`` in ``tmp_path``, sealed with ``key``'s
+    progress key, its first step not yet taken."""
     monkeypatch.setenv("SGPU_JOB_DIR", str(tmp_path / "run-1"))
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setattr(runtime, "_first_step", [0.0])
     monkeypatch.setattr(runtime, "_last_progress", [0.0])
-    key = "ab" * 32
     monkeypatch.setenv(rank_progress.KEY_ENV, rank_progress.progress_key(key))
+
+
+def test_the_straggler_watch_keeps_each_ranks_first_step_from_its_own_progress_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = "ab" * 32
+    _as_rank(monkeypatch, tmp_path, 1, key)
     before = time.time()
     runtime.progress(1, total=10, force=True)
     first = time.time()
@@ -109,12 +115,8 @@ def test_the_straggler_watch_keeps_each_ranks_first_step_from_its_own_progress_f
 
 def test_a_rank_that_stepped_between_two_reads_still_has_its_first_step_at_the_gangs_end(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SGPU_JOB_DIR", str(tmp_path / "run-1"))
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(runtime, "_first_step", [0.0])
-    monkeypatch.setattr(runtime, "_last_progress", [0.0])
     key = "cd" * 32
-    monkeypatch.setenv(rank_progress.KEY_ENV, rank_progress.progress_key(key))
+    _as_rank(monkeypatch, tmp_path, 0, key)
     watch = StragglerWatch(LocalStore(tmp_path), "run-1", 2, 2.0, 3, key=key, interval=3600.0)
     watch.poll()  # read before any step: nothing yet, and no read again within the interval
     runtime.progress(1, total=2, force=True)
