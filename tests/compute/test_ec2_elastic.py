@@ -263,3 +263,73 @@ def test_a_three_node_elastic_job_starts_on_two_and_grows_to_three_when_capacity
     assert len(result.cost["instances"]) == 3
     late = next(i for i in instances if i["InstanceId"] == job.allocation.instances[2].id)
     assert {i["InstanceId"] for i in instances} <= set(result.released) and late
+
+
+def _regrow() -> dict:
+    """Reports its world as its step (rank 0's progress: 300 at three nodes, 200 at two) and waits to be
+    restarted in the next round; once the world grew back from two to three, all-reduces."""
+    import torch
+    import torch.distributed as dist
+
+    world = runtime.world_size()
+    if not (world == 3 and runtime.previous_world_size() == 2):
+        until = time.monotonic() + 300
+        while time.monotonic() < until:  # a lost node, then its replacement, restarts these ranks
+            runtime.progress(world * 100, force=True)
+            time.sleep(0.2)
+        return {"world": world}
+    runtime.init_process_group("gloo")
+    t = torch.tensor([float(runtime.rank() + 1)])
+    dist.all_reduce(t)
+    return {"rank": runtime.rank(), "world": world, "sum": t.item(), "previous": runtime.previous_world_size(),
+            "round": runtime.membership_round()}
+
+
+@pytest.mark.e2e
+def test_a_three_node_elastic_job_losing_a_node_goes_on_at_two_and_grows_back_to_three(
+        ec2: Any, virtual_clock: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect_sgpu.observe.progress_watch import parse_progress
+    from prefect_sgpu.protocol.rank_progress import read_line
+
+    monkeypatch.setenv("PREFECT_SGPU_ELASTIC_WAIT_S", "1")
+    monkeypatch.setenv("PREFECT_SGPU_ELASTIC_LOST_AFTER_S", "3")
+    assert ec2.proxy is not None
+    compute = ec2.compute(elastic_seek_s=86400)
+    fn = distributed(**{**ELASTIC, "mlflow": False}, compute=compute, timeout=500)(_regrow)
+    job = fn.job()
+    seen: list[Any] = []
+
+    def step() -> int:
+        try:
+            line = read_line(ec2.store(), job.run_id, 0, job.folder.key, job.folder.gang)
+        except Exception:  # noqa: BLE001 - not there yet
+            return 0
+        found = parse_progress(line.encode() if line else None, time.time())
+        return found[0] if found else 0
+
+    def lose_node_2_then_restore() -> None:
+        _until(lambda: step() == 300, 300)  # all three nodes up, ranks at world 3
+        ec2.proxy.capacity_later.short("g5.xlarge", available=0)  # no machine for the replacement yet
+        lost = job.allocation.instances[2].id
+        seen.append(lost)
+        ec2.aws.client("ec2").terminate_instances(InstanceIds=[lost])
+        _until(lambda: step() == 200, 300)  # rank 0 went on at world 2
+        seen.append(len([c for c in ec2.proxy.calls("RunInstances") if c.error == "InsufficientInstanceCapacity"]))
+        ec2.proxy.capacity_later.restore()
+
+    helper = threading.Thread(target=lose_node_2_then_restore, daemon=True)
+    helper.start()
+    result = job.run()
+    values = result.values
+    assert len(seen) == 2 and seen[1] >= 1, (seen, values)  # the replacement was refused while the job ran at 2
+    assert [v["rank"] for v in values] == [0, 1, 2], values
+    assert all(v["world"] == 3 and v["sum"] == 6.0 and v["previous"] == 2 for v in values), values
+    assert result.recoveries == [], result.recoveries  # no relaunch: the same gang went on, then grew
+    rows = [(c.nodes, c.world_size, c.joined, c.left) for c in result.membership]
+    assert rows == [([0, 1, 2], 3, [], []), ([0, 1], 2, [], [2]), ([0, 1, 2], 3, [2], [])], rows
+    lost, back = seen[0], job.allocation.instances[2].id
+    assert back != lost and lost in result.released
+    instances = ec2.instances(result.run_id)
+    assert len(instances) == 4 and all(i["State"]["Name"] == "terminated" for i in instances)
+    assert {i["InstanceId"] for i in instances} <= set(result.released) | {lost}
+    assert {i["id"] for i in result.cost["instances"]} >= {lost, back}

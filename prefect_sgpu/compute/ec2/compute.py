@@ -423,11 +423,14 @@ class EC2InstanceCompute(ElasticNodes, RemoteNodeCompute):
                                    gang=0 if lease else gang, node_index=node,  # a lease's assignment names the gang
                                    timeout_s=request.spec.timeout)
         one = replace(request.plan, nodes=1)
+        # a running elastic job's replacement of a lost node: a token of its own (EC2 answers a token it saw
+        # with that launch's instances, the lost one; "Ensure idempotency in Amazon EC2 API requests")
+        seed = f"{launch_id}:{allocation.instances[node].id}" if node in allocation.replacing else launch_id
         # the lone node joins its gang's placement group when the gang has one (rendered for one node, it would not)
         group = request.run_instances[0].params.get("Placement") if request.run_instances else None
         attempts = tuple(replace(a, params={**{k: v for k, v in a.params.items() if k != "Placement"},
                                             **({"Placement": group} if group else {}), "UserData": user_data,
-                                            "ClientToken": rq.client_token(launch_id, i, gang, node)})
+                                            "ClientToken": rq.client_token(seed, i, gang, node)})
                          for i, a in enumerate(self.provisioner.attempts(launch_id, one, user_data)))
         # the run's cluster placement group is bound to its machines' zone: only subnets there are tried
         zones = {m.availability_zone for i, m in enumerate(allocation.instances)

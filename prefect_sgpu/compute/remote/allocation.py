@@ -72,6 +72,11 @@ class RemoteAllocation(Allocation):
     kept: bool = False
     #: an elastic job's search for the nodes it still lacks (:class:`~prefect_sgpu.compute.remote.elastic.Growth`)
     growth: Any = None
+    #: an elastic job's searches for a lost node's replacement, by node (each a ``Growth`` in place)
+    replacing: dict[int, Any] = field(default_factory=dict)
+    #: nodes whose machine an elastic job's replacement took over while the job ran: their commands are
+    #: made again for the new machine's address
+    put_back: set[int] = field(default_factory=set)
 
     def instance_id(self, node: int) -> str:
         return self.instances[node].id

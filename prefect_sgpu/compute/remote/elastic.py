@@ -74,8 +74,10 @@ class Growth:
     """The search for an elastic job's missing nodes ``missing`` (see the module docstring)."""
 
     def __init__(self, compute: "ElasticNodes", allocation: RemoteAllocation, missing: list[int],
-                 deadline: float) -> None:
+                 deadline: float, in_place: bool = False) -> None:
         self.compute, self.allocation, self.missing, self.deadline = compute, allocation, missing, deadline
+        #: the nodes sought are lost nodes of a running job: a machine that comes takes its node's place
+        self.in_place = in_place
         self.stop = threading.Event()
         #: set once the allocation's first nodes are up (acquire, or a replacement, returned): from then
         #: on a machine that announced itself joins the job
@@ -245,7 +247,21 @@ class ElasticNodes:
             if growth is not None:
                 growth.launch = launch
                 launch = self._every_node(allocation, launch)
+            launch = self._on_new_machines(allocation, launch)
             super().start(allocation, launch)  # type: ignore[misc]
+            for command in launch.commands:  # a put-back node's agent is up anew once its machine announces it
+                if command.node in allocation.put_back and allocation.launched:
+                    allocation.announced.discard(command.node)
+
+    @staticmethod
+    def _on_new_machines(allocation: RemoteAllocation, launch: JobLaunch) -> JobLaunch:
+        """The commands of nodes put back on a new machine, made for its address (the driver's were
+        made for the lost machine's)."""
+        if not allocation.put_back or launch.node_command is None:
+            return launch
+        address = {n.index: n.address for n in allocation.nodes}
+        return replace(launch, commands=[launch.node_command(c.node, address[c.node])
+                                         if c.node in allocation.put_back else c for c in launch.commands])
 
     @staticmethod
     def _every_node(allocation: RemoteAllocation, launch: JobLaunch) -> JobLaunch:
@@ -259,6 +275,8 @@ class ElasticNodes:
     def _join_node(self, allocation: RemoteAllocation, node: int, machine: "Machine", growth: Growth) -> bool:
         """``machine`` becomes node ``node`` of the allocation; with the job started, every node's launch
         document is written again with the new one's (the running nodes read theirs once)."""
+        if growth.in_place:
+            return self._put_back(allocation, node, machine, growth)
         with self._lock:  # type: ignore[attr-defined]
             if growth.stop.is_set() or allocation.released or len(allocation.instances) != node:
                 return False
@@ -274,6 +292,65 @@ class ElasticNodes:
         logger.info("job %s: node %d (%s) joined; %d node(s) now", allocation.run_id, node, machine.id,
                     len(allocation.nodes))
         return True
+
+    def _put_back(self, allocation: RemoteAllocation, node: int, machine: "Machine", growth: Growth) -> bool:
+        """``machine`` takes lost node ``node``'s place; what polling saw of the lost one is forgotten."""
+        with self._lock:  # type: ignore[attr-defined]
+            if growth.stop.is_set() or allocation.released or not 0 < node < len(allocation.nodes):
+                return False
+            allocation.instances[node] = machine
+            allocation.nodes = [AllocatedNode(index=node, address=machine.private_ip, host=machine.id,
+                                              instance_id=machine.id) if n.index == node else n
+                                for n in allocation.nodes]
+            growth.pending = None
+            allocation.put_back.add(node)
+            allocation.reported.discard(node)
+            allocation.noticed.discard(node)
+            for seen in (allocation.notice_version, allocation.alive_version, allocation.alive_changed):
+                seen.pop(node, None)
+        logger.info("job %s: node %d is back on %s", allocation.run_id, node, machine.id)
+        return True
+
+    def replace_elastic_node(self, allocation: Allocation, node: int, request: Request, deadline: float,
+                             cancel: threading.Event) -> Released | None:
+        """The lost node's machine is ended and priced, and one machine is sought for its index by a
+        :class:`Growth` of its own (the same user-data, stage and agent, zone, subnets and markets, retried
+        while the cloud has no capacity, for ``elastic_seek_s`` or until the job ends). Returns once the new
+        machine announced itself and took the node's place; the driver then starts its agent. None on a
+        warm lease, with ``elastic_seek_s=0``, or after release; a search that gives up raises
+        ``ProvisioningError`` (the job goes on with the nodes it has)."""
+        from prefect_sgpu.errors import ProvisioningError
+
+        assert isinstance(allocation, RemoteAllocation)
+        with self._lock:  # type: ignore[attr-defined]
+            if (allocation.released or allocation.lease is not None or self.elastic_seek_s <= 0
+                    or not 0 < node < len(allocation.instances) or node in allocation.replacing):
+                return None
+            lost = allocation.instances[node]
+            search = allocation.replacing[node] = Growth(self, allocation, [node], deadline, in_place=True)
+        search.open.set()
+        gone = self.provisioner.terminate_machines([lost.id])  # type: ignore[attr-defined]
+        cost = None
+        try:
+            cost = allocation.cost(self.provisioner, [lost], time.time())  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - prices are optional
+            logger.warning("could not estimate the cost of %s", lost.id, exc_info=True)
+        allocation.progress("provisioning", f"node {node}: {lost.id} lost; seeking its replacement for up to "
+                            f"{self.elastic_seek_s:g}s while the job goes on", node)
+        search.start()
+        while search.thread.is_alive():
+            search.thread.join(1.0)
+            if cancel.is_set():
+                search.close()
+        with self._lock:  # type: ignore[attr-defined]
+            allocation.replacing.pop(node, None)
+            if node not in search.joined:
+                if search.pending is not None:  # launched, not taken: ended with the job, costed there
+                    allocation.instances.append(search.pending)
+                    search.pending = None
+                raise ProvisioningError(f"job {allocation.run_id}: node {node}: {search.outcome or 'stopped'}")
+            allocation.retired.append(lost)
+        return Released(gone=gone, cost=cost)
 
     def _end_pending(self, allocation: RemoteAllocation, growth: Growth) -> None:
         """End the machine the search launched and the job does not have; its cost is kept for the release."""
@@ -316,6 +393,11 @@ class ElasticNodes:
         if growth is not None and growth.pending is not None:
             allocation.instances = [*allocation.instances, growth.pending]
             growth.pending = None
+        for search in list(allocation.replacing.values()):  # a lost node's replacement being sought
+            search.close()
+            if search.pending is not None:
+                allocation.instances = [*allocation.instances, search.pending]
+                search.pending = None
         return super()._give_back(allocation)  # type: ignore[misc]
 
     def release(self, allocation: Allocation) -> Released:
