@@ -30,6 +30,7 @@ c10d backend and the dynamic rendezvous are torch's; only where their two stores
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 
+logger = logging.getLogger(__name__)
 #: the rendezvous backend name node agents give ``LaunchConfig``
 BACKEND = "sgpu-c10d"
 #: what the rendezvous id is derived for (``jobfolder.derive_key``)
@@ -132,6 +134,7 @@ def _create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
     handler._create_tcp_store_server = host_store  # type: ignore[attr-defined]
     handler.get_backend = lambda: BACKEND  # type: ignore[method-assign]  # torch checks it is the one asked for
     _record_rounds(handler, store)
+    _restart_on_lost_peer(handler)
     return handler
 
 
@@ -155,6 +158,51 @@ def _record_rounds(handler: "RendezvousHandler", store: "TCPStore") -> None:
         return info
 
     handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def _restart_on_lost_peer(handler: "RendezvousHandler") -> None:
+    """A round that lost a node is left for the next one, by every agent still in it, while its ranks run.
+
+    torch elastic's agent restarts healthy ranks only for nodes *waiting* to join
+    (``num_nodes_waiting() > 0``, checked every monitor interval); a node whose keep-alives lapsed is
+    dropped from the round's participants (``_sanitize``, on every state sync) but restarts nothing. Ranks
+    that talk to the lost node fail and restart the round; ranks that do not (between collectives, or
+    blocked on a peer whose machine vanished without a connection reset, which gloo and NCCL notice only
+    at their timeout) would go on in a world that no longer exists, and an elastic job would never meet
+    again without the node. So here ``num_nodes_waiting`` also counts the participants the agent's round
+    lost: fewer than it joined with, in the same completed and open round, and still at least the
+    rendezvous' ``min_nodes``, restarts the ranks, and the agents meet in the next round without the lost
+    node (torch's own path for a membership change, not counted against ``max_restarts``). A fixed-size
+    job's rendezvous (``min_nodes == max_nodes``), a round below ``min_nodes`` (the driver relaunches the
+    gang) and a closed rendezvous (an agent whose ranks ended shuts it) restart nothing here."""
+    join, waiting = handler.next_rendezvous, handler.num_nodes_waiting
+    #: the round this agent joined last and its node count
+    joined: dict[int, int] = {}
+
+    def next_rendezvous() -> object:
+        info = join()
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        joined.clear()
+        if isinstance(getattr(state, "round", None), int):
+            joined[state.round] = info.world_size  # type: ignore[union-attr]
+        return info
+
+    def num_nodes_waiting() -> int:
+        count = waiting()  # syncs the state: a node whose keep-alives lapsed is no participant any more
+        state = getattr(getattr(handler, "_state_holder", None), "state", None)
+        nodes = joined.get(getattr(state, "round", None))  # type: ignore[arg-type]
+        settings = getattr(handler, "settings", None)
+        fewest, most = getattr(settings, "min_nodes", 0), getattr(settings, "max_nodes", 0)
+        if (nodes is not None and fewest < most and state.complete and not state.closed  # type: ignore[union-attr]
+                and fewest <= len(state.participants) < nodes):  # type: ignore[union-attr]
+            logger.warning(
+                "round %d lost %d of its %d node(s); its ranks restart in the next round without them",
+                state.round, nodes - len(state.participants), nodes)  # type: ignore[union-attr]
+            return max(count, 1)
+        return count
+
+    handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+    handler.num_nodes_waiting = num_nodes_waiting  # type: ignore[method-assign]
 
 
 def workers_store_of_round(handler: "RendezvousHandler", info: "RendezvousInfo") -> "RendezvousInfo":
