@@ -74,6 +74,22 @@ def test_capacity_later_refuses_trims_and_returns_after_k_launches_or_a_virtual_
             ec2.terminate_instances(InstanceIds=started)
 
 
+@pytest.mark.usefixtures("no_leaked_instances")
+def test_an_elastic_jobs_first_launch_gets_max_nodes_where_ec2_has_room_for_them(
+        settings: dict[str, Any], aws_faults: Any, tmp_path: Any) -> None:
+    # EC2 launches as many as fit from MinCount to MaxCount; moto, MinCount (support.capacity_later)
+    aws_faults.capacity_later.up_to_max_count = True
+    compute = EC2InstanceCompute(EC2Settings(**settings))
+    allocation = _allocation(compute, tmp_path, f"r-room-{time.time_ns()}")
+    try:
+        allocation.instances = compute._provision(allocation, allocation.run_id, time.monotonic() + 300,
+                                                  threading.Event())
+        assert len(allocation.instances) == 3 and launches(aws_faults) == [("2", "3", "")]
+        assert len({m.id for m in allocation.instances}) == 3
+    finally:
+        compute.release(allocation)
+
+
 # -- the plan -------------------------------------------------------------------------------
 
 
@@ -294,6 +310,7 @@ def test_a_three_node_elastic_job_losing_a_node_goes_on_at_two_and_grows_back_to
     monkeypatch.setenv("PREFECT_SGPU_ELASTIC_WAIT_S", "1")
     monkeypatch.setenv("PREFECT_SGPU_ELASTIC_LOST_AFTER_S", "3")
     assert ec2.proxy is not None
+    ec2.proxy.capacity_later.up_to_max_count = True  # the first launch gets all three, as on EC2
     compute = ec2.compute(elastic_seek_s=86400)
     fn = distributed(**{**ELASTIC, "mlflow": False}, compute=compute, timeout=500)(_regrow)
     job = fn.job()
@@ -322,6 +339,7 @@ def test_a_three_node_elastic_job_losing_a_node_goes_on_at_two_and_grows_back_to
     result = job.run()
     values = result.values
     assert len(seen) == 2 and seen[1] >= 1, (seen, values)  # the replacement was refused while the job ran at 2
+    assert launches(ec2.proxy)[0] == ("2", "3", "") and job.allocation.growth is None  # three at once
     assert [v["rank"] for v in values] == [0, 1, 2], values
     assert all(v["world"] == 3 and v["sum"] == 6.0 and v["previous"] == 2 for v in values), values
     assert result.recoveries == [], result.recoveries  # no relaunch: the same gang went on, then grew

@@ -632,6 +632,7 @@ class AWSFaultProxy:
                 params, body, lambda subnet: self._subnet_zone(subnet, headers))
             if short is not None:
                 return self._error(record, short[0], short[1], None, service)
+            body = self.capacity_later.up_to_max(body)  # as many as fit, up to MaxCount (support.capacity_later)
             result = self._run_instances(method, path, headers, body, params)
         elif service == "iam" and action == "SimulatePrincipalPolicy":
             from support.iam_gate import simulate_principal_policy

@@ -15,6 +15,13 @@ asks :meth:`CapacityLater.launch` before it forwards a RunInstances to moto. Off
 that fails with ``InsufficientInstanceCapacity``. The shortage ends after ``refusals`` refused launches, once
 ``after_s`` seconds passed on :data:`prefect_sgpu.retry.CLOCK` (a test's virtual clock), or when the test
 calls :meth:`CapacityLater.restore`; then launches go through unchanged.
+
+How many instances a launch gets (``up_to_max_count``, off by default; a test turns it on): EC2 launches the
+largest number from ``MinCount`` to ``MaxCount`` that fits (the RunInstances API reference above), so with
+room for all of them a launch of ``MinCount=2, MaxCount=3`` gets 3. moto launches ``MinCount`` instances
+whatever ``MaxCount`` says (moto 5.x ``ec2/responses/instances.py``: ``run_instances`` reads ``MinCount``
+alone), so an elastic job's first launch got min nodes there with capacity for max. On, the proxy forwards
+such a launch with ``MinCount`` raised to its ``MaxCount`` (after a shortage trimmed it: to what fits).
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class CapacityLater:
         self.shortages: list[Shortage] = []
         #: (instance type, zone, MinCount, MaxCount, what happened) of every launch a shortage saw
         self.seen: list[tuple[str, str | None, int, int, str]] = []
+        #: a launch gets up to MaxCount instances, as EC2's does (module docstring; moto's gets MinCount)
+        self.up_to_max_count = False
         self._lock = threading.Lock()
 
     def short(self, instance_type: str, *, zone: str | None = None, available: int = 0,
@@ -76,6 +85,18 @@ class CapacityLater:
         with self._lock:
             self.shortages.clear()
             self.seen.clear()
+            self.up_to_max_count = False
+
+    def up_to_max(self, body: bytes) -> bytes:
+        """The RunInstances body to forward to moto: with :attr:`up_to_max_count`, ``MinCount`` raised to
+        ``MaxCount`` (as many as EC2 would launch; a shortage already lowered ``MaxCount`` to what fits)."""
+        if not self.up_to_max_count:
+            return body
+        fields = parse_qsl(body.decode(), keep_blank_values=True)
+        most = next((v for k, v in fields if k == "MaxCount"), None)
+        if most is None:
+            return body
+        return urlencode([(k, most if k == "MinCount" else v) for k, v in fields]).encode()
 
     def launch(self, params: Params, body: bytes, zone_of: Callable[[str], str | None]) -> tuple[
             tuple[str, str] | None, bytes]:
