@@ -94,6 +94,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 #: how many of ``ray start``'s last output lines an error about it quotes
 TAIL_LINES = 12
+#: how many times a node is started when Ray's fixed 30 s raylet wait runs out: each try costs
+#: that wait and a few seconds of process start, so five fit well inside ``@ray_launch``'s
+#: default join budget (600 s) while a raylet that never registers still fails in minutes
+START_ATTEMPTS = 5
+#: a try started with less of the budget left than this could not outlast Ray's own 30 s wait
+MIN_ATTEMPT_S = 35.0
 
 
 @dataclass
@@ -170,27 +176,52 @@ class RayNodeProcess:
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def start(self, timeout: float = 120.0, should_stop: Callable[[], bool] = lambda: False,
-              attempts: int = 3) -> None:
+              attempts: int = START_ATTEMPTS) -> None:
         """Run ``ray start --block`` and return once the node is up; raise if it is not.
 
-        Ray waits a fixed 30 s for a new node's raylet to register with the GCS. On a machine
+        Ray waits a fixed 30 s for a new node's raylet to register with the GCS
+        (``raylet_start_wait_time_s``, a constant in Ray 2.x's ``ray/_private/node.py``: no
+        option or environment variable changes it). The raylet registers only once its
+        dashboard agent and runtime-env agent, two Python processes, are serving; on a machine
         too busy for that, ``ray start`` exits with "timed out during startup" although nothing
-        is wrong: the node is then stopped and started again, ``attempts`` times in all, within
-        ``timeout``. Any other failure is raised at once."""
-        deadline = time.monotonic() + timeout
-        for attempt in range(1, attempts + 1):
+        is wrong. The node is then stopped and started again (``attempts`` tries in all, a
+        backoff of a few seconds between them, all within ``timeout``); the next try finds
+        Ray's modules in the page cache. Any other failure is raised at once, as is a timeout
+        once ``should_stop`` says so."""
+        from prefect_sgpu import retry
+
+        deadline = retry.CLOCK.monotonic() + timeout
+        tries = 0
+
+        def once() -> None:
+            nonlocal tries
+            if tries:
+                self.output.write(f"[sgpu] the Ray node at {self.spec.ip} {STARTUP_TIMED_OUT} "
+                                  f"(attempt {tries} of {attempts}): starting it again\n")
+                self._forget()
+            tries += 1
             try:
-                self._start_once(max(1.0, deadline - time.monotonic()), should_stop)
-                return
+                self._start_once(max(1.0, deadline - retry.CLOCK.monotonic()), should_stop)
             except RuntimeError as exc:
-                if attempt == attempts or STARTUP_TIMED_OUT not in str(exc) or time.monotonic() >= deadline:
-                    raise
-                self.output.write(f"[sgpu] the Ray node at {self.spec.ip} timed out during startup "
-                                  f"(attempt {attempt} of {attempts}): starting it again\n")
-                self.stop(grace=5.0)
-                self._ready.clear()
-                self._seen.clear()
-                self._tail.clear()
+                if STARTUP_TIMED_OUT in str(exc):
+                    self.stop(grace=5.0)  # whatever the try left, before any wait
+                raise
+
+        def transient(exc: BaseException) -> bool:
+            return (isinstance(exc, RuntimeError) and STARTUP_TIMED_OUT in str(exc) and tries < attempts
+                    and retry.CLOCK.monotonic() < deadline - MIN_ATTEMPT_S and not should_stop())
+
+        retry.retrying(once, transient=transient, budget_s=timeout, base_s=1.0, cap_s=5.0,
+                       what=f"starting the Ray node at {self.spec.ip}", log=self._note)
+
+    def _note(self, line: str) -> None:
+        self.output.write(f"[sgpu] {line}\n")
+
+    def _forget(self) -> None:
+        """Forget the last (stopped) try, for a fresh ``ray start``."""
+        self._ready.clear()
+        self._seen.clear()
+        self._tail.clear()
 
     def _start_once(self, timeout: float, should_stop: Callable[[], bool]) -> None:
         os.makedirs(self.spec.temp_dir, exist_ok=True)

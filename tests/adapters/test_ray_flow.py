@@ -19,7 +19,11 @@ def test_ray_digits_trains_logs_and_registers(prefect_server: None) -> None:
 
     import ray_digits
 
-    state = ray_digits.ray_digits(epochs=2, model_name="digits-cnn-test", min_accuracy=0.5, return_state=True)
+    # one node of four logical CPUs (two Ray Train workers, two for Ray Data): a joining node's start
+    # and its idle Ray processes cost as much CPU as the training; Ray Train packs its workers on one
+    # node anyway (PACK), and test_ray_launch.py shows nodes joining one cluster
+    state = ray_digits.ray_digits(epochs=2, gpus=4, nodes=1, model_name="digits-cnn-test", min_accuracy=0.5,
+                                  return_state=True)
     out = state.result()
     assert out["accuracy"] >= 0.5
     assert out["version"] >= 1

@@ -9,19 +9,27 @@ from typing import Callable
 import pytest
 
 from prefect_sgpu.ray.node_process import STARTUP_TIMED_OUT, RayNodeProcess, RayNodeSpec
+from support.fast_clock import VirtualClock
 
 
 class Scripted(RayNodeProcess):
-    """A node whose start attempts fail with the given messages (None: the node comes up)."""
+    """A node whose start attempts fail with the given messages (None: the node comes up); each try
+    takes ``try_s`` seconds of the retry clock (Ray's own 30 s wait, on a virtual clock)."""
 
-    def __init__(self, outcomes: list[str | None]) -> None:
+    def __init__(self, outcomes: list[str | None], try_s: float = 0.0) -> None:
         super().__init__(RayNodeSpec(node_ip="127.0.0.21", temp_dir="/nonexistent"), env={}, output=io.StringIO())
         self.outcomes = outcomes
+        self.try_s = try_s
         self.tries = 0
         self.stops = 0
+        self.timeouts: list[float] = []
 
     def _start_once(self, timeout: float, should_stop: Callable[[], bool]) -> None:
+        from prefect_sgpu import retry
+
         self.tries += 1
+        self.timeouts.append(timeout)
+        retry.CLOCK.sleep(self.try_s)
         outcome = self.outcomes.pop(0)
         if outcome is not None:
             raise RuntimeError(f"ray start exited with code 1 before the node was up; its last lines:\n{outcome}")
@@ -30,14 +38,41 @@ class Scripted(RayNodeProcess):
         self.stops += 1
 
 
-def test_a_startup_timeout_is_retried_and_the_node_comes_up() -> None:
+def test_a_startup_timeout_is_retried_and_the_node_comes_up(virtual_clock: VirtualClock) -> None:
     node = Scripted([f"Exception: The current node {STARTUP_TIMED_OUT}.", None])
     node.start(timeout=60)
     assert (node.tries, node.stops) == (2, 1), "stopped once, then started again"
     assert "starting it again" in node.output.getvalue()
 
 
-def test_other_failures_and_the_last_attempt_are_raised() -> None:
+def test_a_node_that_times_out_four_times_in_a_row_comes_up_on_the_fifth_try(virtual_clock: VirtualClock) -> None:
+    """A loaded machine can run out Ray's fixed 30 s wait several times running; the launcher's
+    600 s join budget leaves room for five tries, with a short backoff between them."""
+    timed_out = f"Exception: The current node {STARTUP_TIMED_OUT}."
+    node = Scripted([timed_out] * 4 + [None], try_s=31.0)
+    node.start(timeout=600)
+    assert (node.tries, node.stops) == (5, 4)
+    assert node.output.getvalue().count("starting it again") == 4
+    assert 0 < len(virtual_clock.slept) - 5 <= 4 and all(s <= 5.0 for s in virtual_clock.slept[1::2]), \
+        "a backoff of at most 5 s between tries"
+    assert node.timeouts[0] == pytest.approx(600, abs=1) and node.timeouts[-1] < 600 - 4 * 31, \
+        "every try within the one budget"
+
+
+def test_no_try_starts_that_could_not_outlast_rays_wait_or_after_the_job_is_done(
+        virtual_clock: VirtualClock) -> None:
+    timed_out = f"Exception: The current node {STARTUP_TIMED_OUT}."
+    short = Scripted([timed_out] * 5, try_s=31.0)
+    with pytest.raises(RuntimeError, match=STARTUP_TIMED_OUT):
+        short.start(timeout=120)
+    assert short.tries == 3, "the third try ends past 120 - 35 s: no fourth"
+    done = Scripted([timed_out] * 5, try_s=31.0)
+    with pytest.raises(RuntimeError, match=STARTUP_TIMED_OUT):
+        done.start(timeout=600, should_stop=lambda: True)
+    assert done.tries == 1
+
+
+def test_other_failures_and_the_last_attempt_are_raised(virtual_clock: VirtualClock) -> None:
     broken = Scripted(["ValueError: bad --resources"])
     with pytest.raises(RuntimeError, match="bad --resources"):
         broken.start(timeout=60)
