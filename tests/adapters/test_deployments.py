@@ -46,8 +46,7 @@ def deployment_id(prefect_server: None) -> UUID:
     saved = subprocess.run([sys.executable, "blocks/save_blocks.py", "local-default.json"], cwd=ROOT,
                            env=_env(), capture_output=True, text=True)
     assert saved.returncode == 0, saved.stderr
-    # the one deployment these tests run (the README's steps deploy them all: test_worker_readme.py)
-    out = _cli("deploy", "--name", "mlp-ddp-nightly", "--prefect-file", "deployments/prefect.yaml")
+    out = _cli("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
     assert out.returncode == 0, out.stdout + out.stderr
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("mlp-ddp/mlp-ddp-nightly")
@@ -86,7 +85,7 @@ def test_failed_run_retried_like_the_ui_resumes_from_its_checkpoint(deployment_i
     data_file = Path(os.environ["PREFECT_SGPU_HOME"]) / "data" / "regression-5000x10-0.pt"
     with get_client(sync_client=True) as client:
         run = client.create_flow_run_from_deployment(deployment_id, parameters={
-            "num_epochs": 3, "batch_size": 256, "gpus": 2, "nodes": 1,
+            "num_epochs": 4, "batch_size": 256, "gpus": 2, "nodes": 1,
             "fault_file": str(fault), "fault_epoch": 2})
 
         worker = _run_worker_once()
