@@ -51,13 +51,18 @@ def prepare_data(rows: int = 5000, features: int = 10, seed: int = 0) -> str:
 
 @distributed(gpus=4, nodes=2)
 def train_mlp(num_epochs: int = 5, batch_size: int = 64, lr: float = 1e-3, seed: int = 0,
-              data_path: str | None = None, fault_file: str | None = None, fault_epoch: int = -1) -> dict:
+              data_path: str | None = None, fault_file: str | None = None, fault_epoch: int = -1,
+              pace_s: float = 0.0) -> dict:
     """Train on every rank; return the last epoch's mean loss and the epoch training started at.
 
     Rank 0 writes a checkpoint after every epoch (to ``runtime.checkpoint_dir()``); a new
     attempt starts from the newest one. ``fault_file``/``fault_epoch`` are for failure
-    drills: rank 0 raises at ``fault_epoch`` while ``fault_file`` exists.
+    drills: rank 0 raises at ``fault_epoch`` while ``fault_file`` exists. ``pace_s``: seconds every
+    rank waits after each epoch (for drills that need a run that stays in training cheaply, e.g.
+    cancellation); 0, the default, trains at full speed.
     """
+    import time
+
     import mlflow
     import torch
     import torch.distributed as dist
@@ -65,6 +70,8 @@ def train_mlp(num_epochs: int = 5, batch_size: int = 64, lr: float = 1e-3, seed:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+    if not (isinstance(pace_s, (int, float)) and 0 <= pace_s <= 3600):
+        raise ValueError(f"pace_s={pace_s!r}: seconds to wait after each epoch, a number from 0 to 3600")
     runtime.init_process_group()
     device = runtime.device()
 
@@ -129,6 +136,8 @@ def train_mlp(num_epochs: int = 5, batch_size: int = 64, lr: float = 1e-3, seed:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, tmp)
             tmp.replace(ckpt)  # a checkpoint is either complete or absent
+        if pace_s:
+            time.sleep(pace_s)
         dist.barrier()
     return {"loss": mean, "start_epoch": start_epoch}
 
@@ -150,12 +159,12 @@ def evaluate(data_path: str, result: dict) -> float:
 @flow(name="mlp-ddp", log_prints=True, task_runner=GPUTaskRunner())
 def mlp_ddp(num_epochs: int = 5, batch_size: int = 64, gpus: int = 4, nodes: int = 2,
             gpu_type: str | None = None, remote: bool = False, fault_file: str | None = None,
-            fault_epoch: int = -1) -> dict:
+            fault_epoch: int = -1, pace_s: float = 0.0) -> dict:
     """Prepare data, train with DDP on ``gpus`` ranks over ``nodes`` nodes, evaluate."""
     data_path = prepare_data()
     result = train.with_options(gpus=gpus, nodes=nodes, gpu_type=gpu_type, remote=remote)(
         num_epochs=num_epochs, batch_size=batch_size, data_path=data_path,
-        fault_file=fault_file, fault_epoch=fault_epoch,
+        fault_file=fault_file, fault_epoch=fault_epoch, pace_s=pace_s,
     )
     loss = evaluate(data_path, result)
     get_run_logger().info("final loss %.4f (training started at epoch %d)", loss, result["start_epoch"])

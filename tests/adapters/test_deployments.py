@@ -133,8 +133,10 @@ def test_cancelling_the_flow_run_stops_every_rank_and_kills_the_mlflow_run(deplo
                               preexec_fn=default_sigint)  # Prefect turns SIGTERM into SIGINT
     try:
         with get_client(sync_client=True) as client:
+            # ranks that stay in training while the cancel travels, each epoch followed by a 1 s wait
+            # (at full speed they train, log and checkpoint flat out on every core meanwhile)
             run = client.create_flow_run_from_deployment(deployment_id, parameters={
-                "num_epochs": 100000, "batch_size": 512, "gpus": 2, "nodes": 1})
+                "num_epochs": 100000, "batch_size": 512, "gpus": 2, "nodes": 1, "pace_s": 1.0})
             deadline = time.monotonic() + 420  # a worker, a flow run and a job start: minutes when loaded
             while not any("[rank 0 node 0] epoch 0:" in m for m in _logs(run.id, client)):
                 assert time.monotonic() < deadline, "training never started"

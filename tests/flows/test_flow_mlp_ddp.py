@@ -28,3 +28,11 @@ def test_mlp_ddp_flow_trains_and_logs_loss(prefect_server: None) -> None:
 
     final = mlp_ddp.mlp_ddp(num_epochs=2, gpus=2, nodes=1)
     assert final["loss"] > 0 and final["start_epoch"] == 0
+
+
+@pytest.mark.parametrize("pace_s", [-1, 7200, "1"])
+def test_a_pace_outside_0_to_3600_seconds_is_refused_naming_it_before_any_process_group(pace_s: object) -> None:
+    import mlp_ddp
+
+    with pytest.raises(ValueError, match=r"pace_s=.*a number from 0 to 3600"):
+        mlp_ddp.train_mlp.func(num_epochs=1, pace_s=pace_s)

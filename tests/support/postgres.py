@@ -42,6 +42,7 @@ class Postgres:
     port: int
     password: str
     data: Path
+    pid: int = 0  # the postmaster's process id
 
     def url(self, database: str) -> str:
         return f"postgresql+asyncpg://postgres:{self.password}@127.0.0.1:{self.port}/{database}"
@@ -78,6 +79,54 @@ class Postgres:
         asyncio.run(run())
 
 
+#: The guard of a cluster: a process of its own session that reads the owner's lines ("pid N" once the
+#: postmaster runs, "done" once the owner has stopped it) until end of input. End of input without
+#: "done" means the owner died without its ``finally`` (SIGTERM or SIGKILL from xdist, a CI timeout or
+#: pytest-timeout's thread method, which calls ``os._exit``): the guard then stops the postmaster as
+#: the owner does (SIGINT, PostgreSQL's "fast" shutdown; SIGKILL after 60 s) and removes the folder.
+#: The pipe's write end is not inheritable, so the owner's other children never hold it open.
+_GUARD = r"""
+import os, shutil, signal, sys, time
+pid, done = 0, False
+for line in sys.stdin:
+    word = line.split()
+    if word[:1] == ["pid"]:
+        pid = int(word[1])
+    elif word == ["done"]:
+        done = True
+if done:
+    sys.exit(0)
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+if pid and alive(pid):
+    os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+
+
+def _start_guard(root: Path) -> subprocess.Popen[bytes]:
+    """The guard of the cluster in ``root`` (see ``_GUARD``), started before anything is in ``root``."""
+    return subprocess.Popen([sys.executable, "-c", _GUARD, str(root)], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _tell_guard(guard: subprocess.Popen[bytes], line: str) -> None:
+    assert guard.stdin is not None
+    guard.stdin.write(f"{line}\n".encode())
+    guard.stdin.flush()
+
+
 def _as_owner() -> dict[str, Any]:
     """Popen arguments that run a PostgreSQL program as the cluster's owner."""
     return {"user": "postgres", "group": "postgres"} if os.geteuid() == 0 else {}
@@ -100,6 +149,7 @@ def postgres() -> Iterator[Postgres]:
     os.chmod(pwfile, 0o600)
     port = free_port()
     proc = None
+    guard = _start_guard(root)
     try:
         subprocess.run([str(programs / "initdb"), "-D", str(data), "-U", "postgres", "--auth=scram-sha-256",
                         f"--pwfile={pwfile}", "--encoding=UTF8", "--locale=C"], check=True,
@@ -111,7 +161,8 @@ def postgres() -> Iterator[Postgres]:
              "-c", f"unix_socket_directories={root}", "-c", "fsync=off", "-c", "max_connections=200"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root, **_as_owner())
         log.close()
-        cluster = Postgres(port, password, data)
+        _tell_guard(guard, f"pid {proc.pid}")
+        cluster = Postgres(port, password, data, proc.pid)
         deadline = time.monotonic() + 120
         while True:  # up when it answers a query (a first start on a busy machine takes seconds)
             if proc.poll() is not None:
@@ -133,6 +184,10 @@ def postgres() -> Iterator[Postgres]:
                 proc.kill()
                 proc.wait(timeout=10)
         shutil.rmtree(root, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _tell_guard(guard, "done")  # stopped and removed here: the guard leaves without acting
+            guard.stdin.close()
+        guard.wait(timeout=30)
 
 
 @contextlib.contextmanager
