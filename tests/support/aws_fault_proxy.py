@@ -200,6 +200,9 @@ class Recorded:
     #: the HTTP method and path (with its query) of the request: what tells S3's REST calls apart
     method: str = ""
     path: str = ""
+    #: the access key that signed the request (SigV4's ``Credential=``): whose request it was, a node's
+    #: (its instance profile's keys, from IMDS) or the driver's
+    access_key: str = ""
 
 
 @dataclass
@@ -560,7 +563,7 @@ class AWSFaultProxy:
         self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, list, bytes]:
         service, action, params = _identify(headers, body)
-        record = Recorded(service, action, params, method=method, path=path)
+        record = Recorded(service, action, params, method=method, path=path, access_key=_access_key(headers))
         with self._lock:
             self.requests.append(record)
             agent = next((v for k, v in headers.items() if k.lower() == "user-agent"), "")
@@ -1063,6 +1066,12 @@ def _efa_layout_problem(params: Params) -> tuple[str, str] | None:
         seen.add((card, device))
         n += 1
     return None
+
+
+def _access_key(headers: dict[str, str]) -> str:
+    """The access key id a SigV4 request was signed with (``Authorization: ... Credential=AKID/date/...``)."""
+    auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+    return auth.partition("Credential=")[2].partition("/")[0]
 
 
 def _identify(headers: dict[str, str], body: bytes) -> tuple[str, str, Params]:
