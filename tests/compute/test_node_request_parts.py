@@ -29,6 +29,8 @@ def test_the_stage_counts_each_attempt_of_its_s3_requests_for_the_bootstrap(
     aws_faults.fail_http(r"/env/manifest\.json$", "SlowDown", status=503, method="GET", times=1)
     assert s3.get("env/manifest.json") == b"{}"
     assert aws_faults.s3_requests() == {"PUT": 1, "GET": 2}
+    # urllib's agent: what tells the stage's requests from botocore's on the proxy's record (test_ec2_e2e)
+    assert {r.agent.split("/")[0] for r in aws_faults.requests if r.service == "rest"} == {"Python-urllib"}
     assert node_requests.parse_counts(os.environ[node_requests.STAGE_ENV]) == {"PUT": 1, "GET": 2}
 
 

@@ -203,6 +203,9 @@ class Recorded:
     #: the access key that signed the request (SigV4's ``Credential=``): whose request it was, a node's
     #: (its instance profile's keys, from IMDS) or the driver's
     access_key: str = ""
+    #: the request's User-Agent: botocore's (the driver, a node's bootstrap and ranks) or urllib's (a node's
+    #: first stage, :mod:`prefect_sgpu.launch.ec2_stage`)
+    agent: str = ""
 
 
 @dataclass
@@ -563,7 +566,8 @@ class AWSFaultProxy:
         self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, list, bytes]:
         service, action, params = _identify(headers, body)
-        record = Recorded(service, action, params, method=method, path=path, access_key=_access_key(headers))
+        record = Recorded(service, action, params, method=method, path=path, access_key=_access_key(headers),
+                          agent=next((v for k, v in headers.items() if k.lower() == "user-agent"), ""))
         with self._lock:
             self.requests.append(record)
             agent = next((v for k, v in headers.items() if k.lower() == "user-agent"), "")
