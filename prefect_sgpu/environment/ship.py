@@ -319,8 +319,9 @@ STAGE_MAIN = "prefect_sgpu_node_env.py"
 @lru_cache(maxsize=None)
 def stage_text(module: str = "node_env") -> str:
     """A module of the node stage (:mod:`prefect_sgpu.launch.node_env` and its siblings; ``retry``: the
-    package's :mod:`prefect_sgpu.retry`) as the user-data carries it: the same code without its docstrings
-    and comments (a quarter of its size)."""
+    package's :mod:`prefect_sgpu.retry`) as the user-data carries it: the same code without its docstrings,
+    comments and its functions' annotations (about a quarter of its size; each of these modules imports
+    ``annotations`` from ``__future__``: no annotation is evaluated)."""
     import ast
 
     package = Path(__file__).parent.parent
@@ -332,6 +333,13 @@ def stage_text(module: str = "node_env") -> str:
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+            arguments = node.args
+            for arg in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs, arguments.vararg,
+                        arguments.kwarg):
+                if arg is not None:
+                    arg.annotation = None
     return ast.unparse(tree) + "\n"
 
 

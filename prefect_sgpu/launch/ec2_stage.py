@@ -59,6 +59,9 @@ REFRESH_BEFORE_S = 300.0
 #: error codes of a busy service: retried (S3 SlowDown, SSM and other JSON services' throttling)
 BUSY = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
                   "InternalError", "InternalServerError", "ServiceUnavailable", "RequestTimeout"})
+#: the stage's S3 requests by method (:meth:`S3StageTransport._send`), and their lock
+SENT: dict[str, int] = {}
+_SENT = threading.Lock()
 #: error codes of credentials that expired: read again, then retried
 EXPIRED = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefreshRequired"})
 #: error codes of a refusal: retried only while the role may still be propagating
@@ -389,7 +392,15 @@ class S3StageTransport:
     def _send(self, action: str, method: str, key: str, body: bytes = b"", query: dict[str, str] | None = None,
               headers: dict[str, str] | None = None, timeout: float = 60):
         """(body, headers) of one S3 request (:func:`calling`: retried, signed anew each time)."""
-        return calling(lambda: self._request(method, key, body, query, headers), self.credentials, action,
+        def build() -> urllib.request.Request:
+            # each attempt counted (S3 bills it), by method, for the bootstrap the stage execs, which reports
+            # them with its first job's (prefect_sgpu.protocol.node_requests.STAGE_ENV: GET=12,PUT=1)
+            with _SENT:
+                SENT[method] = SENT.get(method, 0) + 1
+                os.environ["SGPU_STAGE_S3_REQUESTS"] = ",".join(f"{k}={n}" for k, n in SENT.items())
+            return self._request(method, key, body, query, headers)
+
+        return calling(build, self.credentials, action,
                        f"s3://{self.bucket}/{self._key(key)}", timeout, self._moved)
 
     def get(self, key: str) -> bytes:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect_sgpu.errors import DocumentRefused
+from prefect_sgpu.protocol import node_requests
 from prefect_sgpu.protocol.jobfolder import JobFolder, ssm_key_parameter
 from prefect_sgpu.launch.job_cgroup import JobCgroup
 from prefect_sgpu.launch.lease_node import LeaseServing
@@ -88,6 +89,8 @@ class NodeBootstrap(JobServing, NodeSync, NodeLiveness, LeaseServing):
         self.phase = "waiting"
         #: when this machine's environment was ready: the stage's end, else now (the alive documents say it)
         self.ready_at = float(os.environ.pop(READY_AT_ENV, "") or 0) or time.time()
+        #: what the first stage sent to S3 before this process existed, reported with the first job's requests
+        self._stage_requests = node_requests.parse_counts(os.environ.pop(node_requests.STAGE_ENV, ""))
         self.key: str | None = None
         self.folder: JobFolder | None = None
         self.local: JobFolder | None = None

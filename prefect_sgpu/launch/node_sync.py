@@ -58,6 +58,8 @@ class NodeSync:
     gang: int
     #: the store's request counts when this node entered the job's folder (a lease's node serves many jobs)
     _requests_base: dict[str, int] = {}
+    #: the first stage's own requests (environment fetched before this process existed): the first job's
+    _stage_requests: dict[str, int] = {}
 
     def _upload_if_changed(self, path: Path, key: str) -> None:
         try:
@@ -160,13 +162,17 @@ class NodeSync:
 
     def put_requests(self) -> None:
         """This node's requests to the job store during the job, by kind, for the job's cost
-        (:mod:`prefect_sgpu.protocol.node_requests`), written just before its status. A store that
-        counts none (a folder) writes nothing; a failed write leaves the figure not reported."""
+        (:mod:`prefect_sgpu.protocol.node_requests`), written just before its status, with what its ranks'
+        own stores and (for the first job of a boot) its first stage sent. A store that counts none (a
+        folder) writes nothing; a failed write leaves the figure not reported."""
         base = self._requests_base
         mine = {k: n - base.get(k, 0) for k, n in self.store.request_counts().items() if n > base.get(k, 0)}
         if not mine:
             return
         mine["PUT"] = mine.get("PUT", 0) + 2  # this document and the status that follows it
+        # the ranks' own stores (checkpoints, shard sets) and, for the first job of this boot, the stage's
+        mine = node_requests.added(mine, node_requests.read_ranks(self.job_dir), self._stage_requests)
+        self._stage_requests = {}
         try:
             node_requests.write(self.store, self.run_id, self.key, self.index, mine,
                                 instance_id=self.identity.instance_id, gang=self.gang)

@@ -318,6 +318,9 @@ def main() -> int:
     from prefect_sgpu.observe import mlflow_relay
     from prefect_sgpu.protocol import payload, rank_progress
 
+    from prefect_sgpu.store import process_request_counts
+
+    requests_before = process_request_counts()  # a forked rank's parent's stores are not this job's
     key = os.environ.pop("SGPU_PAYLOAD_KEY")
     mlflow_relay.arm(key)  # relayed MLflow records are sealed (with a key derived from this one)
     rank_progress.arm(key)  # so are progress files (runtime.progress), with a key of their own
@@ -344,6 +347,7 @@ def main() -> int:
         sealed = folder.store.get(folder.run_id, jobfolder.PAYLOAD) or b""
         envelope, exit_code = run_payload(sealed, key, folder.run_id, {**base, **checked})
     folder.put_result(rank, payload.dump_envelope(envelope))
+    _report_requests(rank, requests_before)
     _mark_finished(rank)
     _shutdown_process_group()
     sys.stdout.flush()
@@ -365,6 +369,21 @@ def _gang_check(base: dict[str, Any]) -> Any:
         return payload.failure_envelope({**base, "started": started, "finished": time.time()}, exc,
                                         traceback.format_exc(), 1)
     return {"gang_check": report} if report is not None else {}
+
+
+def _report_requests(rank: int, before: dict[str, int]) -> None:
+    """What this rank's own object stores (checkpoints, shard sets) sent during the job, left for its node to
+    report with its own (:mod:`prefect_sgpu.protocol.node_requests`); a cost figure, never the rank's failure."""
+    from prefect_sgpu.protocol import node_requests
+    from prefect_sgpu.store import process_request_counts
+
+    job_dir = os.environ.get("SGPU_JOB_DIR")
+    mine = {k: n - before.get(k, 0) for k, n in process_request_counts().items() if n > before.get(k, 0)}
+    if job_dir and mine:
+        try:
+            node_requests.write_rank(Path(job_dir), rank, mine)
+        except OSError as exc:
+            print(f"[sgpu] this rank's S3 request counts are not reported: {exc}", file=sys.stderr, flush=True)
 
 
 def _mark_finished(rank: int) -> None:

@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -348,6 +349,25 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+#: every request any object store of this process sent, by kind: what a rank reports for the job it ran
+#: (its checkpoints' and shard sets' stores are its own, opened and dropped as it goes), read by
+#: :func:`process_request_counts`
+_PROCESS_REQUESTS: dict[str, int] = {}
+_PROCESS_REQUESTS_LOCK = threading.Lock()
+
+
+def count_process_request(kind: str) -> None:
+    """One request an object store of this process sent (stores call it for each, as they count their own)."""
+    with _PROCESS_REQUESTS_LOCK:
+        _PROCESS_REQUESTS[kind] = _PROCESS_REQUESTS.get(kind, 0) + 1
+
+
+def process_request_counts() -> dict[str, int]:
+    """The requests every object store of this process sent so far, by kind, stores since dropped included."""
+    with _PROCESS_REQUESTS_LOCK:
+        return dict(_PROCESS_REQUESTS)
 
 
 def register_scheme(scheme: str, target: str) -> None:

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 from prefect_sgpu import aws
 from prefect_sgpu.aws import error_code as _error_code
 from prefect_sgpu.errors import SGPUConfigError, SGPUError
-from prefect_sgpu.store import Listed, Objects, Store
+from prefect_sgpu.store import Listed, Objects, Store, count_process_request
 
 BODY_ATTEMPTS = 3
 #: the folder beside an object that holds its appended pieces (``logs/rank-00000.log.parts/...``)
@@ -151,6 +151,7 @@ class S3Store(Store):
         kind = request_kind(str(getattr(request, "method", "")), str(getattr(request, "url", "")))
         with self._requests_lock:
             self._requests[kind] = self._requests.get(kind, 0) + 1
+        count_process_request(kind)
 
     def request_counts(self) -> dict[str, int]:
         with self._requests_lock:

@@ -200,6 +200,12 @@ class Recorded:
     #: the HTTP method and path (with its query) of the request: what tells S3's REST calls apart
     method: str = ""
     path: str = ""
+    #: the access key that signed the request (SigV4's ``Credential=``): whose request it was, a node's
+    #: (its instance profile's keys, from IMDS) or the driver's
+    access_key: str = ""
+    #: the request's User-Agent: botocore's (the driver, a node's bootstrap and ranks) or urllib's (a node's
+    #: first stage, :mod:`prefect_sgpu.launch.ec2_stage`)
+    agent: str = ""
 
 
 @dataclass
@@ -560,7 +566,8 @@ class AWSFaultProxy:
         self, method: str, path: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, list, bytes]:
         service, action, params = _identify(headers, body)
-        record = Recorded(service, action, params, method=method, path=path)
+        record = Recorded(service, action, params, method=method, path=path, access_key=_access_key(headers),
+                          agent=next((v for k, v in headers.items() if k.lower() == "user-agent"), ""))
         with self._lock:
             self.requests.append(record)
             agent = next((v for k, v in headers.items() if k.lower() == "user-agent"), "")
@@ -1064,6 +1071,12 @@ def _efa_layout_problem(params: Params) -> tuple[str, str] | None:
         seen.add((card, device))
         n += 1
     return None
+
+
+def _access_key(headers: dict[str, str]) -> str:
+    """The access key id a SigV4 request was signed with (``Authorization: ... Credential=AKID/date/...``)."""
+    auth = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
+    return auth.partition("Credential=")[2].partition("/")[0]
 
 
 def _identify(headers: dict[str, str], body: bytes) -> tuple[str, str, Params]:
