@@ -393,15 +393,19 @@ class S3StageTransport:
               headers: dict[str, str] | None = None, timeout: float = 60):
         """(body, headers) of one S3 request (:func:`calling`: retried, signed anew each time)."""
         def build() -> urllib.request.Request:
-            # each attempt counted (S3 bills it), by method, for the bootstrap the stage execs, which reports
-            # them with its first job's (prefect_sgpu.protocol.node_requests.STAGE_ENV: GET=12,PUT=1)
+            # each attempt counted (S3 bills it), by method, for the bootstrap the stage execs (requests_sent)
             with _SENT:
                 SENT[method] = SENT.get(method, 0) + 1
-                os.environ["SGPU_STAGE_S3_REQUESTS"] = ",".join(f"{k}={n}" for k, n in SENT.items())
             return self._request(method, key, body, query, headers)
 
         return calling(build, self.credentials, action,
                        f"s3://{self.bucket}/{self._key(key)}", timeout, self._moved)
+
+    def requests_sent(self) -> str:
+        """What the stage sent to S3, ``GET=12,PUT=1``: handed to the bootstrap it execs, which reports it with its
+        first job's requests (prefect_sgpu.protocol.node_requests.STAGE_ENV)."""
+        with _SENT:
+            return ",".join(f"{k}={n}" for k, n in SENT.items())
 
     def get(self, key: str) -> bytes:
         return self._send("s3:GetObject", "GET", key)[0]
