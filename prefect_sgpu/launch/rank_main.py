@@ -374,12 +374,13 @@ def _gang_check(base: dict[str, Any]) -> Any:
 def _report_requests(rank: int, before: dict[str, int]) -> None:
     """What this rank's own object stores (checkpoints, shard sets) sent during the job, left for its node to
     report with its own (:mod:`prefect_sgpu.protocol.node_requests`); a cost figure, never the rank's failure."""
-    from prefect_sgpu.protocol import node_requests
     from prefect_sgpu.store import process_request_counts
 
     job_dir = os.environ.get("SGPU_JOB_DIR")
     mine = {k: n - before.get(k, 0) for k, n in process_request_counts().items() if n > before.get(k, 0)}
-    if job_dir and mine:
+    if job_dir and mine:  # only a store that counts (S3) has any: no import for the rest
+        from prefect_sgpu.protocol import node_requests
+
         try:
             node_requests.write_rank(Path(job_dir), rank, mine)
         except OSError as exc:

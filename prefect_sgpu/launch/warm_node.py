@@ -73,6 +73,7 @@ PRELOAD = (
     "prefect_sgpu.observe.gang_check",
     "prefect_sgpu.observe.mlflow_relay",
     "prefect_sgpu.protocol.rank_progress",
+    "prefect_sgpu.protocol.node_requests",  # a rank with S3 stores reports their requests at its end
     "encodings.idna",
     "multiprocessing.popen_fork",
     "multiprocessing.queues",
