@@ -53,8 +53,12 @@ def test_the_server_and_its_folder_are_gone_after_the_fixtures_teardown_and_afte
     assert not _alive(pid) and not root.exists()
 
 
+#: a test process may start its children with SIGTERM ignored or blocked (both are inherited across exec); the
+#: owner puts it back to its default first, as a process started from a shell has it
 OWNER = """
-import json, sys, time
+import json, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 sys.path.insert(0, sys.argv[1])
 from support.postgres import postgres
 with postgres() as cluster:
