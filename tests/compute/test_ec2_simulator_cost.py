@@ -51,3 +51,40 @@ def test_a_tick_describes_only_live_instances_and_still_powers_off_stopped_and_t
         if ids:
             ec2.terminate_instances(InstanceIds=ids)
         simulator.close()
+
+
+def test_a_file_uv_linked_into_two_venvs_is_compiled_once_for_both(tmp_path: Path) -> None:
+    """What a node's new venv does not pay again: bytecode of a hard-linked file is kept by the file, not
+    by the venv's path (support/node_pycache). A file of one link keeps its own ``__pycache__``."""
+    import os
+    import subprocess
+    import sys
+
+    from support.ec2_simulator import NODE_PYCACHE
+
+    cache, source = tmp_path / "uv-cache", tmp_path / "shared"
+    source.mkdir()
+    (source / "linked_mod.py").write_text("VALUE = 42\n")
+    venvs = [tmp_path / "venv-a", tmp_path / "venv-b"]
+    for venv in venvs:
+        venv.mkdir()
+        os.link(source / "linked_mod.py", venv / "linked_mod.py")  # as uv links from its cache
+        (venv / "own_mod.py").write_text("VALUE = 7\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    env["SGPU_TEST_NODE_PYCACHE"] = str(cache)
+
+    def imported(venv: Path) -> list[str]:
+        code = "import linked_mod, own_mod; print(linked_mod.__cached__); print(own_mod.__cached__)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**env, "PYTHONPATH": f"{NODE_PYCACHE}{os.pathsep}{venv}"}, cwd=tmp_path)
+        return out.stdout.split()
+
+    first = imported(venvs[0])
+    assert Path(first[0]).is_relative_to(cache) and Path(first[0]).exists(), first
+    compiled = Path(first[0]).stat().st_mtime_ns
+    second = imported(venvs[1])
+    assert second[0] == first[0], "the second venv's linked file has the first one's bytecode"
+    assert Path(second[0]).stat().st_mtime_ns == compiled, "and did not compile it again"
+    for venv, (_, own) in zip(venvs, (first, second)):
+        assert Path(own).is_relative_to(venv / "__pycache__") and Path(own).exists(), own
+        assert not (venv / "__pycache__" / Path(first[0]).name).exists(), "no copy beside the linked file"

@@ -164,6 +164,16 @@ class FakeIMDS:
 
 #: a folder whose ``sitecustomize`` runs a node's retry helper on a scaled clock (``SGPU_TEST_CLOCK_SCALE``)
 NODE_CLOCK = Path(__file__).resolve().parent / "node_clock"
+#: a folder whose ``sitecustomize`` keeps the bytecode of the files uv hard-linked into a node's venv in
+#: one folder for the machine (``SGPU_TEST_NODE_PYCACHE``): a new venv does not compile them again
+NODE_PYCACHE = Path(__file__).resolve().parent / "node_pycache"
+
+
+def shared_pycache() -> Path:
+    """The machine's folder of simulated nodes' shared bytecode (:data:`NODE_PYCACHE`)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"sgpu-node-pycache-{os.getuid()}"
 
 
 @dataclass
@@ -261,6 +271,9 @@ class EC2Simulator:
         self.credentials_late_s = 0.0
         #: how much faster than real time the nodes' retry helper and their IMDS count (1: real time)
         self.clock_scale = 1.0
+        #: nodes share the bytecode of the files uv hard-linked into their venvs (:data:`NODE_PYCACHE`);
+        #: False: each venv compiles its own, as a fresh machine does
+        self.shared_pycache = True
         #: instance types whose nodes have NVMe instance store, mounted where the Deep Learning AMIs mount it
         #: (/opt/dlami/nvme on g5, g6, p4d, p5; AWS Deep Learning AMI release notes, "AWS Deep Learning Base
         #: GPU AMI"): a folder of the node's own stands in for it, named by PREFECT_SGPU_FAST_DISK (this
@@ -381,6 +394,9 @@ class EC2Simulator:
         if self.clock_scale != 1.0:  # the node's retry helper waits on the scale its IMDS counts on
             env["SGPU_TEST_CLOCK_SCALE"] = str(self.clock_scale)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(NODE_CLOCK), env.get("PYTHONPATH")) if p)
+        if self.shared_pycache:  # first: only one sitecustomize runs (this one runs node_clock's too)
+            env["SGPU_TEST_NODE_PYCACHE"] = str(shared_pycache())
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(NODE_PYCACHE), env.get("PYTHONPATH")) if p)
         for name, value in {**self.env_overrides, **self.image_env(inst)}.items():
             if value is None:
                 env.pop(name, None)
