@@ -26,6 +26,7 @@ Fixtures (wired into every test module by ``tests/conftest.py``):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import uuid
@@ -84,14 +85,31 @@ def boto3_client(service: str, endpoint_url: str, region: str = REGION, **config
 
 
 def boto3_session(region: str = REGION) -> Any:
-    """A boto3 session with the fake keys (pair it with ``endpoint_url=`` on clients)."""
-    import boto3
+    """A boto3 session with the fake keys (pair it with ``endpoint_url=`` on clients).
 
+    Its botocore session shares this process's data loader (:func:`shared_data_loader`), as
+    ``prefect_sgpu.aws.new_session`` does for the product: each new session otherwise parses
+    endpoints.json and every service model it makes a client of again (EC2's is megabytes of JSON),
+    about a CPU second per EC2 test whose computes and stores each get a session of their own."""
+    import boto3
+    import botocore.session
+
+    core = botocore.session.get_session()
+    core.register_component("data_loader", shared_data_loader())
     return boto3.Session(
         aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         region_name=region,
+        botocore_session=core,
     )
+
+
+@functools.lru_cache(maxsize=1)
+def shared_data_loader() -> Any:
+    """This test process's botocore data loader, which keeps every model and endpoint file it parsed."""
+    import botocore.loaders
+
+    return botocore.loaders.create_loader()
 
 
 def live_instances(ec2: Any, filters: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
