@@ -401,11 +401,11 @@ class S3StageTransport:
         return calling(build, self.credentials, action,
                        f"s3://{self.bucket}/{self._key(key)}", timeout, self._moved)
 
-    def requests_sent(self) -> str:
-        """What the stage sent to S3, ``GET=12,PUT=1``: handed to the bootstrap it execs, which reports it with its
-        first job's requests (prefect_sgpu.protocol.node_requests.STAGE_ENV)."""
+    def exec_env(self) -> dict[str, str]:
+        """For the bootstrap the stage execs (node_env): what the stage sent to S3, ``GET=12,PUT=1``, which it
+        reports with its first job's requests (prefect_sgpu.protocol.node_requests.STAGE_ENV)."""
         with _SENT:
-            return ",".join(f"{k}={n}" for k, n in SENT.items())
+            return {"SGPU_STAGE_S3_REQUESTS": ",".join(f"{k}={n}" for k, n in SENT.items())}
 
     def get(self, key: str) -> bytes:
         return self._send("s3:GetObject", "GET", key)[0]

@@ -121,8 +121,6 @@ def log(message: str) -> None:
 STAGE_TRANSPORTS = {"s3": "ec2_stage"}
 #: when this stage finished (wall clock), for the bootstrap it starts: the node's "environment ready"
 READY_AT_ENV = "SGPU_ENVIRONMENT_READY_AT"
-#: the transport's requests, handed to the bootstrap (prefect_sgpu.protocol.node_requests.STAGE_ENV)
-STAGE_REQUESTS_ENV = "SGPU_STAGE_S3_REQUESTS"
 
 
 class Transport(Protocol):
@@ -594,11 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     python = str(venv / "bin" / "python")
     os.environ.pop(UV_INDEX_ENV, None)  # the stage's own (it may hold a mirror's token): not the ranks'
     os.environ[READY_AT_ENV] = f"{time.time():.3f}"
-    sent = getattr(store, "requests_sent", None)  # the transport's own requests, for the job's cost
-    if sent is not None:
-        os.environ[STAGE_REQUESTS_ENV] = sent()
+    os.environ.update(getattr(store, "exec_env", dict)())  # the transport's own, for the bootstrap (its requests)
     os.execv(python, [python, *bootstrap])
-    return 0  # not reached
 
 
 if __name__ == "__main__":
