@@ -19,7 +19,10 @@ MOVED = (node_env.ENV_ROOT_ENV, "UV_CACHE_DIR", "TMPDIR")
 @pytest.fixture(autouse=True)
 def image_env() -> Iterator[None]:
     """A node whose image set none of what may move, and no override; the stage sets this process's own
-    environment, which is put back afterwards."""
+    environment, which is put back afterwards. The tests set and delete variables here directly, not with
+    ``monkeypatch``: the suite's own autouse fixtures take ``monkeypatch`` first, so its undo runs after this
+    restore, and a ``delenv`` of what the stage set (``TMPDIR``) would put the stage's folder back into the
+    test process's environment, where every later test's children took it as their temp folder."""
     saved = dict(os.environ)
     for name in (*MOVED, node_env.DISK_ENV):
         os.environ.pop(name, None)
@@ -59,32 +62,31 @@ def test_a_folder_the_mount_table_does_not_list_is_not_taken_for_an_instance_sto
 
 
 def test_what_the_image_set_stays_and_the_override_names_the_disk_or_turns_the_search_off(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     nvme, cache = tmp_path / "nvme", tmp_path / "image-cache"
     nvme.mkdir()
-    monkeypatch.setenv("UV_CACHE_DIR", str(cache))
-    monkeypatch.setenv(node_env.DISK_ENV, "")  # off: even a listed mount is not used
+    os.environ["UV_CACHE_DIR"] = str(cache)
+    os.environ[node_env.DISK_ENV] = ""  # off: even a listed mount is not used
     node_env.use_disk((str(nvme),), _table(tmp_path, str(nvme)))
     assert node_env.ENV_ROOT_ENV not in os.environ
-    monkeypatch.setenv(node_env.DISK_ENV, str(nvme))  # the folder as it is: no mount table asked
+    os.environ[node_env.DISK_ENV] = str(nvme)  # the folder as it is: no mount table asked
     node_env.use_disk((), str(tmp_path / "no-mount-table"))
     assert os.environ["UV_CACHE_DIR"] == str(cache), "the image's own setting wins"
     assert os.environ["TMPDIR"] == str(nvme / "prefect-sgpu" / "tmp")
-    monkeypatch.delenv("TMPDIR")
-    monkeypatch.delenv(node_env.ENV_ROOT_ENV)
-    monkeypatch.setenv(node_env.DISK_ENV, str(tmp_path / "missing"))  # not there: the root volume
+    del os.environ["TMPDIR"]
+    del os.environ[node_env.ENV_ROOT_ENV]
+    os.environ[node_env.DISK_ENV] = str(tmp_path / "missing")  # not there: the root volume
     node_env.use_disk(())
     assert "TMPDIR" not in os.environ and node_env.ENV_ROOT_ENV not in os.environ
 
 
-def test_the_stage_moves_its_environment_root_before_it_reads_anything(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_stage_moves_its_environment_root_before_it_reads_anything(tmp_path: Path) -> None:
     """The stage as the user-data runs it, over the fake cloud's transport: the disk is chosen before the
     manifest is read (here it is missing, and the stage ends saying so)."""
     nvme, store = tmp_path / "nvme", tmp_path / "store"
     nvme.mkdir()
     store.mkdir()
-    monkeypatch.setenv(node_env.DISK_ENV, str(nvme))
+    os.environ[node_env.DISK_ENV] = str(nvme)
     code = node_env.main([f"--store={store}", "--run-id=r1", f"--environment={'a' * 64}", f"--manifest={'b' * 64}",
                           "--transport=support.fake_stage", f"--secrets={tmp_path}", "--machine-id=m-1", "--index=0",
                           "--", "--run-id=r1"])
