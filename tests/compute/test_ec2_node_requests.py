@@ -59,28 +59,32 @@ def _kind(record: Any) -> str:
 def test_the_nodes_s3_requests_are_what_their_keys_signed_up_to_their_status(ec2: EC2Env) -> None:
     """The cost's node requests add up the bootstrap's own client, the first stage's fetch of the environment
     (manifest, files: before the bootstrap existed) and each rank's own store client (here its checkpoint
-    objects). On the wire, each node's requests are those its instance profile's keys signed; the node's
+    objects). On the wire, each node's requests are those its instance profile's keys signed (two nodes
+    booted at once, each with role keys of its own); the node's
     part ends with its status, and what it reads after (the driver's heartbeat until its instance is gone)
     belongs to no figure."""
     assert ec2.proxy is not None
-    result = distributed(gpus=1, gpu_type="A10", remote=True, compute=ec2.compute(
+    result = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(
         instance_profile=_profile_with_role(ec2)), mlflow=False, timeout=600)(_checkpoint_objects).run("probe")
-    assert result.values == [0]
+    assert result.values == [0, 1]
     nodes = result.cost["storage"]["nodes"]
-    assert nodes["counted"] == "measured" and nodes["reported"] == 1, nodes
+    assert nodes["counted"] == "measured" and nodes["reported"] == 2, nodes
 
     records = [r for r in list(ec2.proxy.requests) if r.service == "rest" and r.method]
     driver_key = FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"]
     on_wire: dict[str, int] = {}
     stage_gets = rank_puts = 0
-    for node in (0,):  # one node: the simulator gives a profile's role keys to one of several nodes booted at once
+    signers: set[str] = set()
+    for node in (0, 1):
         status = next(r for r in records if r.method == "PUT" and r.access_key != driver_key
                       and unquote(r.path).partition("?")[0].endswith(f"/{result.run_id}/{status_key(node)}"))
+        signers.add(status.access_key)
         mine = [r for r in records if r.access_key == status.access_key]
         for r in mine[:mine.index(status) + 1]:
             on_wire[_kind(r)] = on_wire.get(_kind(r), 0) + 1
             path = unquote(r.path)
             stage_gets += r.method == "GET" and "/.environments/" in path
             rank_puts += r.method == "PUT" and "/checkpoints/" in path and "/probe/rank-" in path
-    assert stage_gets >= 1 and rank_puts == 1, (stage_gets, rank_puts)  # both clients are on the wire ...
+    assert len(signers) == 2, f"each node signs with role keys of its own: {signers}"
+    assert stage_gets >= 1 and rank_puts == 2, (stage_gets, rank_puts)  # both clients are on the wire ...
     assert nodes["requests"] == on_wire, (nodes["requests"], on_wire)  # ... and in the nodes' figure

@@ -80,11 +80,12 @@ import re
 import threading
 import time
 import uuid
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit
 from xml.sax.saxutils import escape
 
 from support.aws_prices import PriceFeeds
@@ -310,6 +311,9 @@ class AWSFaultProxy:
         self.launch_faults = LaunchFaults()
         #: capacity that comes later: InsufficientInstanceCapacity until it returns (support.capacity_later; off)
         self.capacity_later = CapacityLater()
+        #: every instance of a RunInstances naming an instance profile has that profile, as on EC2 (moto 5.2
+        #: associates it with the first instance only: see _profile_every_instance). True: moto's gap closed
+        self.profile_every_instance = True
         #: RunInstances' network-interface rules for EFA instance types (off by default; see _efa_layout_problem)
         self.efa_rules = False
         #: seconds a group stays in use after its last member instance was terminated (hold_groups)
@@ -911,6 +915,8 @@ class AWSFaultProxy:
             if bound is not None:
                 return bound
             status, resp_headers, payload = self._forward(method, path, headers, body)
+            if status == 200 and self.profile_every_instance:
+                payload = self._profile_every_instance(params, headers, payload)
             if status == 200:
                 self._record_members(params, payload)
                 if token:
@@ -923,6 +929,41 @@ class AWSFaultProxy:
                     found = re.search(rb"<availabilityZone>([^<]+)</availabilityZone>", payload)
                     self._groups[group].zone = found.group(1).decode() if found else None
             return status, resp_headers, payload
+
+    def _profile_every_instance(self, params: Params, headers: dict[str, str], payload: bytes) -> bytes:
+        """Every instance of an accepted RunInstances that names an instance profile gets that profile, in
+        moto's state (DescribeInstances, the simulator's IMDS) and in the answer. EC2 launches each instance
+        of the request with the profile (EC2 API reference, RunInstances: ``IamInstanceProfile``, "The name
+        or Amazon Resource Name (ARN) of an IAM instance profile"; AWS docs "Use an IAM role to grant
+        permissions to applications running on Amazon EC2 instances": the role's credentials reach the
+        applications of each instance launched with the profile). moto 5.2's ``run_instances``
+        (moto/ec2/responses/instances.py) calls ``associate_iam_instance_profile`` for
+        ``new_reservation.instances[0]`` only, so the second node of a two-node launch had none."""
+        name = params.get("IamInstanceProfile.Name", "")
+        arn = params.get("IamInstanceProfile.Arn", "")
+        if not (name or arn):
+            return payload
+        root = ET.fromstring(payload)
+        ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+        missing = [item for item in root.iter(f"{ns}item")
+                   if item.find(f"{ns}instanceId") is not None and item.find(f"{ns}iamInstanceProfile") is None]
+        if not missing:
+            return payload
+        out = {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+        which = f"IamInstanceProfile.Name={quote(name)}" if name else f"IamInstanceProfile.Arn={quote(arn)}"
+        for item in missing:
+            instance_id = item.findtext(f"{ns}instanceId", "")
+            call = f"Action=AssociateIamInstanceProfile&Version=2016-11-15&InstanceId={instance_id}&{which}"
+            status, _, answer = self._forward("POST", "/", out, call.encode())
+            if status != 200:
+                raise RuntimeError(f"moto did not associate profile {name or arn} with {instance_id}: {answer!r}")
+            association = ET.fromstring(answer).find(f".//{ns}iamInstanceProfileAssociation")
+            given = association.find(f"{ns}iamInstanceProfile") if association is not None else None
+            profile = ET.SubElement(item, f"{ns}iamInstanceProfile")
+            ET.SubElement(profile, f"{ns}arn").text = given.findtext(f"{ns}arn", arn) if given is not None else arn
+            ET.SubElement(profile, f"{ns}id").text = given.findtext(f"{ns}id", "") if given is not None else ""
+        ET.register_namespace("", ns.strip("{}") or EC2_NS)
+        return ET.tostring(root, encoding="utf-8", xml_declaration=True)
 
     def _ebs_default_key(self, action: str, headers: dict[str, str]) -> tuple[int, list, bytes]:
         """EC2's default EBS key from moto's state (moto 5.2 sets it, ModifyEbsDefaultKmsKeyId, but answers

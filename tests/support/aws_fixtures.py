@@ -155,6 +155,27 @@ class MotoAWS:
             pass
         return name
 
+    def instance_profile_with_role(self, name: str = "test-nodes") -> str:
+        """An IAM instance profile holding a role of the same name that EC2 may assume (as ``prefect-sgpu
+        setup aws`` makes the shared one), made once per moto server. Instances launched with it get the
+        role's temporary keys from IMDS (support.ec2_simulator); a profile with no role gives none, as on
+        EC2. The role has no policy: moto enforces none, and the IAM gate judges only identities a test
+        names (a name outside ``sgpu-*``, the job roles' pattern the gated tests watch)."""
+        import json
+
+        iam = self.client("iam")
+        trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                          "Principal": {"Service": "ec2.amazonaws.com"}}]}
+        try:
+            iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust))
+        except iam.exceptions.EntityAlreadyExistsException:
+            pass
+        self.instance_profile(name)
+        held = iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"]["Roles"]
+        if not held:
+            iam.add_role_to_instance_profile(InstanceProfileName=name, RoleName=name)
+        return name
+
     def reset(self) -> None:
         """Drop every resource in moto (all services). Use sparingly: it is server-wide."""
         import urllib.request

@@ -171,7 +171,7 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
     settings = {
         "region": aws_env.region,
         "subnet_ids": aws_network.subnet_ids,
-        "instance_profile": aws_env.instance_profile(),
+        "instance_profile": aws_env.instance_profile_with_role(),  # each node signs with the role's keys
         "ami_id": aws_env.image_id(),
         "store_uri": f"s3://{bucket}/jobs",
         "endpoint_url": aws_env.endpoint_url,
@@ -188,13 +188,17 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
         # bench/env.py measures the full size
         "pack_environments": False,
     }
-    # what an instance profile would give the nodes; the user-data itself carries no key
+    # the keys of the simulator's own reads, and of a node launched without a profile; every node of a
+    # launch with a profile signs with the profile's role's keys only; the user-data itself carries no key
     node_env = {k: v for k, v in aws_env.env.items() if k != "AWS_ENDPOINT_URL"}
     node_env.pop("AWS_SECURITY_TOKEN", None)
     node_env.pop("AWS_SESSION_TOKEN", None)
     if bare and env_root is None:
         env_root = shared_env_root()
-    simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir, bare=bare, env_root=env_root).start()
+    simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir, bare=bare, env_root=env_root)
+    if proxy is not None:  # the simulator's IAM and STS reads are EC2's own: past the proxy, to moto
+        simulator.control_plane_url = f"http://{proxy.upstream_host}:{proxy.upstream_port}"
+    simulator.start()
     saved = os.environ.pop(ENVIRONMENT_ENV, None)
     if not bare:
         os.environ[ENVIRONMENT_ENV] = "image"

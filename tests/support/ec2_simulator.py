@@ -6,7 +6,11 @@ process, with what a VM would give it:
 
 - its own fake IMDSv2 server on 127.0.0.1 (token PUT, then instance-id,
   ami-launch-index, local-ipv4), found through ``AWS_EC2_METADATA_SERVICE_ENDPOINT``;
-- the moto server's credentials, standing in for the instance profile;
+- an instance launched with an instance profile: that profile's role's temporary keys (STS) from its
+  IMDS only, and no keys in its environment; a profile the simulator cannot resolve (unknown, or with no
+  role) is an error in :attr:`EC2Simulator.profile_errors` and the node's console, and the node has no keys
+  at all (IMDS answers 404 for credentials, as on EC2). An instance launched without a profile gets the
+  moto server's credentials in its environment (an image with keys of its own);
 - its own address: the private IP moto gave it when that is a loopback address (the
   test network's subnets are in 127.0.0.0/8, all of which is local on Linux), so the
   address the driver reads from DescribeInstances is the one the node really listens
@@ -56,6 +60,7 @@ import signal
 import subprocess
 import sys
 import threading
+import logging
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -66,6 +71,7 @@ from support.aws_fixtures import network_octet
 from support.processes import remove_machine_cgroups
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_LOG = logging.getLogger(__name__)
 DEAD_STATES = ("shutting-down", "terminated", "stopping", "stopped")
 #: the states whose instances a tick describes: the ones that boot, or run on
 LIVE_STATES = ("pending", "running")
@@ -280,6 +286,16 @@ class EC2Simulator:
         #: machine's /opt is not the node's), and the image names no environments' root. None by default.
         self.instance_store_types: set[str] = set()
         self._seen: dict[str, float] = {}
+        #: the AWS endpoint of the simulator's own IAM and STS reads (an instance's profile, its role's keys):
+        #: EC2's control plane, not a request of any caller, so a fault proxy's rules, records and IAM model
+        #: do not apply to them (conformance_ec2 sets moto's own URL). None: the ec2 client's endpoint
+        self.control_plane_url: str | None = None
+        #: seconds the simulator waits for an instance's profile to become readable (IAM propagation) before
+        #: the node boots without keys; counted on ``prefect_sgpu.retry.CLOCK`` (a test's virtual clock)
+        self.profile_wait_s = 10.0
+        #: instance id -> why its instance profile gave it no keys (the node booted with none)
+        self.profile_errors: dict[str, str] = {}
+        self._control: dict[str, Any] = {}
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -371,6 +387,9 @@ class EC2Simulator:
         user_data, moto_ip, address, imds, role_credentials = self._identity(inst)
         home = self.workdir / iid
         (home / "home").mkdir(parents=True, exist_ok=True)
+        if iid in self.profile_errors:  # loud on the node's console too, before anything of the node runs
+            with open(home / "console.log", "a") as console:
+                console.write(f"ec2-simulator: ERROR: {self.profile_errors[iid]}\n")
         self._install_shutdown(home, iid)
         script = home / "user-data"
         script.write_text(user_data)
@@ -406,7 +425,7 @@ class EC2Simulator:
             (home / "opt-dlami-nvme").mkdir(exist_ok=True)
             env["PREFECT_SGPU_FAST_DISK"] = str(home / "opt-dlami-nvme")
             env.pop("PREFECT_SGPU_ENV_ROOT", None)
-        if role_credentials:  # the instance profile's role, from IMDS, as on EC2: no keys in the environment
+        if self._profile_name(inst):  # the instance profile's role, from IMDS only, as on EC2 (or no keys at all)
             for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
                 env.pop(name, None)
         if os.environ.get("TORCH_EXTENSIONS_DIR"):
@@ -474,27 +493,66 @@ class EC2Simulator:
             "PREFECT_SGPU_UV_INDEX": uv_index().url,
         }
 
+    @staticmethod
+    def _profile_name(inst: dict[str, Any]) -> str:
+        """The name of the instance profile the instance was launched with ("" for none)."""
+        return (inst.get("IamInstanceProfile") or {}).get("Arn", "").split("/")[-1]
+
+    def _control_client(self, service: str) -> Any:
+        """A client of the simulator's own (:attr:`control_plane_url`), with the admin keys of ``aws_env``;
+        one session for the simulator, used under its lock (a boto3 session is not shared across threads)."""
+        if service not in self._control:
+            if "session" not in self._control:
+                import boto3
+                import botocore.session
+
+                from support.aws_fixtures import shared_data_loader
+
+                core = botocore.session.get_session()
+                core.register_component("data_loader", shared_data_loader())
+                self._control["session"] = boto3.Session(
+                    aws_access_key_id=self.aws_env.get("AWS_ACCESS_KEY_ID"),
+                    aws_secret_access_key=self.aws_env.get("AWS_SECRET_ACCESS_KEY"),
+                    region_name=self.ec2.meta.region_name, botocore_session=core)
+            self._control[service] = self._control["session"].client(
+                service, endpoint_url=self.control_plane_url or self.ec2.meta.endpoint_url)
+        return self._control[service]
+
     def _role_credentials(self, inst: dict[str, Any]) -> dict[str, str]:
-        """IMDS entries of the instance profile's role (temporary keys from STS), as EC2 serves them;
-        empty when the instance has no profile, or a profile without a role (the admin keys then)."""
-        profile = (inst.get("IamInstanceProfile") or {}).get("Arn", "").split("/")[-1]
+        """IMDS entries of the instance profile's role (temporary keys from STS), as EC2 serves them to
+        every instance launched with the profile (AWS docs, "Retrieve security credentials from instance
+        metadata"); empty when the instance has no profile. A profile that stays unreadable for
+        :attr:`profile_wait_s` (IAM is eventually consistent: "Changes that I make are not always
+        immediately visible", IAM User Guide) or that holds no role gives no keys: on EC2 an instance whose
+        profile has no role gets none from IMDS. That case is recorded in :attr:`profile_errors` and logged
+        loudly, and the caller boots the node with no keys at all, never the admin keys."""
+        profile = self._profile_name(inst)
         if not profile:
             return {}
-        import boto3
+        from prefect_sgpu import retry
 
-        keys = {"endpoint_url": self.ec2.meta.endpoint_url, "region_name": self.ec2.meta.region_name,
-                "aws_access_key_id": self.aws_env.get("AWS_ACCESS_KEY_ID"),
-                "aws_secret_access_key": self.aws_env.get("AWS_SECRET_ACCESS_KEY")}
+        iid = inst["InstanceId"]
+
+        def not_visible_yet(exc: BaseException) -> bool:
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+            return code in ("NoSuchEntity", "Throttling") or type(exc).__name__ == "EndpointConnectionError"
+
         try:
-            found = boto3.client("iam", **keys).get_instance_profile(InstanceProfileName=profile)
-        except Exception:  # noqa: BLE001 - an unknown profile: moto launched it anyway
+            found = retry.retrying(
+                lambda: self._control_client("iam").get_instance_profile(InstanceProfileName=profile),
+                transient=not_visible_yet, budget_s=self.profile_wait_s, base_s=0.5, cap_s=5.0,
+                what=f"instance profile {profile} of {iid}")
+            roles = found["InstanceProfile"].get("Roles") or []
+            if not roles:
+                raise LookupError(f"instance profile {profile} has no role")
+            role = roles[0]
+            creds = self._control_client("sts").assume_role(
+                RoleArn=role["Arn"], RoleSessionName=iid, DurationSeconds=43200)["Credentials"]
+        except Exception as exc:  # noqa: BLE001 - the node boots with no keys; tests read profile_errors
+            self.profile_errors[iid] = (f"instance profile {profile}: {type(exc).__name__}: {exc}; the node has "
+                                        "no credentials (IMDS answers 404 for iam/security-credentials/)")
+            _LOG.error("ec2-simulator: %s: %s", iid, self.profile_errors[iid])
             return {}
-        roles = found["InstanceProfile"].get("Roles") or []
-        if not roles:
-            return {}
-        role = roles[0]
-        creds = boto3.client("sts", **keys).assume_role(RoleArn=role["Arn"], RoleSessionName=inst["InstanceId"],
-                                                        DurationSeconds=43200)["Credentials"]
         document = {"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": creds["AccessKeyId"],
                     "SecretAccessKey": creds["SecretAccessKey"], "Token": creds["SessionToken"],
                     "Expiration": creds["Expiration"].strftime("%Y-%m-%dT%H:%M:%SZ"),
