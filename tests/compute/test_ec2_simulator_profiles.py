@@ -97,6 +97,13 @@ def test_two_nodes_booted_in_one_tick_both_sign_with_their_profiles_role_keys(
         simulator.close()
 
 
+def _launch_one(aws: MotoAWS, network: Network, profile: str) -> str:
+    """One instance with ``profile`` whose user-data only waits: what its IMDS and environment get is the test."""
+    return aws.client("ec2").run_instances(
+        ImageId=aws.image_id(), InstanceType="t3.micro", MinCount=1, MaxCount=1, SubnetId=network.subnet_ids[0],
+        IamInstanceProfile={"Name": profile}, UserData="#!/bin/bash\nexec sleep 600\n")["Instances"][0]["InstanceId"]
+
+
 def _imds_credentials(node: Any) -> int:
     token = urllib.request.urlopen(urllib.request.Request(
         f"{node.imds.url}latest/api/token", method="PUT",
@@ -119,10 +126,7 @@ def test_a_profile_without_a_role_boots_the_node_with_no_keys_at_all_and_says_so
     simulator = _simulator(aws_env, aws_faults, tmp_path / "nodes")
     ids: list[str] = []
     try:
-        ids = [i["InstanceId"] for i in ec2.run_instances(
-            ImageId=aws_env.image_id(), InstanceType="t3.micro", MinCount=1, MaxCount=1,
-            SubnetId=aws_network.subnet_ids[0], IamInstanceProfile={"Name": profile},
-            UserData="#!/bin/bash\nexec sleep 600\n")["Instances"]]
+        ids = [_launch_one(aws_env, aws_network, profile)]
         simulator.tick()
         (node,) = simulator.nodes.values()
         assert not set(KEY_VARIABLES) & set(node.info["env"]), "keys in the environment"
@@ -147,20 +151,14 @@ def test_a_profile_iam_shows_late_is_waited_for_and_one_never_shown_leaves_the_n
     ids: list[str] = []
     try:
         aws_faults.fail("GetInstanceProfile", "NoSuchEntity", status=404, times=3)
-        ids = [i["InstanceId"] for i in ec2.run_instances(
-            ImageId=aws_env.image_id(), InstanceType="t3.micro", MinCount=1, MaxCount=1,
-            SubnetId=aws_network.subnet_ids[0], IamInstanceProfile={"Name": profile},
-            UserData="#!/bin/bash\nexec sleep 600\n")["Instances"]]
+        ids = [_launch_one(aws_env, aws_network, profile)]
         simulator.tick()
         (node,) = simulator.nodes.values()
         assert f"iam/security-credentials/{profile}" in node.imds.metadata, simulator.profile_errors
         assert virtual_clock.waited_s > 0 and not simulator.profile_errors
 
         aws_faults.fail("GetInstanceProfile", "NoSuchEntity", status=404)
-        later = ec2.run_instances(
-            ImageId=aws_env.image_id(), InstanceType="t3.micro", MinCount=1, MaxCount=1,
-            SubnetId=aws_network.subnet_ids[0], IamInstanceProfile={"Name": profile},
-            UserData="#!/bin/bash\nexec sleep 600\n")["Instances"][0]["InstanceId"]
+        later = _launch_one(aws_env, aws_network, profile)
         ids.append(later)
         waited = virtual_clock.waited_s
         simulator.tick()
