@@ -195,7 +195,9 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
     node_env.pop("AWS_SESSION_TOKEN", None)
     if bare and env_root is None:
         env_root = shared_env_root()
-    simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir, bare=bare, env_root=env_root)
+    # the worker's moto server runs in this process (support.aws_fixtures.moto_server)
+    simulator = EC2Simulator(aws_env.client("ec2"), node_env, workdir, bare=bare, env_root=env_root,
+                             moto_in_process=True)
     if proxy is not None:  # the simulator's IAM and STS reads are EC2's own: past the proxy, to moto
         simulator.control_plane_url = f"http://{proxy.upstream_host}:{proxy.upstream_port}"
     simulator.start()
