@@ -152,3 +152,28 @@ def test_with_moto_in_this_process_a_tick_describes_instances_only_when_moto_cha
         if ids:
             ec2.terminate_instances(InstanceIds=ids)
         simulator.close()
+
+
+def test_the_moto_server_routes_requests_without_listing_motos_package_folder(
+        aws_env: MotoAWS, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request of every test reaches moto's dispatcher; moto 5 listed its own package folder (a stat
+    per entry) for each one, under the dispatcher's lock (support.aws_fixtures.threaded_moto_server)."""
+    import os
+
+    import moto
+
+    folder = os.path.dirname(moto.__file__)
+    listed: list[str] = []
+    real = os.listdir
+
+    def listdir(path: Any = ".") -> list[str]:
+        listed.append(str(path))
+        return real(path)
+
+    s3 = aws_env.client("s3")
+    s3.create_bucket(Bucket="sgpu-routing-probe")
+    monkeypatch.setattr(os, "listdir", listdir)
+    s3.put_object(Bucket="sgpu-routing-probe", Key="k", Body=b"v")
+    assert s3.get_object(Bucket="sgpu-routing-probe", Key="k")["Body"].read() == b"v"
+    aws_env.client("ec2").describe_vpcs()
+    assert folder not in listed, f"moto listed {folder} while routing a request"

@@ -184,14 +184,34 @@ class MotoAWS:
         urllib.request.urlopen(req, timeout=10).close()
 
 
+def threaded_moto_server(port: int) -> Any:
+    """moto's ThreadedMotoServer on 127.0.0.1:``port`` (not started), routing requests without rescanning
+    moto's package folder.
+
+    moto 5's dispatcher asks whether a request's host names one of moto's modules by listing moto's
+    package folder (``moto.backends.list_of_moto_modules``: about 190 entries, a ``stat`` each) on every
+    request, under the dispatcher's one lock: 0.8 ms of CPU per request against 0.07 ms with the list
+    read once. The folder does not change while a test session runs."""
+    import moto.backends
+    from moto.server import ThreadedMotoServer
+
+    if not getattr(moto.backends.list_of_moto_modules, "read_once", False):
+        modules = tuple(moto.backends.list_of_moto_modules())
+
+        def list_of_moto_modules() -> tuple[str, ...]:
+            return modules
+
+        list_of_moto_modules.read_once = True  # type: ignore[attr-defined]
+        moto.backends.list_of_moto_modules = list_of_moto_modules
+    return ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:
     """A moto server on a free 127.0.0.1 port for the whole session; yields its URL."""
-    from moto.server import ThreadedMotoServer
-
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = threaded_moto_server(port)
     server.start()
     try:
         yield f"http://127.0.0.1:{port}"
@@ -308,11 +328,9 @@ def offline_aws() -> Iterator[tuple[MotoAWS, AWSFaultProxy]]:
     """Outside pytest (the benchmarks): a moto server on a free loopback port behind the fault
     proxy (which adds what moto lacks, placement groups), this process's environment pointed at
     it with fake credentials and no AWS config files."""
-    from moto.server import ThreadedMotoServer
-
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = threaded_moto_server(port)
     server.start()
     proxy = AWSFaultProxy(f"http://127.0.0.1:{port}").start()
     try:
