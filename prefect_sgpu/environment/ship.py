@@ -238,8 +238,8 @@ def manifest_sha256(environment: "Environment") -> str:
     return _manifest_cached(environment)[1]
 
 
-#: (store root, object key) -> the listing token of a stored file this process checked against its sha256:
-#: a later ship reads it again only when it was written since (its token changed)
+#: (store root, object key) -> the listing token of a stored file this process checked against its sha256
+#: or uploaded itself: a later ship reads it again only when it was written since (its token changed)
 _VERIFIED: dict[tuple[str, str], str] = {}
 _VERIFIED_LOCK = threading.Lock()
 _VERIFIED_MAX = 100_000
@@ -306,10 +306,29 @@ def ship(store: "Store", environment: "Environment") -> dict[str, int]:
             logging.getLogger("prefect_sgpu.environment").warning(
                 "environment %s: %d stored object(s) did not match their sha256 (%s): uploading them again",
                 folder[:16], len(bad), ", ".join(b.rsplit("/", 1)[-1][:16] for b in bad[:5]))
-        size = sum(pool.map(upload, missing))
+        sizes = list(pool.map(upload, missing))
+    if missing:
+        _remember_written(store, folder, [(file_sha, n) for (file_sha, _), n in zip(missing, sizes)])
+    size = sum(sizes)
     if missing or not manifest_ok:
         store.put(STORE_FOLDER, manifest_key, raw)
     return {"uploaded": len(missing), "skipped": len(sources) - len(missing), "bytes": size, "repaired": len(bad)}
+
+
+def _remember_written(store: "Store", folder: str, written: list[tuple[str, int]]) -> None:
+    """Record the listing tokens of the files this process has just uploaded (one listing), as if it had
+    read them back: the next ship of the environment from this process skips them instead of reading
+    every file it wrote again. A file whose listed size is not what was written (another writer's since)
+    is left to be checked."""
+    listed = store.listing(STORE_FOLDER, f"{folder}/files")
+    with _VERIFIED_LOCK:
+        for file_sha, size in written:
+            key = f"{folder}/files/{file_sha}"
+            found = listed.get(key)
+            if found is not None and found.size == size:
+                if len(_VERIFIED) >= _VERIFIED_MAX:
+                    _VERIFIED.clear()
+                _VERIFIED[(store.root_uri, key)] = found.token
 
 
 #: the name the stage's main module has on the node
