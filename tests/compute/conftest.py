@@ -152,9 +152,10 @@ def ec2_image(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) ->
 @pytest.fixture
 def bare(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Env]":
     """Offline AWS whose instances boot a bare image (`docs/environment.md`); one venv folder for
-    every node of the test, as one instance's disk keeps it across boots."""
+    every node of the test, as one instance's disk keeps it across boots, and a bucket of the test's own
+    (its tests read every object of the store: what a build shipped and left)."""
     from support.conformance_ec2 import ec2_environment
 
     with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults, bare=True,
-                         env_root=tmp_path / "node-envs") as env:
+                         env_root=tmp_path / "node-envs", own_bucket=True) as env:
         yield env

@@ -1,6 +1,6 @@
 """The EC2 compute in the conformance suite, and the offline EC2 environment its tests share.
 
-``EC2Env`` is one test's AWS: a bucket for the store, moto (through the fault proxy,
+``EC2Env`` is one test's AWS: a store (in the bucket its worker's EC2 tests share), moto (through the fault proxy,
 which records every request as it crossed the wire), a VPC whose private IPs are
 loopback addresses, and the :class:`~ec2_simulator.EC2Simulator` that boots each
 instance's real user-data as local processes. ``EC2Case`` adapts it to the
@@ -151,10 +151,31 @@ def shared_env_root() -> Path:
     return Path(tempfile.gettempdir()) / f"sgpu-node-envs-{os.getuid()}"
 
 
+#: moto endpoint -> the bucket its EC2 tests share as their store (:func:`ec2_environment`)
+_SHARED_BUCKETS: dict[str, str] = {}
+
+
+def _store_bucket(aws_env: MotoAWS, own: bool) -> str:
+    """The bucket of a test's store: the one this moto server's tests share, or a new one (``own``)."""
+    s3 = aws_env.client("s3")
+    bucket = None if own else _SHARED_BUCKETS.get(aws_env.endpoint_url)
+    if bucket is not None:
+        try:
+            s3.head_bucket(Bucket=bucket)
+            return bucket
+        except Exception:  # noqa: BLE001 - moto was reset: a new one
+            pass
+    bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
+    s3.create_bucket(Bucket=bucket)
+    if not own:
+        _SHARED_BUCKETS[aws_env.endpoint_url] = bucket
+    return bucket
+
+
 @contextmanager
 def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
                     proxy: AWSFaultProxy | None = None, bare: bool = True,
-                    env_root: Path | None = None) -> Iterator[EC2Env]:
+                    env_root: Path | None = None, own_bucket: bool = False) -> Iterator[EC2Env]:
     """A bucket, settings and a running simulator; checks nothing was leaked when it ends.
 
     The nodes boot a bare image (Python and pip: no uv, no prefect-sgpu, no checkout) and the
@@ -165,9 +186,13 @@ def ec2_environment(aws_env: MotoAWS, aws_network: Network, workdir: Path,
     again: ``tests/compute/test_ec2_environment.py``). ``bare=False`` gives an image that has
     everything (the driver's venv, this checkout), with ``PREFECT_SGPU_ENVIRONMENT=image`` set for
     the test's duration. Either way its computes leave the driver's own modules out (:meth:`EC2Env.compute`).
+
+    The store is one bucket for every test of this moto server (a worker's), as a team's store holds many
+    jobs: each job's folder is its own run id's, and the environment's content-addressed files, shipped by
+    the first job, are found in place by the next (shipping them to a new bucket is about 400 uploads,
+    3-4 s of the test process's CPU). ``own_bucket=True`` gives the test a new, empty bucket of its own.
     """
-    bucket = f"sgpu-e2e-{uuid.uuid4().hex[:12]}"
-    aws_env.client("s3").create_bucket(Bucket=bucket)
+    bucket = _store_bucket(aws_env, own_bucket)
     settings = {
         "region": aws_env.region,
         "subnet_ids": aws_network.subnet_ids,
