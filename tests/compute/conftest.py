@@ -140,6 +140,17 @@ def ec2(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iter
 
 
 @pytest.fixture
+def ec2_own_store(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Env]":
+    """``ec2`` with a bucket of the test's own: for a test that sweeps the whole store and needs its live
+    run judged live under a short TTL (every earlier job of the worker's shared store is judged first,
+    one listing each, and the pass's clock runs on meanwhile)."""
+    from support.conformance_ec2 import ec2_environment
+
+    with ec2_environment(aws_env, aws_network, tmp_path / "nodes", proxy=aws_faults, own_bucket=True) as env:
+        yield env
+
+
+@pytest.fixture
 def ec2_image(aws_env: Any, aws_network: Any, aws_faults: Any, tmp_path: Any) -> "Iterator[EC2Env]":
     """As ``ec2``, with an image that has everything (the driver's venv, this checkout): for tests that
     launch through the compute's own calls, with no job to ship an environment."""

@@ -366,7 +366,10 @@ def _items(entries: list[dict[str, Any]], run_id: str) -> set[tuple[str, str]]:
     return items
 
 
-def test_gc_removes_what_a_killed_driver_left_and_ends_its_mlflow_run_killed(ec2: EC2Env, tmp_path: Path) -> None:
+def test_gc_removes_what_a_killed_driver_left_and_ends_its_mlflow_run_killed(ec2_own_store: EC2Env,
+                                                                            tmp_path: Path) -> None:
+    ec2 = ec2_own_store
+
     def early_sweep(run_id: str) -> None:  # the driver's heartbeat is fresh: however loaded the machine
         early = ec2.compute().sweeper(_mlflow_uri(tmp_path)).sweep()
         assert run_id in early.live and not [x for x in early.found if x.run_id == run_id], \
