@@ -350,19 +350,18 @@ class EC2Simulator:
 
     # -- one pass -----------------------------------------------------------------
 
-    def _unchanged(self) -> bool:
+    def _unchanged(self, states: frozenset[tuple[str, str]] | None) -> bool:
         """Nothing a description would show has changed since the last one (see ``moto_in_process``)."""
-        if not self.moto_in_process or self._awaiting_boot:
+        if states is None or self._awaiting_boot:
             return False
-        at, states = self._described
-        return (states is not None and time.monotonic() - at < self.describe_every_s
-                and in_process_moto_states() == states)
+        at, described = self._described
+        return described == states and time.monotonic() - at < self.describe_every_s
 
     def tick(self) -> None:
         with self._lock:
-            if self._unchanged():
+            states = in_process_moto_states() if self.moto_in_process else None  # read once a tick
+            if self._unchanged(states):
                 return
-            states = in_process_moto_states() if self.moto_in_process else None
             found = self._instances()
             if states is not None and not {i["InstanceId"] for i in found} <= {iid for iid, _ in states}:
                 # moto answered with instances this process does not hold: it is not this process's moto
