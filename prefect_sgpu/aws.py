@@ -10,6 +10,7 @@ and a throttled EC2 call gave up sooner than a throttled S3 call.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Any
 
@@ -31,6 +32,35 @@ NOT_RETRIED = {
         "InsufficientReservedInstanceCapacity", "InsufficientAddressCapacity",
     }),
 }
+#: how long botocore waits for the instance metadata service when it reads an instance profile's
+#: credentials, and how often it asks: botocore's defaults (1 s, one attempt) fail on a machine whose
+#: CPUs a job keeps busy, with ``NoCredentialsError`` at a rank's first S3 call, and a client made then
+#: has no credentials for good (boto/botocore#1791, #2117, #2304; aws/aws-cli#2289 points to these
+#: settings). A token request that times out is not retried at all (botocore's ``IMDSFetcher``), so the
+#: timeout is what counts. Each: (botocore's config name, its environment variable, the value used
+#: unless the environment or the profile sets it)
+METADATA_PATIENCE = (
+    ("metadata_service_timeout", "AWS_METADATA_SERVICE_TIMEOUT", 5),
+    ("metadata_service_num_attempts", "AWS_METADATA_SERVICE_NUM_ATTEMPTS", 3),
+)
+
+
+def metadata_patience_env() -> dict[str, str]:
+    """:data:`METADATA_PATIENCE` as environment variables (a node sets them for its agent, its ranks and
+    the user's own boto3 clients, unless already set)."""
+    return {env: str(value) for _name, env, value in METADATA_PATIENCE}
+
+
+def _patient_metadata(core: Any) -> None:
+    """:data:`METADATA_PATIENCE` on botocore session ``core``, where neither the environment nor the
+    profile names a value."""
+    try:
+        scoped = core.get_scoped_config()
+    except Exception:  # noqa: BLE001 - a profile botocore cannot read fails later, where it is used
+        scoped = {}
+    for name, env, value in METADATA_PATIENCE:
+        if env not in os.environ and name not in scoped:
+            core.set_config_variable(name, value)
 
 
 @lru_cache(maxsize=1)
@@ -44,12 +74,14 @@ def _data_loader() -> Any:
 def new_session(region: str | None = None) -> Any:
     """A boto3 session with the environment's credentials that shares this process's botocore
     data loader: a service's model (EC2's is megabytes of JSON) is parsed once per process, not
-    once per session (a quarter of a CPU second for EC2, S3 and SSM clients of a new session)."""
+    once per session (a quarter of a CPU second for EC2, S3 and SSM clients of a new session).
+    It waits for the instance metadata service as :data:`METADATA_PATIENCE` says."""
     import boto3
     import botocore.session
 
     core = botocore.session.get_session()
     core.register_component("data_loader", _data_loader())
+    _patient_metadata(core)
     return boto3.session.Session(botocore_session=core, region_name=region)
 
 

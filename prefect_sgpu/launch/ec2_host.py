@@ -15,12 +15,17 @@
   ``instance-action``, or with none ever following (AWS docs, "EC2 instance rebalance
   recommendations", https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/rebalance-recommendations.html),
   so it is served apart and never read as a reclaim.
+- **Credentials' patience**: the host sets botocore's instance-metadata timeout and attempts
+  (:data:`prefect_sgpu.aws.METADATA_PATIENCE`) in this process's environment where they are unset, so
+  the agent, the ranks and the user's own boto3 clients inherit them: a busy machine answers IMDS
+  late, and botocore's defaults (1 s, one attempt) then find no credentials.
 - **Termination**: ``ec2:TerminateInstances`` on itself; the last resort is ``shutdown -h
   now`` (the instance is launched with shutdown behaviour "terminate").
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from typing import Any
@@ -103,6 +108,8 @@ class EC2NodeHost:
 
     def __init__(self, region: str | None = None, endpoint_url: str | None = None,
                  notice_every_s: float = 2.0) -> None:
+        for name, value in aws.metadata_patience_env().items():
+            os.environ.setdefault(name, value)
         self.region = region
         self.endpoint_url = endpoint_url
         self._clients: dict[str, Any] = {}

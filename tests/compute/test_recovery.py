@@ -314,9 +314,13 @@ def test_a_rebalance_recommendation_without_a_reclaim_is_a_warning_and_the_job_e
     rebalance recommendations": it may never be followed by one): the driver shows it as a warning,
     the ranks are not told to preempt, no node is replaced and the job is not relaunched; it ends
     with the right values on the instances it started on. Meanwhile EC2 keeps the run's groups in use
-    for a while after the instances ended: release waits that out (on the retry clock) and leaves nothing."""
+    for a while after the instances ended: release waits that out (on the retry clock) and leaves nothing.
+    And the nodes are busy: their IMDS answers the instance profile's credentials 1.5 s late, past
+    botocore's default 1 s (``support.ec2_simulator.FakeIMDS``); the ranks' checkpoint uploads still
+    find them."""
     assert ec2.proxy is not None
     ec2.proxy.hold_groups(security_group_s=120.0, placement_group_s=20.0)
+    ec2.simulator.credentials_answer_s = 1.5
     fn = distributed(gpus=2, gpu_type="A10", remote=True, compute=ec2.compute(), mlflow=False, timeout=600)(_train)
     job = fn.job(step_s=0.5)  # 40 steps after the recommendation: the node's and the driver's polls see it
     with caplog.at_level(logging.WARNING, logger="prefect_sgpu"):

@@ -88,11 +88,17 @@ class FakeIMDS:
     propagated" threads, hashicorp/packer "Instance profile ... not yet available"). Seconds are
     counted on ``clock_scale`` (real seconds times the scale): the node's retry helper runs on the
     same scale (:mod:`support.node_clock`), so 90 s of lateness pass in 90/scale real seconds; or on
-    ``clock`` (a test's virtual clock's ``monotonic``) when given."""
+    ``clock`` (a test's virtual clock's ``monotonic``) when given.
+
+    ``credentials_answer_s``: every answer under ``iam/security-credentials/`` comes that many (real)
+    seconds late, as on an instance whose CPUs a job keeps busy. botocore's defaults (a 1 s timeout, one
+    attempt) then find no credentials: ``NoCredentialsError`` at a client's first call, for good
+    (boto/botocore#1791, #2117, #2304; aws/aws-sdk-php#2022: "timed out after 1000 milliseconds")."""
 
     def __init__(self, metadata: dict[str, str], credentials_late_s: float = 0.0, clock_scale: float = 1.0,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, credentials_answer_s: float = 0.0) -> None:
         self.metadata = metadata
+        self.credentials_answer_s = credentials_answer_s
         self.token = base64.urlsafe_b64encode(os.urandom(18)).decode()
         self.credentials_late_s = credentials_late_s
         self.clock_scale = clock_scale
@@ -129,6 +135,8 @@ class FakeIMDS:
                     return
                 prefix = "/latest/meta-data/"
                 key = self.path[len(prefix):] if self.path.startswith(prefix) else None
+                if key is not None and key.startswith("iam/security-credentials/") and imds.credentials_answer_s:
+                    time.sleep(imds.credentials_answer_s)
                 if key is not None and key.startswith("iam/security-credentials/") and imds.credentials_late():
                     imds.late_answers += 1
                     self._send(404, "")
@@ -296,6 +304,8 @@ class EC2Simulator:
         self.boot_delay_s = 0.0
         #: seconds (on ``clock_scale``) after boot during which IMDS serves no instance-profile credentials
         self.credentials_late_s = 0.0
+        #: real seconds every IMDS answer of instance-profile credentials takes (a busy machine's)
+        self.credentials_answer_s = 0.0
         #: how much faster than real time the nodes' retry helper and their IMDS count (1: real time)
         self.clock_scale = 1.0
         #: nodes share the bytecode of the files uv hard-linked into their venvs (:data:`NODE_PYCACHE`);
@@ -423,7 +433,8 @@ class EC2Simulator:
             "instance-type": inst.get("InstanceType", ""),
             "placement/availability-zone": inst.get("Placement", {}).get("AvailabilityZone", ""),
             **role_credentials,
-        }, credentials_late_s=self.credentials_late_s, clock_scale=self.clock_scale)
+        }, credentials_late_s=self.credentials_late_s, clock_scale=self.clock_scale,
+            credentials_answer_s=self.credentials_answer_s)
         return user_data, moto_ip, address, imds, role_credentials
 
     def _boot(self, inst: dict[str, Any]) -> SimulatedNode:
