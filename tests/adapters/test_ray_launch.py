@@ -153,20 +153,15 @@ def test_a_head_whose_port_lies_in_rays_default_worker_range_starts() -> None:
     """Listener ports come from 10000 up; Ray's default worker ports (10002-19999) must not refuse them."""
     import io
     import shutil
-    import socket
     import tempfile
 
+    from prefect_sgpu.compute.ports import free_port
     from prefect_sgpu.ray.node_process import RayNodeProcess, RayNodeSpec
 
-    def bindable(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.13", port))
-            except OSError:
-                return False
-        return True
-
-    port = next(p for p in range(15000, 19999) if bindable(p))
+    # reserved machine-wide, as every listener port is: a port merely bindable now was taken by the same
+    # test of a second suite on this machine, whose head ``ray start --port`` then joined
+    # ("Session name ... does not match persisted value")
+    port = next(p for p in iter(lambda: free_port("127.0.0.13"), None) if 10002 <= p <= 19999)
     out = io.StringIO()
     temp = tempfile.mkdtemp(prefix="sgpu-rh-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     head = RayNodeProcess(RayNodeSpec(node_ip="127.0.0.13", temp_dir=temp, num_cpus=1, gcs_port=port,
