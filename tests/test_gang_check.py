@@ -100,6 +100,7 @@ def test_a_sound_gang_passes_reports_each_link_and_leaves_the_user_a_clean_start
     assert all(w.startswith("gang check: slow link node ") for w in warnings), warnings
 
 
+@pytest.mark.e2e  # four ranks in two nodes' processes; the sound gang is the quick tier's
 def test_a_node_whose_network_device_fails_is_named_with_its_instance_not_after_a_timeout(tmp_path: Path) -> None:
     # node 1's ranks are told to use a network interface the machine does not have: gloo cannot
     # open its device there; node 0's ranks would wait for them until the collective timeout
@@ -117,6 +118,7 @@ def test_a_node_whose_network_device_fails_is_named_with_its_instance_not_after_
     assert "rank 0 (" not in results[0]["message"] and "stopped because of that" in results[0]["message"]
 
 
+@pytest.mark.e2e  # four ranks in two nodes' processes; the sound gang is the quick tier's
 def test_a_rank_that_never_arrives_is_named_with_its_node_from_its_peer(tmp_path: Path) -> None:
     # 10 s: on a loaded machine the present ranks finish importing torch seconds apart
     results = _gang(tmp_path, absent={3}, timeout=10.0)
@@ -172,6 +174,7 @@ class NodeNamespace:
         subprocess.run(["ip", "netns", "del", self.ns], capture_output=True, timeout=30)
 
 
+@pytest.mark.e2e  # four ranks in two nodes' network namespaces
 @pytest.mark.skipif(not _can_shape_links(), reason="needs root, ip and tc to give a node a slow link of its own")
 def test_a_node_behind_a_slow_link_is_named_by_the_bandwidth_table(tmp_path: Path) -> None:
     # three nodes of one rank: nodes 0 and 2 here, node 1 in its own namespace behind a 10 Mbit/s link
@@ -191,6 +194,7 @@ def test_a_node_behind_a_slow_link_is_named_by_the_bandwidth_table(tmp_path: Pat
     assert "gang check: node 1 is on every slow link" in warnings
 
 
+@pytest.mark.e2e  # four ranks in two nodes' network namespaces
 @pytest.mark.skipif(not _can_shape_links(), reason="needs root and ip to give a node a network namespace of its own")
 def test_a_node_that_cannot_reach_its_peers_is_named_at_once(tmp_path: Path) -> None:
     # node 1 reaches the store (on the veth) but not its peers' data address (127.0.0.1 here is not

@@ -107,6 +107,7 @@ def test_two_sweepers_at_once_remove_each_thing_once_and_fail_nothing(world: dic
     assert not (store.root / "dead" / "heartbeat").exists()
 
 
+@pytest.mark.e2e  # the gc command in a process of its own
 def test_the_gc_command_sweeps_a_local_store(world: dict[str, object]) -> None:
     store, uri = world["store"], str(world["uri"])
     assert isinstance(store, LocalStore)

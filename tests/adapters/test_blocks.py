@@ -43,6 +43,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.e2e  # Prefect's CLI registers the blocks
 def test_cli_registers_the_blocks_and_saved_documents_load(prefect_server: None) -> None:
     out = _cli("block", "register", "-m", "prefect_sgpu")
     assert out.returncode == 0, out.stdout + out.stderr

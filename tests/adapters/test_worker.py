@@ -91,6 +91,7 @@ def test_pool_gpu_defaults_decide_a_gpu_task_that_gives_none(pool: str) -> None:
     assert finished.infrastructure_pid.startswith(f"{socket.gethostname()}:")
 
 
+@pytest.mark.e2e  # a worker CLI runs four flow runs
 def test_a_block_that_does_not_exist_fails_the_run_before_it_starts(pool: str) -> None:
     from prefect.blocks.core import Block
     from prefect.client.orchestration import get_client
