@@ -130,7 +130,9 @@ def test_cancel_stops_every_ray_process_of_the_job_without_namespaces() -> None:
     runner = threading.Thread(target=lambda: outcome.append(_raised(job.run)))
     runner.start()
     log = Path(job.store.uri(job.run_id, "logs")) / "rank-00000.log"
-    deadline = time.monotonic() + 300
+    # as long as a node may take to join (ray/node.py's --join-timeout, 600 s) and a minute more: beside a
+    # second suite the two nodes' cluster once took over 300 s to be up
+    deadline = time.monotonic() + 660
     while not (log.exists() and "cluster ready" in log.read_text()):
         assert time.monotonic() < deadline and runner.is_alive(), f"the driver never started: {outcome}"
         time.sleep(0.5)
