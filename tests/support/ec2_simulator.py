@@ -135,9 +135,10 @@ class FakeIMDS:
                     return
                 prefix = "/latest/meta-data/"
                 key = self.path[len(prefix):] if self.path.startswith(prefix) else None
-                if key is not None and key.startswith("iam/security-credentials/") and imds.credentials_answer_s:
+                credentials = key is not None and key.startswith("iam/security-credentials/")
+                if credentials and imds.credentials_answer_s:
                     time.sleep(imds.credentials_answer_s)
-                if key is not None and key.startswith("iam/security-credentials/") and imds.credentials_late():
+                if credentials and imds.credentials_late():
                     imds.late_answers += 1
                     self._send(404, "")
                 elif key in imds.metadata:
